@@ -1,0 +1,182 @@
+//! The `ferry` command line: parse arguments, load the configuration, run one command.
+
+use std::io::Read as _;
+use std::path::PathBuf;
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::{Config, parse_duration};
+use crate::event::NewEvent;
+use crate::service;
+
+/// Delivers events from a transactional outbox through WebAssembly transport plugins.
+#[derive(Debug, Parser)]
+#[command(name = "ferry", version, about)]
+pub struct Cli {
+    /// Configuration file. Without it, ./ferry.toml is used if present, else the built-in defaults.
+    #[arg(long, short, global = true, env = "FERRY_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Overrides database.url from the configuration file.
+    #[arg(long, global = true, env = "FERRY_DATABASE_URL")]
+    pub database_url: Option<String>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the relay until SIGTERM or Ctrl-C.
+    Serve,
+    /// Create or upgrade the outbox schema, then exit.
+    Migrate,
+    /// Insert one event into the outbox.
+    Emit(EmitArgs),
+    /// Show how many events are in each status.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EmitArgs {
+    /// Route to deliver through (a [route.NAME] table in the config).
+    pub route: String,
+    /// Event type, e.g. order.created.
+    pub event_type: String,
+    /// Payload text; `-` reads standard input. Use --file for a file.
+    #[arg(conflicts_with = "file")]
+    pub payload: Option<String>,
+    /// Read the payload from this file.
+    #[arg(long)]
+    pub file: Option<PathBuf>,
+    /// Ordering key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Header as NAME=VALUE; may be repeated.
+    #[arg(long = "header", value_name = "NAME=VALUE")]
+    pub headers: Vec<String>,
+    /// MIME type of the payload.
+    #[arg(long, default_value = "application/json")]
+    pub content_type: String,
+    /// Deliver no sooner than this long from now, e.g. 30s or 5m.
+    #[arg(long, value_parser = parse_duration)]
+    pub delay: Option<std::time::Duration>,
+}
+
+impl Cli {
+    /// Loads the configuration this invocation names.
+    pub fn load_config(&self) -> anyhow::Result<Config> {
+        let mut config = match &self.config {
+            Some(path) => Config::load(path)?,
+            None if std::path::Path::new("ferry.toml").exists() => Config::load("ferry.toml".as_ref())?,
+            None => Config::defaults(),
+        };
+        if let Some(url) = &self.database_url {
+            config.database.url = url.clone();
+            config
+                .validate()
+                .map_err(|message| anyhow::anyhow!("invalid --database-url / FERRY_DATABASE_URL: {message}"))?;
+        }
+        Ok(config)
+    }
+}
+
+/// Runs the parsed command.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let config = cli.load_config()?;
+    match cli.command {
+        Command::Serve => {
+            let shutdown = CancellationToken::new();
+            tokio::spawn(stop_on_signal(shutdown.clone()));
+            service::serve(&config, shutdown).await
+        }
+        Command::Migrate => {
+            service::open_store(&config).await?;
+            println!("database is up to date");
+            Ok(())
+        }
+        Command::Emit(args) => {
+            let event = args.into_event()?;
+            let store = service::open_store(&config).await?;
+            let id = store.insert(&event, SystemClock.now()).await?;
+            println!("{id}");
+            Ok(())
+        }
+        Command::Status { json } => {
+            let store = service::open_store(&config).await?;
+            let counts = store.counts().await?;
+            if json {
+                let map: serde_json::Map<String, serde_json::Value> =
+                    counts.iter().map(|(s, n)| (s.to_string(), (*n).into())).collect();
+                println!("{}", serde_json::Value::Object(map));
+            } else {
+                println!("{:<12}{:>10}", "STATUS", "EVENTS");
+                for (status, n) in &counts {
+                    println!("{:<12}{:>10}", status.as_str(), n);
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+impl EmitArgs {
+    fn into_event(self) -> anyhow::Result<NewEvent> {
+        let payload = match (&self.payload, &self.file) {
+            (_, Some(path)) => {
+                std::fs::read(path).with_context(|| format!("reading payload file {}", path.display()))?
+            }
+            (Some(text), None) if text == "-" => {
+                let mut buf = Vec::new();
+                std::io::stdin().read_to_end(&mut buf).context("reading payload from standard input")?;
+                buf
+            }
+            (Some(text), None) => text.clone().into_bytes(),
+            (None, None) => bail!("no payload: give it as an argument, `-` for standard input, or --file PATH"),
+        };
+        let mut event = NewEvent::new(self.route, self.event_type, payload).with_content_type(self.content_type);
+        event.ordering_key = self.key;
+        for header in &self.headers {
+            let Some((name, value)) = header.split_once('=') else {
+                bail!("--header {header:?} must be NAME=VALUE");
+            };
+            event = event.with_header(name, value);
+        }
+        if let Some(delay) = self.delay {
+            let delay = chrono::Duration::from_std(delay).context("--delay is too long")?;
+            event = event.not_before(SystemClock.now() + delay);
+        }
+        event.validate().map_err(anyhow::Error::msg)?;
+        Ok(event)
+    }
+}
+
+/// Cancels `shutdown` on SIGTERM, SIGINT or Ctrl-C.
+async fn stop_on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                let _ = ctrl_c.await;
+                shutdown.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested; finishing in-flight deliveries");
+    shutdown.cancel();
+}

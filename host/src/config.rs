@@ -1,0 +1,499 @@
+//! Configuration: the commented defaults in `ferry.default.toml`, overlaid by the user's TOML file,
+//! validated once at start-up. Every error names the file and the key.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+use crate::backoff::{Backoff, Jitter, RetryPolicy};
+
+/// The reference configuration, compiled in; it supplies every default.
+pub const DEFAULT_TOML: &str = include_str!("../ferry.default.toml");
+
+/// A configuration problem, naming where it is.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("invalid config in {origin}: {message}")]
+    Invalid { origin: String, message: String },
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub database: DatabaseConfig,
+    pub relay: RelayConfig,
+    pub retry: RetryConfig,
+    pub plugins: PluginsConfig,
+    /// Per-plugin sandbox grants, keyed by plugin name.
+    #[serde(default)]
+    pub sandbox: BTreeMap<String, SandboxConfig>,
+    /// Routes, keyed by the route name events carry.
+    #[serde(default)]
+    pub route: BTreeMap<String, RouteConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// `sqlite://PATH` or `postgres://…`.
+    pub url: String,
+    pub max_connections: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayConfig {
+    pub batch_size: u32,
+    pub poll_interval: Dur,
+    pub lease: Dur,
+    pub recover_every: u32,
+    pub shutdown_grace: Dur,
+    pub instance_id: String,
+}
+
+/// The retry keys, all present in the defaults.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    pub max_attempts: MaxAttempts,
+    pub backoff: BackoffKind,
+    pub initial: Dur,
+    pub max_delay: Dur,
+    pub schedule: Vec<Dur>,
+    pub jitter: JitterKind,
+    pub jitter_percent: u32,
+    pub retry_after_max: Dur,
+}
+
+/// A route's overrides of [`RetryConfig`]; absent keys inherit the global value.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryOverrides {
+    pub max_attempts: Option<MaxAttempts>,
+    pub backoff: Option<BackoffKind>,
+    pub initial: Option<Dur>,
+    pub max_delay: Option<Dur>,
+    pub schedule: Option<Vec<Dur>>,
+    pub jitter: Option<JitterKind>,
+    pub jitter_percent: Option<u32>,
+    pub retry_after_max: Option<Dur>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackoffKind {
+    Exponential,
+    Fixed,
+    Schedule,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JitterKind {
+    None,
+    Symmetric,
+    Equal,
+    Full,
+}
+
+/// An attempt limit: a positive number, or `"unlimited"` (stored as 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxAttempts(pub u32);
+
+impl<'de> Deserialize<'de> for MaxAttempts {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(i64),
+            Word(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) if n >= 1 && n <= i64::from(i32::MAX) => Ok(MaxAttempts(n as u32)),
+            Raw::Word(w) if w == "unlimited" => Ok(MaxAttempts(0)),
+            Raw::Number(n) => {
+                Err(serde::de::Error::custom(format!("max_attempts must be at least 1 (or \"unlimited\"), got {n}")))
+            }
+            Raw::Word(w) => {
+                Err(serde::de::Error::custom(format!("max_attempts must be a number or \"unlimited\", got {w:?}")))
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsConfig {
+    pub dir: PathBuf,
+    pub timeout: Dur,
+}
+
+/// What one plugin may touch. Everything not listed is denied.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxConfig {
+    /// Guest path → host directory, pre-opened read-write for the plugin.
+    #[serde(default)]
+    pub dirs: BTreeMap<String, PathBuf>,
+    /// Environment variables the plugin sees.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Whether the plugin's stdout and stderr reach ferry's.
+    #[serde(default = "yes")]
+    pub stdio: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self { dirs: BTreeMap::new(), env: BTreeMap::new(), stdio: true }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// The plugin (by the name it reports) that delivers this route's events.
+    pub plugin: String,
+    /// Passed to the plugin's `init` as key/value strings.
+    #[serde(default)]
+    pub config: BTreeMap<String, ConfigValue>,
+    #[serde(default)]
+    pub retry: RetryOverrides,
+}
+
+/// A scalar route-config value, handed to the plugin as a string.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigValue(pub String);
+
+impl<'de> Deserialize<'de> for ConfigValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match toml::Value::deserialize(d)? {
+            toml::Value::String(s) => Ok(ConfigValue(s)),
+            toml::Value::Integer(i) => Ok(ConfigValue(i.to_string())),
+            toml::Value::Float(f) => Ok(ConfigValue(f.to_string())),
+            toml::Value::Boolean(b) => Ok(ConfigValue(b.to_string())),
+            toml::Value::Datetime(t) => Ok(ConfigValue(t.to_string())),
+            other => Err(serde::de::Error::custom(format!(
+                "plugin config values must be strings, numbers or booleans, found {}",
+                other.type_str()
+            ))),
+        }
+    }
+}
+
+/// A duration written as `"250ms"`, `"30s"`, `"5m"`, `"2h"` or `"1d"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Dur(pub Duration);
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        parse_duration(&text).map(Dur).map_err(serde::de::Error::custom)
+    }
+}
+
+impl fmt::Display for Dur {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+/// Parses `"<number><unit>"` with unit `ms`, `s`, `m`, `h` or `d`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let bad = || format!("invalid duration {text:?} (write a whole number and a unit: 250ms, 30s, 5m, 2h, 1d)");
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let unit_ms: u64 = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(unit_ms).map(Duration::from_millis).ok_or_else(bad)
+}
+
+impl Config {
+    /// The built-in defaults alone.
+    pub fn defaults() -> Config {
+        Self::from_toml_str("", "defaults").expect("built-in defaults are valid")
+    }
+
+    /// Loads `path` over the defaults, resolving relative paths against the file's directory.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let mut config = Self::from_toml_str(&text, &path.display().to_string())?;
+        let base = path.parent().unwrap_or(Path::new(""));
+        config.resolve_paths(base);
+        Ok(config)
+    }
+
+    /// Parses `text` over the defaults; `origin` names the source in errors.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid { origin: origin.to_string(), message };
+        let mut merged: toml::Table = DEFAULT_TOML.parse().expect("ferry.default.toml parses");
+        let user: toml::Table = text.parse().map_err(|e: toml::de::Error| invalid(e.to_string()))?;
+        merge(&mut merged, user);
+        let config: Config =
+            toml::Value::Table(merged).try_into().map_err(|e: toml::de::Error| invalid(e.message().to_string()))?;
+        config.validate().map_err(invalid)?;
+        Ok(config)
+    }
+
+    /// Checks what types alone cannot; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let sqlite = self.database.url.starts_with("sqlite:");
+        let postgres = self.database.url.starts_with("postgres://") || self.database.url.starts_with("postgresql://");
+        if !sqlite && !postgres {
+            return Err(format!(
+                "database.url must start with sqlite:// or postgres://, got {:?}",
+                redact_url(&self.database.url)
+            ));
+        }
+        if self.database.max_connections == 0 {
+            return Err("database.max_connections must be at least 1".into());
+        }
+        if !(1..=10_000).contains(&self.relay.batch_size) {
+            return Err(format!("relay.batch_size must be between 1 and 10000, got {}", self.relay.batch_size));
+        }
+        if self.relay.poll_interval.0.is_zero() {
+            return Err("relay.poll_interval must be greater than 0".into());
+        }
+        if self.relay.recover_every == 0 {
+            return Err("relay.recover_every must be at least 1".into());
+        }
+        if self.plugins.timeout.0.is_zero() {
+            return Err("plugins.timeout must be greater than 0".into());
+        }
+        if self.relay.lease <= self.plugins.timeout {
+            return Err(format!(
+                "relay.lease ({}) must be longer than plugins.timeout ({}), or events would be recovered while still being delivered",
+                self.relay.lease, self.plugins.timeout
+            ));
+        }
+        self.retry_policy_for(None).map_err(|e| format!("retry.{e}"))?;
+        for (name, route) in &self.route {
+            if route.plugin.trim().is_empty() {
+                return Err(format!("route.{name}.plugin must name a plugin"));
+            }
+            self.retry_policy_for(Some(name)).map_err(|e| format!("route.{name}.retry.{e}"))?;
+        }
+        for (plugin, sandbox) in &self.sandbox {
+            for guest in sandbox.dirs.keys() {
+                if !guest.starts_with('/') {
+                    return Err(format!("sandbox.{plugin}.dirs: guest path {guest:?} must be absolute, like \"/out\""));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The retry policy of `route` (the global one for `None` or an unknown route). The error
+    /// names the offending key relative to the retry table.
+    pub fn retry_policy_for(&self, route: Option<&str>) -> Result<RetryPolicy, String> {
+        let global = &self.retry;
+        let o = route.and_then(|r| self.route.get(r)).map(|r| r.retry.clone()).unwrap_or_default();
+        let max_attempts = o.max_attempts.unwrap_or(global.max_attempts).0;
+        let initial = o.initial.unwrap_or(global.initial).0;
+        let max_delay = o.max_delay.unwrap_or(global.max_delay).0;
+        let schedule = o.schedule.unwrap_or_else(|| global.schedule.clone());
+        let backoff = match o.backoff.unwrap_or(global.backoff) {
+            BackoffKind::Exponential => {
+                if initial.is_zero() {
+                    return Err("initial must be greater than 0 for exponential backoff".into());
+                }
+                if max_delay < initial {
+                    return Err("max_delay must not be shorter than initial".into());
+                }
+                Backoff::Exponential { initial, max: max_delay }
+            }
+            BackoffKind::Fixed => Backoff::Fixed { delay: initial },
+            BackoffKind::Schedule => {
+                if schedule.is_empty() {
+                    return Err("schedule must list at least one delay for backoff = \"schedule\"".into());
+                }
+                Backoff::Schedule(schedule.into_iter().map(|d| d.0).collect())
+            }
+        };
+        let percent = o.jitter_percent.unwrap_or(global.jitter_percent);
+        if percent > 100 {
+            return Err(format!("jitter_percent must be between 0 and 100, got {percent}"));
+        }
+        let jitter = match o.jitter.unwrap_or(global.jitter) {
+            JitterKind::None => Jitter::None,
+            JitterKind::Symmetric => Jitter::Symmetric { percent },
+            JitterKind::Equal => Jitter::Equal,
+            JitterKind::Full => Jitter::Full,
+        };
+        let retry_after_max = o.retry_after_max.unwrap_or(global.retry_after_max).0;
+        Ok(RetryPolicy { backoff, jitter, max_attempts, retry_after_max })
+    }
+
+    /// The instance name written to `claimed_by`.
+    pub fn instance_id(&self) -> String {
+        if !self.relay.instance_id.is_empty() {
+            return self.relay.instance_id.clone();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .ok()
+            .filter(|h| !h.is_empty())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "ferry".into());
+        format!("{host}-{}", std::process::id())
+    }
+
+    fn resolve_paths(&mut self, base: &Path) {
+        let join = |p: &Path| if p.is_relative() { base.join(p) } else { p.to_path_buf() };
+        self.plugins.dir = join(&self.plugins.dir);
+        for sandbox in self.sandbox.values_mut() {
+            for dir in sandbox.dirs.values_mut() {
+                *dir = join(dir);
+            }
+        }
+        if let Some(rest) =
+            self.database.url.strip_prefix("sqlite://").or_else(|| self.database.url.strip_prefix("sqlite:"))
+        {
+            let (path, query) = rest.split_once('?').map_or((rest, None), |(p, q)| (p, Some(q)));
+            if !path.is_empty() && path != ":memory:" && Path::new(path).is_relative() {
+                let full = join(Path::new(path));
+                self.database.url = match query {
+                    Some(q) => format!("sqlite://{}?{q}", full.display()),
+                    None => format!("sqlite://{}", full.display()),
+                };
+            }
+        }
+    }
+}
+
+/// Overlays `over` onto `base`, table by table.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// A database URL with any password replaced, for error messages and logs.
+pub fn redact_url(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://")
+        && let Some((auth, host)) = rest.split_once('@')
+        && let Some((user, _password)) = auth.split_once(':')
+    {
+        return format!("{scheme}://{user}:***@{host}");
+    }
+    url.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        Config::from_toml_str(text, "test.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_are_valid_and_match_the_documented_values() {
+        let c = Config::defaults();
+        assert_eq!(c.database.url, "sqlite://ferry.db");
+        assert_eq!(c.relay.batch_size, 100);
+        assert_eq!(c.relay.lease.0, Duration::from_secs(300));
+        let p = c.retry_policy_for(None).unwrap();
+        assert_eq!(p.max_attempts, 6);
+        assert_eq!(p.backoff, Backoff::Exponential { initial: Duration::from_secs(1), max: Duration::from_secs(3600) });
+        assert_eq!(p.jitter, Jitter::Symmetric { percent: 10 });
+        assert!(SandboxConfig::default().stdio, "an unconfigured plugin keeps its stdout, as documented");
+    }
+
+    #[test]
+    fn route_overrides_inherit_the_rest() {
+        let c = Config::from_toml_str(
+            r#"
+            [route.hooks]
+            plugin = "http"
+            config = { url = "http://x", retries = 3, verbose = true }
+            retry = { backoff = "schedule", max_attempts = "unlimited" }
+            "#,
+            "t",
+        )
+        .unwrap();
+        let p = c.retry_policy_for(Some("hooks")).unwrap();
+        assert_eq!(p.max_attempts, 0);
+        assert_eq!(p.backoff.base_delay(2), Duration::from_secs(300));
+        assert_eq!(p.jitter, Jitter::Symmetric { percent: 10 }, "inherited");
+        let cfg = &c.route["hooks"].config;
+        assert_eq!(cfg["retries"], ConfigValue("3".into()));
+        assert_eq!(cfg["verbose"], ConfigValue("true".into()));
+    }
+
+    #[test]
+    fn errors_name_the_file_and_key() {
+        let e = err("[relay]\nbatch_size = 0");
+        assert!(e.contains("test.toml") && e.contains("relay.batch_size"), "{e}");
+        let e = err("[relay]\nbatchsize = 5");
+        assert!(e.contains("batchsize"), "{e}");
+        let e = err("[relay]\npoll_interval = \"soon\"");
+        assert!(e.contains("soon"), "{e}");
+        let e = err("[relay]\nlease = \"10s\"");
+        assert!(e.contains("relay.lease"), "{e}");
+        let e = err("[route.a]\nplugin = \"log\"\nretry = { max_attempts = 0 }");
+        assert!(e.contains("max_attempts"), "{e}");
+        let e = err("[route.a]\nplugin = \"log\"\nretry = { jitter_percent = 150 }");
+        assert!(e.contains("route.a.retry.jitter_percent"), "{e}");
+        let e = err("[route.a]\nplugin = \"log\"\nconfig = { nested = { x = 1 } }");
+        assert!(e.contains("table"), "{e}");
+        let e = err("[database]\nurl = \"mysql://u:secret@h/db\"");
+        assert!(e.contains("database.url") && !e.contains("secret"), "{e}");
+        let e = err("[sandbox.log]\ndirs = { \"out\" = \"/tmp\" }");
+        assert!(e.contains("sandbox.log.dirs"), "{e}");
+        let e = err("not toml at all [");
+        assert!(e.contains("test.toml"), "{e}");
+    }
+
+    #[test]
+    fn durations_parse_every_unit_and_reject_the_rest() {
+        let ok = [("250ms", 250), ("30s", 30_000), ("5m", 300_000), ("2h", 7_200_000), ("1d", 86_400_000)];
+        for (text, ms) in ok {
+            assert_eq!(parse_duration(text), Ok(Duration::from_millis(ms)), "{text}");
+        }
+        for bad in ["", "5", "m", "1.5s", "-1s", "5 weeks", "99999999999999999999d"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?} should be rejected");
+        }
+    }
+
+    #[test]
+    fn relative_paths_follow_the_config_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(
+            &file,
+            "[database]\nurl = \"sqlite://data/f.db?mode=rwc\"\n[sandbox.log]\ndirs = { \"/out\" = \"out\" }",
+        )
+        .unwrap();
+        let c = Config::load(&file).unwrap();
+        assert_eq!(c.database.url, format!("sqlite://{}/data/f.db?mode=rwc", dir.path().display()));
+        assert_eq!(c.plugins.dir, dir.path().join("plugins"));
+        assert_eq!(c.sandbox["log"].dirs["/out"], dir.path().join("out"));
+        let missing = Config::load(&dir.path().join("nope.toml")).unwrap_err().to_string();
+        assert!(missing.contains("nope.toml"), "{missing}");
+    }
+}

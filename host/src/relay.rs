@@ -1,0 +1,282 @@
+//! The relay: claim a batch, hand each route's events to its transport, record what happened.
+//!
+//! Claim short, deliver outside, record fenced: the claim commits before any plugin runs, and
+//! the outcome write only touches rows still held by this claim's token.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use rand::Rng;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::{RetryDecision, RetryPolicy};
+use crate::clock::Clock;
+use crate::config::Config;
+use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
+use crate::plugins::{Outcome, PluginFault, RouteTransport};
+use crate::store::{Claim, Store, StoreError};
+
+/// Why a route has no transport; recorded as the event's error with reason `no_transport`.
+pub type Unavailable = String;
+
+/// What one relay cycle did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CycleStats {
+    pub claimed: usize,
+    pub sent: usize,
+    pub retried: usize,
+    pub failed: usize,
+    /// Outcomes not written because the claim had been recovered in the meantime.
+    pub fenced_off: usize,
+}
+
+/// Routes resolved to transports (or to the reason they have none), with their retry policies.
+#[derive(Debug)]
+pub struct Routes {
+    transports: HashMap<String, Result<Arc<RouteTransport>, Unavailable>>,
+    policies: HashMap<String, RetryPolicy>,
+    default_policy: RetryPolicy,
+}
+
+impl Routes {
+    /// Builds the route table from the config and the transports started for it.
+    pub fn new(config: &Config, transports: HashMap<String, Result<Arc<RouteTransport>, Unavailable>>) -> Self {
+        let policies = config
+            .route
+            .keys()
+            .map(|name| (name.clone(), config.retry_policy_for(Some(name)).expect("validated at load")))
+            .collect();
+        let default_policy = config.retry_policy_for(None).expect("validated at load");
+        Self { transports, policies, default_policy }
+    }
+
+    fn transport(&self, route: &str) -> Result<&Arc<RouteTransport>, Unavailable> {
+        match self.transports.get(route) {
+            Some(Ok(transport)) => Ok(transport),
+            Some(Err(why)) => Err(why.clone()),
+            None => Err(format!("no route {route:?} is configured")),
+        }
+    }
+
+    fn policy(&self, route: &str) -> &RetryPolicy {
+        self.policies.get(route).unwrap_or(&self.default_policy)
+    }
+}
+
+/// The relay loop and its settings.
+#[derive(Debug)]
+pub struct Relay {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    routes: Routes,
+    instance: String,
+    batch_size: u32,
+    poll_interval: Duration,
+    lease: Duration,
+    recover_every: u32,
+    shutdown_grace: Duration,
+}
+
+impl Relay {
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, config: &Config, routes: Routes) -> Self {
+        Self {
+            store,
+            clock,
+            routes,
+            instance: config.instance_id(),
+            batch_size: config.relay.batch_size,
+            poll_interval: config.relay.poll_interval.0,
+            lease: config.relay.lease.0,
+            recover_every: config.relay.recover_every,
+            shutdown_grace: config.relay.shutdown_grace.0,
+        }
+    }
+
+    /// Runs until `shutdown` is cancelled. Database errors are logged and retried; they never end
+    /// the loop.
+    pub async fn run(&self, shutdown: CancellationToken) {
+        tracing::info!(instance = %self.instance, batch_size = self.batch_size, "relay started");
+        let mut cycle: u64 = 0;
+        let mut error_pause = self.poll_interval;
+        while !shutdown.is_cancelled() {
+            if cycle.is_multiple_of(u64::from(self.recover_every))
+                && let Err(e) = self.recover().await
+            {
+                tracing::error!("stuck-claim recovery failed: {e}");
+            }
+            cycle += 1;
+            let pause = match self.cycle(&shutdown).await {
+                Ok(stats) if stats.claimed as u32 >= self.batch_size => {
+                    error_pause = self.poll_interval;
+                    continue; // a full batch: there is probably more waiting
+                }
+                Ok(_) => {
+                    error_pause = self.poll_interval;
+                    self.poll_interval
+                }
+                Err(e) => {
+                    tracing::error!("relay cycle failed, retrying in {error_pause:?}: {e}");
+                    let pause = error_pause;
+                    error_pause = (error_pause * 2).min(Duration::from_secs(5));
+                    pause
+                }
+            };
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+        tracing::info!(instance = %self.instance, "relay stopped");
+    }
+
+    /// Hands PROCESSING events with an expired lease back to PENDING.
+    pub async fn recover(&self) -> Result<usize, StoreError> {
+        let recovered = self.store.recover_expired(self.clock.now()).await?;
+        for r in &recovered {
+            tracing::warn!(
+                event = r.id,
+                claimed_by = r.claimed_by.as_deref().unwrap_or("?"),
+                "claim lease expired; event handed back to PENDING"
+            );
+        }
+        Ok(recovered.len())
+    }
+
+    /// One claim → deliver → record round. If `shutdown` fires during delivery, in-flight calls
+    /// get the grace period, after which unfinished events are handed back.
+    pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleStats, StoreError> {
+        let now = self.clock.now();
+        let token = new_token();
+        let claim = Claim {
+            now,
+            limit: self.batch_size,
+            lease_until: now + chrono::Duration::from_std(self.lease).unwrap_or(chrono::Duration::MAX),
+            instance: self.instance.clone(),
+            token: token.clone(),
+        };
+        let events = self.store.claim(&claim).await?;
+        if events.is_empty() {
+            return Ok(CycleStats::default());
+        }
+        let delivery = self.deliver_all(&events);
+        tokio::pin!(delivery);
+        let completions = tokio::select! {
+            done = &mut delivery => done,
+            _ = shutdown.cancelled() => {
+                match tokio::time::timeout(self.shutdown_grace, &mut delivery).await {
+                    Ok(done) => done,
+                    Err(_) => {
+                        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+                        let released = self.store.release(&token, &ids, self.clock.now()).await?;
+                        tracing::warn!(released, "shutdown grace period over; unfinished events handed back");
+                        return Ok(CycleStats { claimed: events.len(), ..CycleStats::default() });
+                    }
+                }
+            }
+        };
+        let mut stats = CycleStats { claimed: events.len(), ..CycleStats::default() };
+        for c in &completions {
+            match c.disposition {
+                Disposition::Sent => stats.sent += 1,
+                Disposition::Retry { .. } => stats.retried += 1,
+                Disposition::Failed { .. } => stats.failed += 1,
+            }
+        }
+        let written = self.store.complete(&token, self.clock.now(), &completions).await?;
+        stats.fenced_off = completions.len().saturating_sub(written as usize);
+        if stats.fenced_off > 0 {
+            tracing::warn!(
+                fenced_off = stats.fenced_off,
+                "outcomes discarded: their claims expired and were recovered before delivery finished"
+            );
+        }
+        Ok(stats)
+    }
+
+    /// Delivers a claimed batch route by route (routes concurrently), returning one completion
+    /// per event.
+    async fn deliver_all(&self, events: &[ClaimedEvent]) -> Vec<Completion> {
+        let mut by_route: BTreeMap<&str, Vec<ClaimedEvent>> = BTreeMap::new();
+        let mut completions = Vec::with_capacity(events.len());
+        for event in events {
+            if let Some(defect) = &event.defect {
+                completions.push(self.fail(event, FailureReason::InvalidEvent, defect.clone()));
+            } else {
+                by_route.entry(&event.route).or_default().push(event.clone());
+            }
+        }
+        let deliveries = by_route.into_iter().map(|(route, batch)| async move {
+            match self.routes.transport(route) {
+                Ok(transport) => {
+                    let result = transport.deliver(&batch).await;
+                    self.judge(&batch, result)
+                }
+                Err(why) => batch.iter().map(|e| self.fail(e, FailureReason::NoTransport, why.clone())).collect(),
+            }
+        });
+        for done in futures::future::join_all(deliveries).await {
+            completions.extend(done);
+        }
+        completions
+    }
+
+    /// Turns a plugin's answer for `batch` into completions.
+    fn judge(&self, batch: &[ClaimedEvent], result: Result<Vec<Outcome>, PluginFault>) -> Vec<Completion> {
+        let now = self.clock.now();
+        match result {
+            Ok(outcomes) => batch
+                .iter()
+                .zip(outcomes)
+                .map(|(event, outcome)| match outcome {
+                    Outcome::Success => self.complete(event, Disposition::Sent),
+                    Outcome::Permanent(f) => self.fail(event, FailureReason::Permanent, f.reason),
+                    Outcome::Transient(f) => {
+                        let hint = f.retry_after_ms.map(Duration::from_millis);
+                        self.retry_or_fail(event, now, f.reason, hint, FailureReason::AttemptsExhausted)
+                    }
+                })
+                .collect(),
+            Err(fault) => batch
+                .iter()
+                .map(|event| self.retry_or_fail(event, now, fault.to_string(), None, FailureReason::PluginFault))
+                .collect(),
+        }
+    }
+
+    fn retry_or_fail(
+        &self,
+        event: &ClaimedEvent,
+        now: DateTime<Utc>,
+        error: String,
+        hint: Option<Duration>,
+        exhausted: FailureReason,
+    ) -> Completion {
+        let policy = self.routes.policy(&event.route);
+        let max = event.max_attempts.unwrap_or(policy.max_attempts);
+        let unit: f64 = rand::rng().random();
+        match policy.decide(event.attempt, max, hint, unit) {
+            RetryDecision::RetryAfter(delay) => {
+                let at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
+                self.complete(event, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
+            }
+            RetryDecision::GiveUp => self.fail(event, exhausted, error),
+        }
+    }
+
+    fn fail(&self, event: &ClaimedEvent, reason: FailureReason, error: String) -> Completion {
+        self.complete(event, Disposition::Failed { reason, error })
+    }
+
+    fn complete(&self, event: &ClaimedEvent, disposition: Disposition) -> Completion {
+        let max_attempts = event.max_attempts.unwrap_or(self.routes.policy(&event.route).max_attempts);
+        Completion { id: event.id, disposition, max_attempts }
+    }
+}
+
+/// A fresh, unguessable claim token.
+fn new_token() -> String {
+    let bits: u128 = rand::rng().random();
+    format!("{bits:032x}")
+}

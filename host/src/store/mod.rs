@@ -1,0 +1,136 @@
+//! The outbox store: one trait, implemented for SQLite (the embedded default) and PostgreSQL.
+//!
+//! Every method is a short statement or transaction; none is held open while a plugin runs.
+//! Times come in as parameters from the relay's [`Clock`](crate::clock::Clock), never from the
+//! database's own `now()`, except for defaults of rows that applications insert themselves.
+
+mod postgres;
+mod sqlite;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+
+pub use self::postgres::PostgresStore;
+pub use self::sqlite::SqliteStore;
+use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+
+/// A store failure. Callers branch on it: a bad event is the caller's fault, the rest are not.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("invalid event: {0}")]
+    InvalidEvent(String),
+    #[error("cannot open database {url}: {source}")]
+    Connect { url: String, source: sqlx::Error },
+    #[error("database migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// A request to claim up to `limit` due events.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// The claimer's current time: rows due at or before it are eligible.
+    pub now: DateTime<Utc>,
+    pub limit: u32,
+    /// When the claim expires if the claimer never records an outcome.
+    pub lease_until: DateTime<Utc>,
+    /// The claiming instance, stored in `claimed_by` for operators.
+    pub instance: String,
+    /// Fences every later write of this claim.
+    pub token: String,
+}
+
+/// An event whose lease expired and that was handed back to PENDING.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recovered {
+    pub id: i64,
+    pub claimed_by: Option<String>,
+}
+
+/// The outbox, whatever database holds it.
+#[async_trait]
+pub trait Store: std::fmt::Debug + Send + Sync {
+    /// `"sqlite"` or `"postgres"`.
+    fn backend(&self) -> &'static str;
+
+    /// Applies the schema migrations that have not run yet.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// Inserts one event outside any application transaction, stamped with `now`.
+    async fn insert(&self, event: &NewEvent, now: DateTime<Utc>) -> Result<i64, StoreError>;
+
+    /// Atomically moves up to `claim.limit` due PENDING events to PROCESSING under `claim.token`
+    /// and returns them in claim order (next attempt time, then id). Concurrent claimers never
+    /// receive the same event.
+    async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError>;
+
+    /// Records outcomes of the claim `token`. Rows no longer held by that claim (recovered and
+    /// claimed again elsewhere) are left alone. Returns how many rows were updated.
+    async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError>;
+
+    /// Hands events of claim `token` back to PENDING without counting the attempt (used when a
+    /// claim is abandoned before delivery, e.g. at shutdown).
+    async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
+
+    /// Moves PROCESSING events whose lease expired before `now` back to PENDING.
+    async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError>;
+
+    /// Number of events per status (statuses with no events are included as zero).
+    async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError>;
+
+    /// One stored event, if it exists.
+    async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError>;
+}
+
+/// Opens the store named by `url` (`sqlite://…` or `postgres://…`). SQLite files are created when
+/// missing. Does not migrate.
+pub async fn connect(url: &str, max_connections: u32) -> Result<Arc<dyn Store>, StoreError> {
+    if url.starts_with("sqlite:") {
+        Ok(Arc::new(SqliteStore::connect(url, max_connections).await?))
+    } else {
+        Ok(Arc::new(PostgresStore::connect(url, max_connections).await?))
+    }
+}
+
+/// Zero for every status, to be filled from a `GROUP BY status` query.
+fn empty_counts() -> BTreeMap<Status, u64> {
+    Status::ALL.into_iter().map(|s| (s, 0)).collect()
+}
+
+/// Splits completions by kind so each kind is written with one statement.
+#[derive(Debug, Default)]
+struct Partitioned<'a> {
+    sent: Vec<&'a Completion>,
+    retry: Vec<(&'a Completion, DateTime<Utc>, &'a str)>,
+    failed: Vec<(&'a Completion, &'static str, &'a str)>,
+}
+
+fn partition(items: &[Completion]) -> Partitioned<'_> {
+    use crate::event::Disposition;
+    let mut p = Partitioned::default();
+    for item in items {
+        match &item.disposition {
+            Disposition::Sent => p.sent.push(item),
+            Disposition::Retry { at, error } => p.retry.push((item, *at, error)),
+            Disposition::Failed { reason, error } => p.failed.push((item, reason.as_str(), error)),
+        }
+    }
+    p
+}
+
+/// Converts a stored attempt count, which the schema keeps non-negative.
+fn count(n: i32) -> u32 {
+    u32::try_from(n).unwrap_or(0)
+}
+
+/// Decodes the stored headers of row `id`; a defect is reported on the event, not raised.
+fn decode_headers(id: i64, json: &str) -> (Vec<(String, String)>, Option<String>) {
+    match crate::event::parse_headers(json) {
+        Ok(headers) => (headers, None),
+        Err(e) => (Vec::new(), Some(format!("event {id}: {e}"))),
+    }
+}

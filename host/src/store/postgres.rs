@@ -1,0 +1,281 @@
+//! The PostgreSQL store: claims with `FOR UPDATE SKIP LOCKED` so any number of ferry instances
+//! share one outbox, and records outcomes with one `UNNEST` statement per outcome kind.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{PgPool, Row};
+
+use super::{Claim, Recovered, Store, StoreError, count, decode_headers, empty_counts, partition};
+use crate::emit::Outbox;
+use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+
+/// The outbox in a PostgreSQL database.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+}
+
+impl PostgresStore {
+    /// Connects to `url` with a pool of `max_connections`.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        let redacted = crate::config::redact_url(url);
+        let options =
+            PgConnectOptions::from_str(url).map_err(|source| StoreError::Connect { url: redacted.clone(), source })?;
+        Self::connect_with(options, max_connections).await.map_err(|e| match e {
+            StoreError::Database(source) => StoreError::Connect { url: redacted, source },
+            other => other,
+        })
+    }
+
+    /// Connects with explicit options (tests use them to pick a schema).
+    pub async fn connect_with(options: PgConnectOptions, max_connections: u32) -> Result<Self, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(std::time::Duration::from_secs(10))
+            .connect_with(options)
+            .await?;
+        Ok(Self { pool })
+    }
+
+    /// The pool, for applications that emit through their own transactions.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
+     status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
+     last_error, failure_reason, claimed_by, claim_token, lease_until";
+
+#[async_trait]
+impl Store for PostgresStore {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        sqlx::migrate!("../migrations/postgres").run(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn insert(&self, event: &NewEvent, now: DateTime<Utc>) -> Result<i64, StoreError> {
+        let mut conn = self.pool.acquire().await?;
+        conn.insert_event(event, Some(now)).await
+    }
+
+    async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let rows = sqlx::query(
+            "WITH picked AS (
+                 SELECT id FROM ferry_events
+                 WHERE status = 'PENDING' AND next_attempt_at <= $1
+                 ORDER BY next_attempt_at, id
+                 LIMIT $2
+                 FOR UPDATE SKIP LOCKED
+             )
+             UPDATE ferry_events e
+             SET status = 'PROCESSING', attempts = e.attempts + 1, last_status_at = $1,
+                 claimed_by = $3, claim_token = $4, lease_until = $5
+             FROM picked WHERE e.id = picked.id
+             RETURNING e.id, e.route, e.event_type, e.ordering_key, e.payload, e.content_type,
+                       e.headers::text AS headers, e.attempts, e.max_attempts, e.event_time,
+                       e.created_at, e.next_attempt_at",
+        )
+        .bind(claim.now)
+        .bind(i64::from(claim.limit))
+        .bind(&claim.instance)
+        .bind(&claim.token)
+        .bind(claim.lease_until)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut claimed: Vec<(DateTime<Utc>, ClaimedEvent)> = rows
+            .iter()
+            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row)?)))
+            .collect::<Result<_, sqlx::Error>>()?;
+        // RETURNING does not keep the sub-select's order.
+        claimed.sort_by_key(|(due, event)| (*due, event.id));
+        Ok(claimed.into_iter().map(|(_, event)| event).collect())
+    }
+
+    async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
+        let parts = partition(items);
+        let mut tx = self.pool.begin().await?;
+        let mut updated = 0;
+        if !parts.sent.is_empty() {
+            let ids: Vec<i64> = parts.sent.iter().map(|c| c.id).collect();
+            let max: Vec<i32> = parts.sent.iter().map(|c| pin(c.max_attempts)).collect();
+            updated += sqlx::query(
+                "UPDATE ferry_events e
+                 SET status = 'SENT', processed_at = $3, last_status_at = $3, claim_token = NULL,
+                     lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                 FROM UNNEST($1::bigint[], $2::int[]) AS u(id, max_attempts)
+                 WHERE e.id = u.id AND e.claim_token = $4 AND e.status = 'PROCESSING'",
+            )
+            .bind(&ids)
+            .bind(&max)
+            .bind(now)
+            .bind(token)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        if !parts.retry.is_empty() {
+            let ids: Vec<i64> = parts.retry.iter().map(|(c, _, _)| c.id).collect();
+            let at: Vec<DateTime<Utc>> = parts.retry.iter().map(|(_, at, _)| *at).collect();
+            let errors: Vec<&str> = parts.retry.iter().map(|(_, _, e)| *e).collect();
+            let max: Vec<i32> = parts.retry.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
+            updated += sqlx::query(
+                "UPDATE ferry_events e
+                 SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = $5,
+                     claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                 FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS u(id, at, error, max_attempts)
+                 WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'",
+            )
+            .bind(&ids)
+            .bind(&at)
+            .bind(&errors)
+            .bind(&max)
+            .bind(now)
+            .bind(token)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        if !parts.failed.is_empty() {
+            let ids: Vec<i64> = parts.failed.iter().map(|(c, _, _)| c.id).collect();
+            let reasons: Vec<&str> = parts.failed.iter().map(|(_, r, _)| *r).collect();
+            let errors: Vec<&str> = parts.failed.iter().map(|(_, _, e)| *e).collect();
+            let max: Vec<i32> = parts.failed.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
+            updated += sqlx::query(
+                "UPDATE ferry_events e
+                 SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = $5,
+                     last_status_at = $5, claim_token = NULL, lease_until = NULL,
+                     max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                 FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::int[]) AS u(id, reason, error, max_attempts)
+                 WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'",
+            )
+            .bind(&ids)
+            .bind(&reasons)
+            .bind(&errors)
+            .bind(&max)
+            .bind(now)
+            .bind(token)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(updated)
+    }
+
+    async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE ferry_events
+             SET status = 'PENDING', attempts = GREATEST(attempts - 1, 0), last_status_at = $3,
+                 claim_token = NULL, lease_until = NULL
+             WHERE id = ANY($1) AND claim_token = $2 AND status = 'PROCESSING'",
+        )
+        .bind(ids)
+        .bind(token)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
+        let rows = sqlx::query(
+            "WITH expired AS (
+                 SELECT id, claimed_by FROM ferry_events
+                 WHERE status = 'PROCESSING' AND lease_until < $1
+                 FOR UPDATE SKIP LOCKED
+             )
+             UPDATE ferry_events e
+             SET status = 'PENDING', last_status_at = $1, next_attempt_at = $1, claim_token = NULL,
+                 lease_until = NULL,
+                 last_error = 'claim lease expired while PROCESSING (claimed by ' || COALESCE(expired.claimed_by, '?') || ')'
+             FROM expired WHERE e.id = expired.id
+             RETURNING e.id, expired.claimed_by",
+        )
+        .bind(now)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(Into::into)
+    }
+
+    async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, COUNT(*) FROM ferry_events GROUP BY status").fetch_all(&self.pool).await?;
+        let mut counts = empty_counts();
+        for (status, n) in rows {
+            if let Ok(status) = status.parse() {
+                counts.insert(status, u64::try_from(n).unwrap_or(0));
+            }
+        }
+        Ok(counts)
+    }
+
+    async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.as_ref().map(event_record).transpose()?)
+    }
+}
+
+/// The attempt limit as stored (0 = unlimited).
+fn pin(max_attempts: u32) -> i32 {
+    i32::try_from(max_attempts).unwrap_or(i32::MAX)
+}
+
+fn claimed_event(row: &PgRow) -> Result<ClaimedEvent, sqlx::Error> {
+    let id: i64 = row.try_get("id")?;
+    let (headers, defect) = decode_headers(id, row.try_get("headers")?);
+    Ok(ClaimedEvent {
+        id,
+        route: row.try_get("route")?,
+        event_type: row.try_get("event_type")?,
+        ordering_key: row.try_get("ordering_key")?,
+        payload: row.try_get("payload")?,
+        content_type: row.try_get("content_type")?,
+        headers,
+        attempt: count(row.try_get("attempts")?),
+        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
+        event_time: row.try_get("event_time")?,
+        created_at: row.try_get("created_at")?,
+        defect,
+    })
+}
+
+fn event_record(row: &PgRow) -> Result<EventRecord, sqlx::Error> {
+    let status: String = row.try_get("status")?;
+    Ok(EventRecord {
+        id: row.try_get("id")?,
+        route: row.try_get("route")?,
+        event_type: row.try_get("event_type")?,
+        ordering_key: row.try_get("ordering_key")?,
+        payload: row.try_get("payload")?,
+        content_type: row.try_get("content_type")?,
+        headers: row.try_get("headers")?,
+        status: status.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?,
+        attempts: count(row.try_get("attempts")?),
+        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
+        event_time: row.try_get("event_time")?,
+        created_at: row.try_get("created_at")?,
+        last_status_at: row.try_get("last_status_at")?,
+        next_attempt_at: row.try_get("next_attempt_at")?,
+        processed_at: row.try_get("processed_at")?,
+        last_error: row.try_get("last_error")?,
+        failure_reason: row.try_get("failure_reason")?,
+        claimed_by: row.try_get("claimed_by")?,
+        claim_token: row.try_get("claim_token")?,
+        lease_until: row.try_get("lease_until")?,
+    })
+}

@@ -1,0 +1,314 @@
+//! The SQLite store: the embedded default. One file, WAL journal, timestamps as integer
+//! milliseconds. SQLite has a single writer, so a claim is one `UPDATE … RETURNING` statement that
+//! takes the write lock before it reads, which makes concurrent claimers (threads or processes)
+//! see disjoint batches.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
+use sqlx::{Row, SqlitePool};
+
+use super::{Claim, Recovered, Store, StoreError, count, decode_headers, empty_counts, partition};
+use crate::emit::Outbox;
+use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+
+/// The outbox in a SQLite database file.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Opens (creating if missing) the database at `url` (`sqlite://PATH`).
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        let connect_error = |source| StoreError::Connect { url: url.to_string(), source };
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(connect_error)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            // Applications and `ferry emit` write to the same file; wait for the lock, don't fail.
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        if let Some(parent) = options.get_filename().parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| connect_error(sqlx::Error::Io(e)))?;
+        }
+        // Switching a new file to WAL needs a moment of exclusive access, which the busy timeout
+        // does not cover; another process opening the same file at the same time makes it fail
+        // with "database is locked". That is worth a few retries, not an error.
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let attempt = SqlitePoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(Duration::from_secs(10))
+                .connect_with(options.clone())
+                .await;
+            match attempt {
+                Ok(pool) => return Ok(Self { pool }),
+                Err(e) if is_locked(&e) && pause < Duration::from_secs(5) => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                Err(e) => return Err(connect_error(e)),
+            }
+        }
+    }
+
+    /// The pool, for applications that emit through their own transactions.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+/// SQLITE_BUSY or SQLITE_LOCKED: another connection holds the lock.
+fn is_locked(e: &sqlx::Error) -> bool {
+    e.as_database_error().and_then(|d| d.code()).is_some_and(|code| code == "5" || code == "6")
+}
+
+fn ms(t: DateTime<Utc>) -> i64 {
+    t.timestamp_millis()
+}
+
+fn time(ms: i64) -> Result<DateTime<Utc>, sqlx::Error> {
+    DateTime::from_timestamp_millis(ms)
+        .ok_or_else(|| sqlx::Error::Decode(format!("timestamp {ms} out of range").into()))
+}
+
+fn opt_time(row: &SqliteRow, column: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    row.try_get::<Option<i64>, _>(column)?.map(time).transpose()
+}
+
+/// `?1, ?2, …` placeholders for an `IN (…)` list starting at `first`.
+fn placeholders(first: usize, n: usize) -> String {
+    (first..first + n).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ")
+}
+
+const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
+     headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
+     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until";
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        // sqlx takes no lock for SQLite migrations: when two processes migrate a new file at once,
+        // the loser fails on a table the winner just created. Trying again sees the migration as
+        // applied and succeeds.
+        let mut tries = 0;
+        loop {
+            match sqlx::migrate!("../migrations/sqlite").run(&self.pool).await {
+                Ok(()) => return Ok(()),
+                Err(_) if tries < 5 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(50 * tries)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    async fn insert(&self, event: &NewEvent, now: DateTime<Utc>) -> Result<i64, StoreError> {
+        let mut conn = self.pool.acquire().await?;
+        conn.insert_event(event, Some(now)).await
+    }
+
+    async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let rows = sqlx::query(
+            "UPDATE ferry_events
+             SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
+                 claimed_by = ?3, claim_token = ?4, lease_until = ?5
+             WHERE id IN (
+                 SELECT id FROM ferry_events
+                 WHERE status = 'PENDING' AND next_attempt_at <= ?1
+                 ORDER BY next_attempt_at, id
+                 LIMIT ?2
+             )
+             RETURNING id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type,
+                       headers, attempts, max_attempts, event_time, created_at, next_attempt_at",
+        )
+        .bind(ms(claim.now))
+        .bind(i64::from(claim.limit))
+        .bind(&claim.instance)
+        .bind(&claim.token)
+        .bind(ms(claim.lease_until))
+        .fetch_all(&self.pool)
+        .await?;
+        let mut claimed: Vec<(i64, ClaimedEvent)> = rows
+            .iter()
+            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row)?)))
+            .collect::<Result<_, sqlx::Error>>()?;
+        claimed.sort_by_key(|(due, event)| (*due, event.id));
+        Ok(claimed.into_iter().map(|(_, event)| event).collect())
+    }
+
+    async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
+        // SQLite runs in-process, so a statement per row inside one transaction costs no round
+        // trips; the transaction makes the batch a single commit.
+        let parts = partition(items);
+        let now = ms(now);
+        let mut tx = self.pool.begin().await?;
+        let mut updated = 0;
+        for c in &parts.sent {
+            updated += sqlx::query(
+                "UPDATE ferry_events
+                 SET status = 'SENT', processed_at = ?2, last_status_at = ?2, claim_token = NULL,
+                     lease_until = NULL, max_attempts = COALESCE(max_attempts, ?3)
+                 WHERE id = ?1 AND claim_token = ?4 AND status = 'PROCESSING'",
+            )
+            .bind(c.id)
+            .bind(now)
+            .bind(c.max_attempts)
+            .bind(token)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        for (c, at, error) in &parts.retry {
+            updated += sqlx::query(
+                "UPDATE ferry_events
+                 SET status = 'PENDING', next_attempt_at = ?2, last_error = ?3, last_status_at = ?4,
+                     claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(max_attempts, ?5)
+                 WHERE id = ?1 AND claim_token = ?6 AND status = 'PROCESSING'",
+            )
+            .bind(c.id)
+            .bind(ms(*at))
+            .bind(*error)
+            .bind(now)
+            .bind(c.max_attempts)
+            .bind(token)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        for (c, reason, error) in &parts.failed {
+            updated += sqlx::query(
+                "UPDATE ferry_events
+                 SET status = 'FAILED', failure_reason = ?2, last_error = ?3, processed_at = ?4,
+                     last_status_at = ?4, claim_token = NULL, lease_until = NULL,
+                     max_attempts = COALESCE(max_attempts, ?5)
+                 WHERE id = ?1 AND claim_token = ?6 AND status = 'PROCESSING'",
+            )
+            .bind(c.id)
+            .bind(*reason)
+            .bind(*error)
+            .bind(now)
+            .bind(c.max_attempts)
+            .bind(token)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        }
+        tx.commit().await?;
+        Ok(updated)
+    }
+
+    async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        let mut released = 0;
+        // Bounded statement size: SQLite limits the number of bound parameters.
+        for chunk in ids.chunks(500) {
+            let sql = format!(
+                "UPDATE ferry_events
+                 SET status = 'PENDING', attempts = MAX(attempts - 1, 0), last_status_at = ?1,
+                     claim_token = NULL, lease_until = NULL
+                 WHERE claim_token = ?2 AND status = 'PROCESSING' AND id IN ({})",
+                placeholders(3, chunk.len())
+            );
+            let mut query = sqlx::query(&sql).bind(ms(now)).bind(token);
+            for id in chunk {
+                query = query.bind(id);
+            }
+            released += query.execute(&self.pool).await?.rows_affected();
+        }
+        Ok(released)
+    }
+
+    async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
+        let rows = sqlx::query(
+            "UPDATE ferry_events
+             SET status = 'PENDING', last_status_at = ?1, next_attempt_at = ?1, claim_token = NULL,
+                 lease_until = NULL,
+                 last_error = 'claim lease expired while PROCESSING (claimed by ' || COALESCE(claimed_by, '?') || ')'
+             WHERE status = 'PROCESSING' AND lease_until < ?1
+             RETURNING id, claimed_by",
+        )
+        .bind(ms(now))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(Into::into)
+    }
+
+    async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as("SELECT status, COUNT(*) FROM ferry_events GROUP BY status").fetch_all(&self.pool).await?;
+        let mut counts = empty_counts();
+        for (status, n) in rows {
+            if let Ok(status) = status.parse() {
+                counts.insert(status, u64::try_from(n).unwrap_or(0));
+            }
+        }
+        Ok(counts)
+    }
+
+    async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
+        let row = sqlx::query(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = ?1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.as_ref().map(event_record).transpose()?)
+    }
+}
+
+fn claimed_event(row: &SqliteRow) -> Result<ClaimedEvent, sqlx::Error> {
+    let id: i64 = row.try_get("id")?;
+    let (headers, defect) = decode_headers(id, row.try_get("headers")?);
+    Ok(ClaimedEvent {
+        id,
+        route: row.try_get("route")?,
+        event_type: row.try_get("event_type")?,
+        ordering_key: row.try_get("ordering_key")?,
+        payload: row.try_get("payload")?,
+        content_type: row.try_get("content_type")?,
+        headers,
+        attempt: count(row.try_get("attempts")?),
+        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
+        event_time: time(row.try_get("event_time")?)?,
+        created_at: time(row.try_get("created_at")?)?,
+        defect,
+    })
+}
+
+fn event_record(row: &SqliteRow) -> Result<EventRecord, sqlx::Error> {
+    let status: String = row.try_get("status")?;
+    Ok(EventRecord {
+        id: row.try_get("id")?,
+        route: row.try_get("route")?,
+        event_type: row.try_get("event_type")?,
+        ordering_key: row.try_get("ordering_key")?,
+        payload: row.try_get("payload")?,
+        content_type: row.try_get("content_type")?,
+        headers: row.try_get("headers")?,
+        status: status.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?,
+        attempts: count(row.try_get("attempts")?),
+        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
+        event_time: time(row.try_get("event_time")?)?,
+        created_at: time(row.try_get("created_at")?)?,
+        last_status_at: time(row.try_get("last_status_at")?)?,
+        next_attempt_at: time(row.try_get("next_attempt_at")?)?,
+        processed_at: opt_time(row, "processed_at")?,
+        last_error: row.try_get("last_error")?,
+        failure_reason: row.try_get("failure_reason")?,
+        claimed_by: row.try_get("claimed_by")?,
+        claim_token: row.try_get("claim_token")?,
+        lease_until: opt_time(row, "lease_until")?,
+    })
+}

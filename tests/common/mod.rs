@@ -1,0 +1,207 @@
+//! Test fixtures: a fresh database per test (a SQLite file, or a PostgreSQL schema), the
+//! compiled plugins, and polling with a deadline.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::config::Config;
+use ferry::store::{PostgresStore, SqliteStore, Store};
+use tempfile::TempDir;
+
+/// Where tests find PostgreSQL unless `DATABASE_URL` says otherwise.
+pub const DEFAULT_PG_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// Which database a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// A database of its own for one test, removed when dropped.
+pub struct TestDb {
+    pub backend: Backend,
+    /// A URL that reaches exactly this test's database (or schema); give it to ferry's config.
+    pub url: String,
+    pub store: Arc<dyn Store>,
+    pub sqlite: Option<SqliteStore>,
+    pub postgres: Option<PostgresStore>,
+    /// Holds the SQLite file and anything else the test writes.
+    pub dir: TempDir,
+    schema: Option<String>,
+}
+
+impl TestDb {
+    pub async fn new(backend: Backend) -> TestDb {
+        match backend {
+            Backend::Sqlite => Self::sqlite().await,
+            Backend::Postgres => Self::postgres().await,
+        }
+    }
+
+    pub async fn sqlite() -> TestDb {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("sqlite://{}", dir.path().join("ferry.db").display());
+        let store = SqliteStore::connect(&url, 4).await.expect("open sqlite");
+        store.migrate().await.expect("migrate sqlite");
+        TestDb {
+            backend: Backend::Sqlite,
+            url,
+            store: Arc::new(store.clone()),
+            sqlite: Some(store),
+            postgres: None,
+            dir,
+            schema: None,
+        }
+    }
+
+    pub async fn postgres() -> TestDb {
+        let base = pg_base_url();
+        let schema = format!("ferry_t_{:016x}", rand_u64());
+        let admin = admin_pool(&base).await;
+        sqlx::query(&format!("CREATE SCHEMA {schema}")).execute(&admin).await.expect("create test schema");
+        admin.close().await;
+        let separator = if base.contains('?') { '&' } else { '?' };
+        let url = format!("{base}{separator}options=-c%20search_path%3D{schema}");
+        let store = PostgresStore::connect(&url, 8).await.expect("connect to the test schema");
+        store.migrate().await.expect("migrate postgres");
+        TestDb {
+            backend: Backend::Postgres,
+            url,
+            store: Arc::new(store.clone()),
+            sqlite: None,
+            postgres: Some(store),
+            dir: tempfile::tempdir().expect("temp dir"),
+            schema: Some(schema),
+        }
+    }
+
+    /// A config pointing at this database, with `extra` TOML appended.
+    pub fn config(&self, extra: &str) -> Config {
+        let text = format!("[database]\nurl = {:?}\n{extra}", self.url);
+        Config::from_toml_str(&text, "test config").expect("test config is valid")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let Some(schema) = self.schema.take() else { return };
+        let base = pg_base_url();
+        // Drop runs inside the test's runtime; clean up from a thread with a runtime of its own.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+            rt.block_on(async {
+                if let Ok(pool) = sqlx::PgPool::connect(&base).await {
+                    let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).execute(&pool).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+pub fn pg_base_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_PG_URL.to_string())
+}
+
+async fn admin_pool(url: &str) -> sqlx::PgPool {
+    match sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+    {
+        Ok(pool) => pool,
+        Err(e) => panic!(
+            "PostgreSQL is not reachable at {url}: {e}\n\
+             Start it (on this machine: `pg_ctlcluster --skip-systemctl-redirect 15 main start`) \
+             or set DATABASE_URL to a server whose user may create schemas."
+        ),
+    }
+}
+
+pub fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+    h.finish()
+}
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()
+}
+
+/// The compiled component of a plugin crate (e.g. `ferry_transport_log`).
+pub fn built_plugin(crate_name: &str) -> PathBuf {
+    let path = repo_root().join("target/wasm32-wasip2/release").join(format!("{crate_name}.wasm"));
+    assert!(
+        path.is_file(),
+        "{} is missing: build the plugins first with scripts/build-plugins (scripts/test does it)",
+        path.display()
+    );
+    path
+}
+
+/// A plugins directory holding copies of the named built plugins.
+pub fn plugins_dir(parent: &Path, crates: &[&str]) -> PathBuf {
+    let dir = parent.join("plugins");
+    std::fs::create_dir_all(&dir).expect("create plugins dir");
+    for name in crates {
+        std::fs::copy(built_plugin(name), dir.join(format!("{name}.wasm"))).expect("copy plugin");
+    }
+    dir
+}
+
+/// Polls `check` until it returns `Some`, failing the test with `what` after `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Declares an async test once per backend: `both_backends!(name)` expects `async fn name(db: TestDb)`.
+#[macro_export]
+macro_rules! both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name($crate::common::TestDb::new($crate::common::Backend::Sqlite).await).await })*
+        }
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name($crate::common::TestDb::new($crate::common::Backend::Postgres).await).await })*
+        }
+    };
+}
+
+/// Emits `event` inside a transaction of the test database's own pool, then commits or rolls
+/// back: what an application does.
+pub async fn emit_in_transaction(db: &TestDb, event: &ferry::NewEvent, commit: bool) -> i64 {
+    macro_rules! in_tx {
+        ($pool:expr) => {{
+            let mut tx = $pool.begin().await.unwrap();
+            let id = ferry::emit(&mut *tx, event).await.unwrap();
+            if commit {
+                tx.commit().await.unwrap()
+            } else {
+                tx.rollback().await.unwrap()
+            }
+            id
+        }};
+    }
+    match db.backend {
+        Backend::Sqlite => in_tx!(db.sqlite.as_ref().unwrap().pool()),
+        Backend::Postgres => in_tx!(db.postgres.as_ref().unwrap().pool()),
+    }
+}

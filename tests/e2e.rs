@@ -1,0 +1,143 @@
+//! End to end: the real `log` plugin compiled from `plugins/log`, a real database, events in,
+//! JSON lines out. Once in-process and once through the `ferry` binary and its CLI.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::NewEvent;
+use ferry::clock::{Clock, SystemClock};
+use ferry::event::Status;
+use ferry::service::Ferry;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{TestDb, emit_in_transaction, eventually, plugins_dir};
+
+/// Config for the log plugin writing to `<dir>/out/orders.jsonl`.
+fn log_config(db: &TestDb) -> String {
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
+    let out = db.dir.path().join("out");
+    format!(
+        r#"
+        [relay]
+        poll_interval = "20ms"
+        [plugins]
+        dir = {plugins:?}
+        [sandbox.log]
+        dirs = {{ "/out" = {out:?} }}
+        [route.orders]
+        plugin = "log"
+        config = {{ output = "/out/orders.jsonl" }}
+        "#
+    )
+}
+
+/// The JSON lines the log plugin has written so far.
+fn lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect()
+}
+
+async fn events_flow_through_the_log_plugin(db: TestDb) {
+    let config = db.config(&log_config(&db));
+    let ferry = Ferry::start(&config, Arc::new(SystemClock)).await.expect("ferry starts");
+    let store = ferry.store.clone();
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { ferry.relay.run(shutdown).await }
+    });
+
+    let json = NewEvent::new("orders", "order.created", r#"{"order":1}"#).with_key("c-7").with_header("tenant", "acme");
+    let a = emit_in_transaction(&db, &json, true).await;
+    emit_in_transaction(&db, &NewEvent::new("orders", "order.created", r#"{"order":"ghost"}"#), false).await;
+    let text = NewEvent::new("orders", "note", "plain text").with_content_type("text/plain");
+    let b = emit_in_transaction(&db, &text, true).await;
+    let binary = NewEvent::new("orders", "blob", vec![0xff, 0x00, 0x10]).with_content_type("application/octet-stream");
+    let c = store.insert(&binary, SystemClock.now()).await.unwrap();
+
+    let out = db.dir.path().join("out/orders.jsonl");
+    let written = eventually(Duration::from_secs(20), "3 delivered lines", || async {
+        let l = lines(&out);
+        (l.len() >= 3).then_some(l)
+    })
+    .await;
+    shutdown.cancel();
+    relay.await.unwrap();
+
+    let by_id = |id: i64| written.iter().find(|l| l["id"] == id).unwrap_or_else(|| panic!("event {id} not delivered"));
+    let first = by_id(a);
+    assert_eq!(first["type"], "order.created");
+    assert_eq!(first["route"], "orders");
+    assert_eq!(first["key"], "c-7");
+    assert_eq!(first["attempt"], 1);
+    assert_eq!(first["headers"]["tenant"], "acme");
+    assert_eq!(first["payload"]["order"], 1, "a JSON payload is embedded as JSON");
+    assert_eq!(by_id(b)["payload"], "plain text");
+    assert_eq!(by_id(c)["payload_base64"], "/wAQ");
+    assert_eq!(written.len(), 3, "nothing delivered twice, nothing extra: {written:?}");
+    assert!(written.iter().all(|l| l["payload"]["order"] != "ghost"), "a rolled-back event is never delivered");
+
+    let counts = store.counts().await.unwrap();
+    assert_eq!((counts[&Status::Sent], counts[&Status::Pending], counts[&Status::Processing]), (3, 0, 0));
+    let sent = store.get(a).await.unwrap().unwrap();
+    assert!(sent.processed_at.unwrap() >= sent.created_at);
+}
+
+async fn the_binary_serves_emits_reports_and_stops_on_sigterm(db: TestDb) {
+    let config_path = db.dir.path().join("ferry.toml");
+    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n{}", db.url, log_config(&db))).unwrap();
+    let ferry = |args: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        cmd.arg("--config").arg(&config_path).args(args).env_remove("FERRY_DATABASE_URL");
+        cmd
+    };
+    let log_path = db.dir.path().join("serve.log");
+    let mut serve = ferry(&["serve"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .expect("ferry serve starts");
+
+    let mut ids = Vec::new();
+    for n in 0..3 {
+        let out =
+            ferry(&["emit", "orders", "order.created", &format!(r#"{{"n":{n}}}"#), "--key", "k"]).output().unwrap();
+        assert!(out.status.success(), "emit failed: {}", String::from_utf8_lossy(&out.stderr));
+        ids.push(String::from_utf8(out.stdout).unwrap().trim().parse::<i64>().expect("emit prints the id"));
+    }
+    let bad = ferry(&["emit", "orders", "order.created"]).output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("no payload"));
+
+    let out = db.dir.path().join("out/orders.jsonl");
+    eventually(Duration::from_secs(30), "3 lines from ferry serve", || async {
+        (lines(&out).len() >= 3).then_some(())
+    })
+    .await;
+    let delivered: Vec<i64> = lines(&out).iter().map(|l| l["id"].as_i64().unwrap()).collect();
+    assert_eq!(delivered, ids, "delivered once each, in emit order");
+
+    let status = ferry(&["status", "--json"]).output().unwrap();
+    let status: Value = serde_json::from_slice(&status.stdout).expect("status --json prints JSON");
+    assert_eq!(status["SENT"], 3);
+
+    let pid = serve.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let exit = eventually(Duration::from_secs(20), "ferry serve to exit", || {
+        let status = serve.try_wait().unwrap();
+        async move { status }
+    })
+    .await;
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(exit.success(), "ferry serve exited with {exit}: {log}");
+    assert!(log.contains("relay stopped"), "{log}");
+    assert!(log.contains("plugin=\"log\"") || log.contains("plugin=log"), "plugin log lines are tagged: {log}");
+}
+
+crate::both_backends!(events_flow_through_the_log_plugin, the_binary_serves_emits_reports_and_stops_on_sigterm);

@@ -1,0 +1,239 @@
+//! The store suite, written once and run against SQLite and PostgreSQL: claim, complete, retry,
+//! fail, fencing, recovery, and that concurrent claimers never share an event.
+
+use std::collections::HashSet;
+
+use chrono::{DateTime, TimeZone, Utc};
+use ferry::NewEvent;
+use ferry::event::{Completion, Disposition, FailureReason, Status};
+use ferry::store::Claim;
+
+use crate::common::{Backend, TestDb, emit_in_transaction};
+
+fn t0() -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2026, 3, 1, 12, 0, 0).unwrap()
+}
+
+fn secs(n: i64) -> chrono::Duration {
+    chrono::Duration::seconds(n)
+}
+
+fn claim(now: DateTime<Utc>, limit: u32, token: &str) -> Claim {
+    Claim { now, limit, lease_until: now + secs(300), instance: "test-instance".into(), token: token.into() }
+}
+
+fn done(id: i64, disposition: Disposition) -> Completion {
+    Completion { id, disposition, max_attempts: 6 }
+}
+
+async fn claim_returns_due_events_in_order(db: TestDb) {
+    let s = &db.store;
+    let a = s.insert(&NewEvent::new("r", "a", "1"), t0()).await.unwrap();
+    let b = s.insert(&NewEvent::new("r", "b", "2").with_key("k").with_header("h", "v"), t0()).await.unwrap();
+    let later = s.insert(&NewEvent::new("r", "c", "3").not_before(t0() + secs(60)), t0()).await.unwrap();
+
+    let got = s.claim(&claim(t0(), 10, "tok")).await.unwrap();
+    assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), vec![a, b], "deferred event not claimed early");
+    assert_eq!(got[0].attempt, 1);
+    assert_eq!(got[1].ordering_key.as_deref(), Some("k"));
+    assert_eq!(got[1].headers, vec![("h".to_string(), "v".to_string())]);
+    assert_eq!(got[1].payload, b"2");
+    assert_eq!(got[1].content_type, "application/json");
+    assert_eq!(got[1].event_time, t0(), "event time defaults to the emit time");
+
+    let row = s.get(a).await.unwrap().unwrap();
+    assert_eq!(row.status, Status::Processing);
+    assert_eq!(row.claimed_by.as_deref(), Some("test-instance"));
+    assert_eq!(row.claim_token.as_deref(), Some("tok"));
+    assert_eq!(row.lease_until, Some(t0() + secs(300)));
+    assert_eq!(row.attempts, 1);
+
+    assert!(s.claim(&claim(t0() + secs(59), 10, "t2")).await.unwrap().is_empty(), "nothing else is due");
+    let deferred = s.claim(&claim(t0() + secs(60), 10, "t3")).await.unwrap();
+    assert_eq!(deferred.len(), 1);
+    assert_eq!((deferred[0].id, deferred[0].attempt), (later, 1), "deferral is not an attempt");
+}
+
+async fn complete_records_each_outcome(db: TestDb) {
+    let s = &db.store;
+    for kind in ["sent", "retry", "failed"] {
+        s.insert(&NewEvent::new("r", kind, "{}"), t0()).await.unwrap();
+    }
+    let ids: Vec<i64> = s.claim(&claim(t0(), 10, "tok")).await.unwrap().iter().map(|e| e.id).collect();
+    let now = t0() + secs(2);
+    let items = vec![
+        done(ids[0], Disposition::Sent),
+        done(ids[1], Disposition::Retry { at: now + secs(30), error: "busy".into() }),
+        done(ids[2], Disposition::Failed { reason: FailureReason::Permanent, error: "rejected".into() }),
+    ];
+    assert_eq!(s.complete("tok", now, &items).await.unwrap(), 3);
+
+    let sent = s.get(ids[0]).await.unwrap().unwrap();
+    assert_eq!((sent.status, sent.processed_at, sent.last_status_at), (Status::Sent, Some(now), now));
+    assert_eq!((sent.claim_token, sent.lease_until, sent.max_attempts), (None, None, Some(6)));
+
+    let retry = s.get(ids[1]).await.unwrap().unwrap();
+    assert_eq!((retry.status, retry.next_attempt_at), (Status::Pending, now + secs(30)));
+    assert_eq!((retry.last_error.as_deref(), retry.processed_at, retry.attempts), (Some("busy"), None, 1));
+
+    let failed = s.get(ids[2]).await.unwrap().unwrap();
+    assert_eq!(failed.status, Status::Failed);
+    assert_eq!(failed.failure_reason.as_deref(), Some("permanent"));
+    assert_eq!((failed.last_error.as_deref(), failed.processed_at), (Some("rejected"), Some(now)));
+
+    // The retried event comes back when due, as attempt 2; the event time never changes.
+    assert!(s.claim(&claim(now + secs(29), 10, "t2")).await.unwrap().is_empty());
+    let again = s.claim(&claim(now + secs(30), 10, "t3")).await.unwrap();
+    assert_eq!((again[0].id, again[0].attempt, again[0].event_time), (ids[1], 2, t0()));
+
+    let counts = s.counts().await.unwrap();
+    assert_eq!(counts[&Status::Sent], 1);
+    assert_eq!(counts[&Status::Processing], 1);
+    assert_eq!(counts[&Status::Failed], 1);
+    assert_eq!(counts[&Status::Pending], 0);
+}
+
+async fn stored_attempt_limit_is_kept(db: TestDb) {
+    let s = &db.store;
+    let mut pinned = NewEvent::new("r", "t", "{}");
+    pinned.max_attempts = Some(3);
+    let id = s.insert(&pinned, t0()).await.unwrap();
+    let got = s.claim(&claim(t0(), 1, "tok")).await.unwrap();
+    assert_eq!(got[0].max_attempts, Some(3));
+    // A completion carrying today's route limit does not overwrite the limit fixed at emit.
+    s.complete("tok", t0(), &[done(id, Disposition::Sent)]).await.unwrap();
+    assert_eq!(s.get(id).await.unwrap().unwrap().max_attempts, Some(3));
+}
+
+async fn writes_of_a_recovered_claim_are_fenced_off(db: TestDb) {
+    let s = &db.store;
+    let id = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    let mut first = claim(t0(), 1, "old");
+    first.lease_until = t0() + secs(5);
+    assert_eq!(s.claim(&first).await.unwrap().len(), 1);
+
+    assert!(s.recover_expired(t0() + secs(5)).await.unwrap().is_empty(), "lease not yet expired");
+    let recovered = s.recover_expired(t0() + secs(6)).await.unwrap();
+    assert_eq!(recovered.len(), 1);
+    assert_eq!((recovered[0].id, recovered[0].claimed_by.as_deref()), (id, Some("test-instance")));
+    let row = s.get(id).await.unwrap().unwrap();
+    assert_eq!(row.status, Status::Pending);
+    assert!(row.last_error.unwrap().contains("lease expired"));
+
+    let second = s.claim(&claim(t0() + secs(6), 1, "new")).await.unwrap();
+    assert_eq!((second[0].id, second[0].attempt), (id, 2), "the interrupted attempt counts");
+    // The first worker wakes up and reports: nothing changes.
+    assert_eq!(s.complete("old", t0() + secs(7), &[done(id, Disposition::Sent)]).await.unwrap(), 0);
+    let row = s.get(id).await.unwrap().unwrap();
+    assert_eq!((row.status, row.claim_token.as_deref()), (Status::Processing, Some("new")));
+    assert_eq!(s.complete("new", t0() + secs(8), &[done(id, Disposition::Sent)]).await.unwrap(), 1);
+}
+
+async fn release_hands_back_without_counting_the_attempt(db: TestDb) {
+    let s = &db.store;
+    let id = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    s.claim(&claim(t0(), 1, "tok")).await.unwrap();
+    assert_eq!(s.release("other", &[id], t0()).await.unwrap(), 0, "another claim's token releases nothing");
+    assert_eq!(s.release("tok", &[id], t0()).await.unwrap(), 1);
+    let row = s.get(id).await.unwrap().unwrap();
+    assert_eq!((row.status, row.attempts, row.claim_token), (Status::Pending, 0, None));
+}
+
+async fn concurrent_claimers_never_share_an_event(db: TestDb) {
+    const EVENTS: usize = 400;
+    for i in 0..EVENTS {
+        db.store.insert(&NewEvent::new("r", "t", format!("{i}")), t0()).await.unwrap();
+    }
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let store = db.store.clone();
+        workers.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            for round in 0.. {
+                let got = store.claim(&claim(t0(), 7, &format!("w{w}-{round}"))).await.unwrap();
+                if got.is_empty() {
+                    break;
+                }
+                mine.extend(got.into_iter().map(|e| e.id));
+                tokio::task::yield_now().await;
+            }
+            mine
+        }));
+    }
+    let mut seen = HashSet::new();
+    let mut total = 0;
+    for worker in workers {
+        for id in worker.await.unwrap() {
+            total += 1;
+            assert!(seen.insert(id), "event {id} was claimed twice");
+        }
+    }
+    assert_eq!((total, seen.len()), (EVENTS, EVENTS));
+    assert_eq!(db.store.counts().await.unwrap()[&Status::Processing], EVENTS as u64);
+}
+
+async fn transactional_emit_commits_with_the_caller(db: TestDb) {
+    let committed = NewEvent::new("orders", "order.paid", r#"{"id":1}"#);
+    let rolled_back = NewEvent::new("orders", "order.paid", r#"{"id":2}"#);
+    emit_in_transaction(&db, &rolled_back, false).await;
+    emit_in_transaction(&db, &committed, true).await;
+    let got = db.store.claim(&claim(Utc::now() + secs(1), 10, "tok")).await.unwrap();
+    assert_eq!(got.len(), 1, "only the committed event exists");
+    assert_eq!(got[0].payload, br#"{"id":1}"#);
+}
+
+async fn plain_sql_insert_gets_every_default(db: TestDb) {
+    // The INSERT documented in README for applications in other languages.
+    let sql = match db.backend {
+        Backend::Sqlite => {
+            "INSERT INTO ferry_events (route, event_type, payload) VALUES ('orders', 'order.created', '{\"id\":7}')"
+        }
+        Backend::Postgres => {
+            "INSERT INTO ferry_events (route, event_type, payload) VALUES ('orders', 'order.created', convert_to('{\"id\":7}', 'UTF8'))"
+        }
+    };
+    execute(&db, sql).await.unwrap();
+    let got = db.store.claim(&claim(Utc::now() + secs(1), 10, "tok")).await.unwrap();
+    assert_eq!(got.len(), 1);
+    let e = &got[0];
+    assert_eq!(
+        (e.payload.as_slice(), e.content_type.as_str(), e.attempt),
+        (&br#"{"id":7}"#[..], "application/json", 1)
+    );
+    assert!(e.headers.is_empty() && e.ordering_key.is_none() && e.max_attempts.is_none());
+    assert!((Utc::now() - e.created_at).num_seconds().abs() < 60, "created_at defaults to now");
+}
+
+async fn bad_rows_are_rejected_at_insert(db: TestDb) {
+    let bad = [
+        "INSERT INTO ferry_events (route, event_type, payload, headers) VALUES ('r', 't', 'x', 'not json')",
+        "INSERT INTO ferry_events (route, event_type, payload, headers) VALUES ('r', 't', 'x', '[1, 2]')",
+        "INSERT INTO ferry_events (route, event_type, payload) VALUES ('', 't', 'x')",
+        "INSERT INTO ferry_events (route, event_type, payload, status) VALUES ('r', 't', 'x', 'DONE')",
+    ];
+    for sql in bad {
+        assert!(execute(&db, sql).await.is_err(), "accepted: {sql}");
+    }
+    let err = db.store.insert(&NewEvent::new("r", "", "x"), t0()).await.unwrap_err();
+    assert!(err.to_string().contains("event type"), "{err}");
+    assert_eq!(db.store.counts().await.unwrap().values().sum::<u64>(), 0);
+}
+
+async fn execute(db: &TestDb, sql: &str) -> Result<(), sqlx::Error> {
+    match db.backend {
+        Backend::Sqlite => sqlx::query(sql).execute(db.sqlite.as_ref().unwrap().pool()).await.map(drop),
+        Backend::Postgres => sqlx::query(sql).execute(db.postgres.as_ref().unwrap().pool()).await.map(drop),
+    }
+}
+
+crate::both_backends!(
+    claim_returns_due_events_in_order,
+    complete_records_each_outcome,
+    stored_attempt_limit_is_kept,
+    writes_of_a_recovered_claim_are_fenced_off,
+    release_hands_back_without_counting_the_attempt,
+    concurrent_claimers_never_share_an_event,
+    transactional_emit_commits_with_the_caller,
+    plain_sql_insert_gets_every_default,
+    bad_rows_are_rejected_at_insert,
+);

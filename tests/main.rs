@@ -3,5 +3,6 @@
 
 mod common;
 mod e2e;
+mod engine;
 mod relay;
 mod store;

@@ -23,11 +23,17 @@ struct Setup {
 /// Ferry with the scripted plugin on route `s`, exponential backoff from 1s without jitter, at
 /// most 3 attempts, and a 300ms plugin timeout.
 async fn setup(db: TestDb) -> Setup {
+    setup_with(db, "").await
+}
+
+/// As [`setup`], with more `[relay]` keys.
+async fn setup_with(db: TestDb, relay: &str) -> Setup {
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let config = db.config(&format!(
         r#"
         [relay]
         lease = "10s"
+        {relay}
         [plugins]
         dir = {plugins:?}
         timeout = "300ms"
@@ -41,6 +47,13 @@ async fn setup(db: TestDb) -> Setup {
         config = {{ reject = "bad value" }}
         [route.orphan]
         plugin = "not-installed"
+        [route.o]
+        plugin = "scripted"
+        ordered = true
+        [route.os]
+        plugin = "scripted"
+        ordered = true
+        ordered_after_failure = "skip"
         "#
     ));
     let clock = Arc::new(ManualClock::new(Utc.with_ymd_and_hms(2026, 5, 1, 8, 0, 0).unwrap()));
@@ -63,6 +76,14 @@ impl Setup {
 
     async fn row(&self, id: i64) -> ferry::event::EventRecord {
         self.db.store.get(id).await.unwrap().unwrap()
+    }
+
+    async fn status(&self, id: i64) -> Status {
+        self.row(id).await.status
+    }
+
+    async fn emit_keyed(&self, route: &str, event_type: &str, key: &str) -> i64 {
+        self.emit_event(NewEvent::new(route, event_type, "{}").with_key(key)).await
     }
 }
 
@@ -153,7 +174,99 @@ async fn routes_without_a_transport_fail_with_no_transport(db: TestDb) {
     }
 }
 
+async fn an_ordered_key_waits_for_its_head(db: TestDb) {
+    let s = setup(db).await;
+    let head = s.emit_keyed("o", "flaky", "k1").await;
+    let next = s.emit_keyed("o", "ok", "k1").await;
+    let other_key = s.emit_keyed("o", "ok", "k2").await;
+    let unkeyed = s.emit("o", "ok").await;
+    let unordered_route = s.emit_keyed("s", "ok", "k1").await;
+
+    let first = s.cycle().await;
+    assert_eq!((first.claimed, first.retried), (4, 1), "the head of k1 and everything not behind it");
+    assert_eq!(s.status(next).await, Status::Pending);
+    for id in [other_key, unkeyed, unordered_route] {
+        assert_eq!(s.status(id).await, Status::Sent, "event {id} is not held back by k1's retry");
+    }
+    assert_eq!(s.cycle().await.claimed, 0, "k1 waits while its head waits for the retry");
+    s.clock.advance(Duration::from_secs(1));
+    assert_eq!(s.cycle().await.sent, 1);
+    assert_eq!((s.status(head).await, s.status(next).await), (Status::Sent, Status::Pending), "one in flight per key");
+    assert_eq!(s.cycle().await.sent, 1);
+    assert_eq!(s.status(next).await, Status::Sent);
+}
+
+async fn a_failed_head_blocks_or_skips_its_key(db: TestDb) {
+    let s = setup(db).await;
+    let blocked_head = s.emit_keyed("o", "permanent", "k").await;
+    let blocked = s.emit_keyed("o", "ok", "k").await;
+    let skipped_head = s.emit_keyed("os", "permanent", "k").await;
+    let skipping = s.emit_keyed("os", "ok", "k").await;
+    assert_eq!(s.cycle().await.failed, 2);
+    assert_eq!(s.cycle().await.sent, 1);
+    assert_eq!(s.status(skipping).await, Status::Sent, "skip: the next event goes ahead");
+    assert_eq!(s.status(blocked).await, Status::Pending, "block: the key waits for the failed head");
+    assert_eq!(s.cycle().await.claimed, 0);
+
+    // Resending the failed head puts it first in line again, attempts reset.
+    assert_eq!(s.db.store.resend(&[blocked_head, skipped_head, blocked], s.clock.now()).await.unwrap(), 2);
+    let row = s.row(blocked_head).await;
+    assert_eq!((row.status, row.attempts, row.last_error, row.failure_reason), (Status::Pending, 0, None, None));
+    let again = s.cycle().await;
+    assert_eq!((again.claimed, again.failed), (2, 2), "both heads retried, the blocked event still waits");
+    assert_eq!(s.status(blocked).await, Status::Pending);
+}
+
+async fn retention_purges_old_sent_events_in_bounded_batches(db: TestDb) {
+    let s = setup_with(db, "retain_sent = \"1d\"\npurge_batch = 2").await;
+    let mut sent = Vec::new();
+    for _ in 0..5 {
+        sent.push(s.emit("s", "ok").await);
+    }
+    let failed = s.emit("s", "permanent").await;
+    s.cycle().await;
+    s.clock.advance(Duration::from_secs(86_400));
+    assert_eq!(s.ferry.relay.purge().await.unwrap(), 0, "exactly one day old is kept");
+    let young = s.emit("s", "ok").await;
+    s.cycle().await;
+    s.clock.advance(Duration::from_millis(1));
+    assert_eq!(s.ferry.relay.purge().await.unwrap(), 5);
+    for id in sent {
+        assert!(s.db.store.get(id).await.unwrap().is_none());
+    }
+    assert_eq!(s.status(failed).await, Status::Failed, "FAILED events are never purged by retention");
+    assert_eq!(s.status(young).await, Status::Sent);
+}
+
+async fn stuck_claims_are_recovered_by_housekeeping(db: TestDb) {
+    let s = setup(db).await;
+    let id = s.emit("s", "ok").await;
+    // Another instance claimed the event and died.
+    let now = s.clock.now();
+    let crashed = ferry::store::Claim {
+        now,
+        limit: 10,
+        lease_until: now + chrono::Duration::seconds(10),
+        instance: "crashed-instance".into(),
+        token: "gone".into(),
+        ordered_routes: vec![],
+        blocking_routes: vec![],
+    };
+    assert_eq!(s.db.store.claim(&crashed).await.unwrap().len(), 1);
+    s.ferry.relay.housekeeping().await;
+    assert_eq!(s.status(id).await, Status::Processing, "lease still valid");
+    s.clock.advance(Duration::from_secs(11));
+    s.ferry.relay.housekeeping().await;
+    assert_eq!(s.status(id).await, Status::Pending);
+    assert_eq!(s.cycle().await.sent, 1);
+    assert_eq!(s.row(id).await.attempts, 2);
+}
+
 crate::both_backends!(
+    an_ordered_key_waits_for_its_head,
+    a_failed_head_blocks_or_skips_its_key,
+    retention_purges_old_sent_events_in_bounded_batches,
+    stuck_claims_are_recovered_by_housekeeping,
     success_is_sent,
     transient_retries_with_backoff_then_fails,
     retry_after_hint_is_honoured,

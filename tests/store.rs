@@ -19,7 +19,15 @@ fn secs(n: i64) -> chrono::Duration {
 }
 
 fn claim(now: DateTime<Utc>, limit: u32, token: &str) -> Claim {
-    Claim { now, limit, lease_until: now + secs(300), instance: "test-instance".into(), token: token.into() }
+    Claim {
+        now,
+        limit,
+        lease_until: now + secs(300),
+        instance: "test-instance".into(),
+        token: token.into(),
+        ordered_routes: vec![],
+        blocking_routes: vec![],
+    }
 }
 
 fn done(id: i64, disposition: Disposition) -> Completion {
@@ -226,7 +234,40 @@ async fn execute(db: &TestDb, sql: &str) -> Result<(), sqlx::Error> {
     }
 }
 
+async fn resend_makes_failed_events_pending_again(db: TestDb) {
+    let s = &db.store;
+    let failed = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    let pending = s.insert(&NewEvent::new("r", "t", "{}").not_before(t0() + secs(3600)), t0()).await.unwrap();
+    s.claim(&claim(t0(), 10, "tok")).await.unwrap();
+    let reason = FailureReason::NoTransport;
+    s.complete("tok", t0(), &[done(failed, Disposition::Failed { reason, error: "none".into() })]).await.unwrap();
+
+    let later = t0() + secs(60);
+    assert_eq!(s.resend(&[failed, pending, 999_999], later).await.unwrap(), 1, "only FAILED events are resent");
+    let row = s.get(failed).await.unwrap().unwrap();
+    assert_eq!((row.status, row.attempts, row.next_attempt_at, row.last_status_at), (Status::Pending, 0, later, later));
+    assert_eq!((row.last_error, row.failure_reason, row.processed_at), (None, None, None));
+    let again = s.claim(&claim(later, 10, "t2")).await.unwrap();
+    assert_eq!((again[0].id, again[0].attempt), (failed, 1));
+}
+
+async fn purge_deletes_only_old_sent_events(db: TestDb) {
+    let s = &db.store;
+    for _ in 0..3 {
+        s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    }
+    let items: Vec<Completion> =
+        s.claim(&claim(t0(), 10, "tok")).await.unwrap().iter().map(|e| done(e.id, Disposition::Sent)).collect();
+    s.complete("tok", t0(), &items).await.unwrap();
+    assert_eq!(s.purge_sent(t0(), 10).await.unwrap(), 0, "not older than the cut-off");
+    assert_eq!(s.purge_sent(t0() + secs(1), 2).await.unwrap(), 2, "bounded by the limit");
+    assert_eq!(s.purge_sent(t0() + secs(1), 2).await.unwrap(), 1);
+    assert_eq!(s.counts().await.unwrap()[&Status::Sent], 0);
+}
+
 crate::both_backends!(
+    resend_makes_failed_events_pending_again,
+    purge_deletes_only_old_sent_events,
     claim_returns_due_events_in_order,
     complete_records_each_outcome,
     stored_attempt_limit_is_kept,

@@ -34,6 +34,12 @@ pub enum Command {
     Migrate,
     /// Insert one event into the outbox.
     Emit(EmitArgs),
+    /// Make FAILED events PENDING again (attempts and error reset) so the relay delivers them.
+    Resend {
+        /// Ids of the FAILED events.
+        #[arg(required = true)]
+        ids: Vec<i64>,
+    },
     /// Show how many events are in each status.
     Status {
         /// Print JSON instead of a table.
@@ -105,6 +111,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let store = service::open_store(&config).await?;
             let id = store.insert(&event, SystemClock.now()).await?;
             println!("{id}");
+            Ok(())
+        }
+        Command::Resend { ids } => {
+            let store = service::open_store(&config).await?;
+            let resent = store.resend(&ids, SystemClock.now()).await?;
+            println!("{resent} of {} events resent", ids.len());
+            if resent < ids.len() as u64 {
+                bail!("{} of the given events do not exist or are not FAILED", ids.len() as u64 - resent);
+            }
             Ok(())
         }
         Command::Status { json } => {

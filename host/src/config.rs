@@ -51,6 +51,9 @@ pub struct DatabaseConfig {
 pub struct RelayConfig {
     pub batch_size: u32,
     pub poll_interval: Dur,
+    pub idle_poll_max: Dur,
+    pub retain_sent: Retention,
+    pub purge_batch: u32,
     pub lease: Dur,
     pub recover_every: u32,
     pub shutdown_grace: Dur,
@@ -169,6 +172,39 @@ pub struct RouteConfig {
     pub config: BTreeMap<String, ConfigValue>,
     #[serde(default)]
     pub retry: RetryOverrides,
+    /// Deliver events sharing an ordering key one at a time, in id order.
+    #[serde(default)]
+    pub ordered: bool,
+    /// What a FAILED event does to the rest of its key on an ordered route.
+    #[serde(default)]
+    pub ordered_after_failure: AfterFailure,
+}
+
+/// On an ordered route, what happens to a key whose oldest unfinished event has FAILED.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AfterFailure {
+    /// Hold the key's later events until the failed one is resent (and delivered) or purged.
+    #[default]
+    Block,
+    /// Let the key's next event go ahead.
+    Skip,
+}
+
+/// How long SENT events are kept: a duration, or `"forever"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention(pub Option<Duration>);
+
+impl<'de> Deserialize<'de> for Retention {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        if text == "forever" {
+            return Ok(Retention(None));
+        }
+        parse_duration(&text)
+            .map(|d| Retention(Some(d)))
+            .map_err(|e| serde::de::Error::custom(format!("{e} or \"forever\"")))
+    }
 }
 
 /// A scalar route-config value, handed to the plugin as a string.
@@ -273,6 +309,12 @@ impl Config {
         if self.relay.poll_interval.0.is_zero() {
             return Err("relay.poll_interval must be greater than 0".into());
         }
+        if self.relay.idle_poll_max < self.relay.poll_interval {
+            return Err("relay.idle_poll_max must not be shorter than relay.poll_interval".into());
+        }
+        if self.relay.purge_batch == 0 {
+            return Err("relay.purge_batch must be at least 1".into());
+        }
         if self.relay.recover_every == 0 {
             return Err("relay.recover_every must be at least 1".into());
         }
@@ -341,6 +383,17 @@ impl Config {
         };
         let retry_after_max = o.retry_after_max.unwrap_or(global.retry_after_max).0;
         Ok(RetryPolicy { backoff, jitter, max_attempts, retry_after_max })
+    }
+
+    /// Routes that deliver per-key in order, and of those the ones a FAILED event blocks.
+    pub fn ordered_routes(&self) -> (Vec<String>, Vec<String>) {
+        let ordered: Vec<String> = self.route.iter().filter(|(_, r)| r.ordered).map(|(n, _)| n.clone()).collect();
+        let blocking = ordered
+            .iter()
+            .filter(|n| self.route[n.as_str()].ordered_after_failure == AfterFailure::Block)
+            .cloned()
+            .collect();
+        (ordered, blocking)
     }
 
     /// The instance name written to `claimed_by`.
@@ -417,6 +470,7 @@ mod tests {
         assert_eq!(c.database.url, "sqlite://ferry.db");
         assert_eq!(c.relay.batch_size, 100);
         assert_eq!(c.relay.lease.0, Duration::from_secs(300));
+        assert_eq!(c.relay.retain_sent, Retention(Some(Duration::from_secs(7 * 86_400))));
         let p = c.retry_policy_for(None).unwrap();
         assert_eq!(p.max_attempts, 6);
         assert_eq!(p.backoff, Backoff::Exponential { initial: Duration::from_secs(1), max: Duration::from_secs(3600) });
@@ -465,8 +519,38 @@ mod tests {
         assert!(e.contains("database.url") && !e.contains("secret"), "{e}");
         let e = err("[sandbox.log]\ndirs = { \"out\" = \"/tmp\" }");
         assert!(e.contains("sandbox.log.dirs"), "{e}");
+        let e = err("[relay]\nretain_sent = \"always\"");
+        assert!(e.contains("forever"), "{e}");
+        let e = err("[relay]\nidle_poll_max = \"10ms\"");
+        assert!(e.contains("relay.idle_poll_max"), "{e}");
+        let e = err("[route.a]\nplugin = \"log\"\nordered = true\nordered_after_failure = \"wait\"");
+        assert!(e.contains("wait"), "{e}");
         let e = err("not toml at all [");
         assert!(e.contains("test.toml"), "{e}");
+    }
+
+    #[test]
+    fn ordered_routes_and_their_failure_mode() {
+        let c = Config::from_toml_str(
+            r#"
+            [route.a]
+            plugin = "p"
+            ordered = true
+            [route.b]
+            plugin = "p"
+            ordered = true
+            ordered_after_failure = "skip"
+            [route.c]
+            plugin = "p"
+            "#,
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.ordered_routes(), (vec!["a".to_string(), "b".to_string()], vec!["a".to_string()]));
+        assert_eq!(
+            Config::from_toml_str("[relay]\nretain_sent = \"forever\"", "t").unwrap().relay.retain_sent,
+            Retention(None)
+        );
     }
 
     #[test]

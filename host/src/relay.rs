@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use rand::Rng;
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::{RetryDecision, RetryPolicy};
@@ -74,13 +75,21 @@ pub struct Relay {
     instance: String,
     batch_size: u32,
     poll_interval: Duration,
+    idle_poll_max: Duration,
     lease: Duration,
     recover_every: u32,
     shutdown_grace: Duration,
+    retain_sent: Option<Duration>,
+    purge_batch: u32,
+    ordered_routes: Vec<String>,
+    blocking_routes: Vec<String>,
+    /// Cuts an idle wait short: notified by the database listener or by in-process emitters.
+    wake: Arc<Notify>,
 }
 
 impl Relay {
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, config: &Config, routes: Routes) -> Self {
+        let (ordered_routes, blocking_routes) = config.ordered_routes();
         Self {
             store,
             clock,
@@ -88,33 +97,48 @@ impl Relay {
             instance: config.instance_id(),
             batch_size: config.relay.batch_size,
             poll_interval: config.relay.poll_interval.0,
+            idle_poll_max: config.relay.idle_poll_max.0,
             lease: config.relay.lease.0,
             recover_every: config.relay.recover_every,
             shutdown_grace: config.relay.shutdown_grace.0,
+            retain_sent: config.relay.retain_sent.0,
+            purge_batch: config.relay.purge_batch,
+            ordered_routes,
+            blocking_routes,
+            wake: Arc::new(Notify::new()),
         }
     }
 
-    /// Runs until `shutdown` is cancelled. Database errors are logged and retried; they never end
-    /// the loop.
+    /// Wakes the relay if it is waiting idle; for code in this process that has just emitted.
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Runs until `shutdown` is cancelled: claims as long as there is work, and waits (polling
+    /// with a growing interval, or for a database notification) when there is none. Database
+    /// errors are logged and retried; they never end the loop.
     pub async fn run(&self, shutdown: CancellationToken) {
-        tracing::info!(instance = %self.instance, batch_size = self.batch_size, "relay started");
+        let listening = self.store.spawn_waker(self.wake.clone(), shutdown.child_token());
+        tracing::info!(instance = %self.instance, batch_size = self.batch_size, listening, "relay started");
         let mut cycle: u64 = 0;
+        let mut idle_pause = self.poll_interval;
         let mut error_pause = self.poll_interval;
         while !shutdown.is_cancelled() {
-            if cycle.is_multiple_of(u64::from(self.recover_every))
-                && let Err(e) = self.recover().await
-            {
-                tracing::error!("stuck-claim recovery failed: {e}");
+            if cycle.is_multiple_of(u64::from(self.recover_every)) {
+                self.housekeeping().await;
             }
             cycle += 1;
             let pause = match self.cycle(&shutdown).await {
-                Ok(stats) if stats.claimed as u32 >= self.batch_size => {
-                    error_pause = self.poll_interval;
-                    continue; // a full batch: there is probably more waiting
+                Ok(stats) if stats.claimed > 0 => {
+                    // Work found: look again at once, and start idling afresh afterwards.
+                    (idle_pause, error_pause) = (self.poll_interval, self.poll_interval);
+                    continue;
                 }
                 Ok(_) => {
                     error_pause = self.poll_interval;
-                    self.poll_interval
+                    let pause = idle_pause;
+                    idle_pause = (idle_pause * 2).min(self.idle_poll_max);
+                    pause
                 }
                 Err(e) => {
                     tracing::error!("relay cycle failed, retrying in {error_pause:?}: {e}");
@@ -126,9 +150,39 @@ impl Relay {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 _ = tokio::time::sleep(pause) => {}
+                _ = self.wake.notified() => idle_pause = self.poll_interval,
             }
         }
         tracing::info!(instance = %self.instance, "relay stopped");
+    }
+
+    /// Stuck-claim recovery and retention; failures are logged, not fatal.
+    pub async fn housekeeping(&self) {
+        if let Err(e) = self.recover().await {
+            tracing::error!("stuck-claim recovery failed: {e}");
+        }
+        if let Err(e) = self.purge().await {
+            tracing::error!("purging old SENT events failed: {e}");
+        }
+    }
+
+    /// Deletes SENT events older than the retention period, in bounded statements so no lock is
+    /// held for long; at most ten statements per call, the rest waits for the next call.
+    pub async fn purge(&self) -> Result<u64, StoreError> {
+        let Some(retain) = self.retain_sent else { return Ok(0) };
+        let before = self.clock.now() - chrono::Duration::from_std(retain).unwrap_or(chrono::Duration::MAX);
+        let mut purged = 0;
+        for _ in 0..10 {
+            let n = self.store.purge_sent(before, self.purge_batch).await?;
+            purged += n;
+            if n < u64::from(self.purge_batch) {
+                break;
+            }
+        }
+        if purged > 0 {
+            tracing::info!(purged, "deleted SENT events past their retention");
+        }
+        Ok(purged)
     }
 
     /// Hands PROCESSING events with an expired lease back to PENDING.
@@ -155,6 +209,8 @@ impl Relay {
             lease_until: now + chrono::Duration::from_std(self.lease).unwrap_or(chrono::Duration::MAX),
             instance: self.instance.clone(),
             token: token.clone(),
+            ordered_routes: self.ordered_routes.clone(),
+            blocking_routes: self.blocking_routes.clone(),
         };
         let events = self.store.claim(&claim).await?;
         if events.is_empty() {

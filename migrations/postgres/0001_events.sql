@@ -40,3 +40,23 @@ CREATE INDEX ferry_events_pending ON ferry_events (next_attempt_at, id) WHERE st
 CREATE INDEX ferry_events_processing ON ferry_events (lease_until) WHERE status = 'PROCESSING';
 -- Serves counting, listing and resending failed events.
 CREATE INDEX ferry_events_failed ON ferry_events (id) WHERE status = 'FAILED';
+-- Serves retention: SENT rows by age.
+CREATE INDEX ferry_events_sent ON ferry_events (processed_at) WHERE status = 'SENT';
+-- Serves per-key ordering: the unfinished events of one key, oldest first.
+CREATE INDEX ferry_events_key ON ferry_events (route, ordering_key, id)
+    WHERE ordering_key IS NOT NULL AND status <> 'SENT';
+
+-- Wakes idle relays (LISTEN ferry_events) when events are committed or resent, so delivery does
+-- not wait for the next poll. Notifications are sent at commit, and duplicates within one
+-- transaction are folded into one.
+CREATE FUNCTION ferry_events_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('ferry_events', '');
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER ferry_events_inserted AFTER INSERT ON ferry_events
+    FOR EACH STATEMENT EXECUTE FUNCTION ferry_events_notify();
+CREATE TRIGGER ferry_events_resent AFTER UPDATE OF status ON ferry_events
+    FOR EACH ROW WHEN (OLD.status = 'FAILED' AND NEW.status = 'PENDING')
+    EXECUTE FUNCTION ferry_events_notify();

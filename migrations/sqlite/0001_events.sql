@@ -31,3 +31,6 @@ CREATE TABLE ferry_events (
 CREATE INDEX ferry_events_pending ON ferry_events (next_attempt_at, id) WHERE status = 'PENDING';
 CREATE INDEX ferry_events_processing ON ferry_events (lease_until) WHERE status = 'PROCESSING';
 CREATE INDEX ferry_events_failed ON ferry_events (id) WHERE status = 'FAILED';
+CREATE INDEX ferry_events_sent ON ferry_events (processed_at) WHERE status = 'SENT';
+CREATE INDEX ferry_events_key ON ferry_events (route, ordering_key, id)
+    WHERE ordering_key IS NOT NULL AND status <> 'SENT';

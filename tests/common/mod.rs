@@ -205,3 +205,62 @@ pub async fn emit_in_transaction(db: &TestDb, event: &ferry::NewEvent, commit: b
         Backend::Postgres => in_tx!(db.postgres.as_ref().unwrap().pool()),
     }
 }
+
+/// A ferry relay running in the background of a test.
+pub struct Running {
+    shutdown: tokio_util::sync::CancellationToken,
+    relay: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Starts ferry with `config` on the system clock and runs its relay until [`Running::stop`].
+    pub async fn start(config: &Config) -> Running {
+        let ferry =
+            ferry::service::Ferry::start(config, Arc::new(ferry::clock::SystemClock)).await.expect("ferry starts");
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let token = shutdown.clone();
+        let relay = tokio::spawn(async move { ferry.relay.run(token).await });
+        Running { shutdown, relay }
+    }
+
+    /// Asks the relay to stop and waits until it has.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.relay.await.expect("relay task ends cleanly");
+    }
+}
+
+/// Counts of one status, for polling.
+pub async fn count(store: &Arc<dyn Store>, status: ferry::event::Status) -> u64 {
+    store.counts().await.expect("counts")[&status]
+}
+
+/// One line a `scripted` plugin recorded: a successful delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivery {
+    pub id: i64,
+    pub key: String,
+    pub attempt: u32,
+    pub nanos: u128,
+}
+
+/// Every delivery recorded in the `*.log` files of `dir`, in time order.
+pub fn deliveries(dir: &Path) -> Vec<Delivery> {
+    let mut all = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("record dir") {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "log") {
+            for line in std::fs::read_to_string(&path).unwrap().lines() {
+                let f: Vec<&str> = line.split(' ').collect();
+                all.push(Delivery {
+                    id: f[0].parse().unwrap(),
+                    key: f[1].to_string(),
+                    attempt: f[2].parse().unwrap(),
+                    nanos: f[3].parse().unwrap(),
+                });
+            }
+        }
+    }
+    all.sort_by_key(|d| (d.nanos, d.id));
+    all
+}

@@ -42,6 +42,11 @@ pub struct Claim {
     pub instance: String,
     /// Fences every later write of this claim.
     pub token: String,
+    /// Routes whose events are delivered one at a time per ordering key: only the oldest
+    /// unfinished event of a key can be claimed.
+    pub ordered_routes: Vec<String>,
+    /// Of the ordered routes, those where a FAILED event still holds back the rest of its key.
+    pub blocking_routes: Vec<String>,
 }
 
 /// An event whose lease expired and that was handed back to PENDING.
@@ -78,6 +83,21 @@ pub trait Store: std::fmt::Debug + Send + Sync {
 
     /// Moves PROCESSING events whose lease expired before `now` back to PENDING.
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError>;
+
+    /// Makes FAILED events PENDING again, due at `now`, with attempts and error reset (the
+    /// operator's resend). Returns how many were FAILED and are now PENDING.
+    async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
+
+    /// Deletes up to `limit` SENT events processed before `before`. Returns how many went.
+    async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError>;
+
+    /// Starts a background task that calls `wake.notify_one()` whenever another process commits a
+    /// new or resent event, until `stop`. Returns false if the backend cannot do that (SQLite),
+    /// leaving the relay to polling.
+    fn spawn_waker(&self, wake: Arc<tokio::sync::Notify>, stop: tokio_util::sync::CancellationToken) -> bool {
+        let _ = (wake, stop);
+        false
+    }
 
     /// Number of events per status (statuses with no events are included as zero).
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError>;

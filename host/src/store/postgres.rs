@@ -1,13 +1,18 @@
 //! The PostgreSQL store: claims with `FOR UPDATE SKIP LOCKED` so any number of ferry instances
-//! share one outbox, and records outcomes with one `UNNEST` statement per outcome kind.
+//! share one outbox, records outcomes with one `UNNEST` statement per outcome kind, and wakes idle
+//! relays through LISTEN/NOTIFY.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Row};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use super::{Claim, Recovered, Store, StoreError, count, decode_headers, empty_counts, partition};
 use crate::emit::Outbox;
@@ -70,9 +75,14 @@ impl Store for PostgresStore {
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
         let rows = sqlx::query(
             "WITH picked AS (
-                 SELECT id FROM ferry_events
-                 WHERE status = 'PENDING' AND next_attempt_at <= $1
-                 ORDER BY next_attempt_at, id
+                 SELECT e.id FROM ferry_events e
+                 WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1
+                   AND (e.ordering_key IS NULL OR NOT (e.route = ANY($6)) OR NOT EXISTS (
+                        SELECT 1 FROM ferry_events p
+                        WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
+                          AND (p.status IN ('PENDING', 'PROCESSING')
+                               OR (p.status = 'FAILED' AND p.route = ANY($7)))))
+                 ORDER BY e.next_attempt_at, e.id
                  LIMIT $2
                  FOR UPDATE SKIP LOCKED
              )
@@ -89,6 +99,8 @@ impl Store for PostgresStore {
         .bind(&claim.instance)
         .bind(&claim.token)
         .bind(claim.lease_until)
+        .bind(&claim.ordered_routes)
+        .bind(&claim.blocking_routes)
         .fetch_all(&self.pool)
         .await?;
         let mut claimed: Vec<(DateTime<Utc>, ClaimedEvent)> = rows
@@ -209,6 +221,57 @@ impl Store for PostgresStore {
             .map_err(Into::into)
     }
 
+    async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "UPDATE ferry_events
+             SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
+                 processed_at = NULL, next_attempt_at = $2, last_status_at = $2
+             WHERE id = ANY($1) AND status = 'FAILED'",
+        )
+        .bind(ids)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM ferry_events WHERE id IN (
+                 SELECT id FROM ferry_events
+                 WHERE status = 'SENT' AND processed_at < $1
+                 LIMIT $2
+                 FOR UPDATE SKIP LOCKED
+             )",
+        )
+        .bind(before)
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
+    }
+
+    fn spawn_waker(&self, wake: Arc<Notify>, stop: CancellationToken) -> bool {
+        let pool = self.pool.clone();
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(100);
+            while !stop.is_cancelled() {
+                match listen(&pool, &wake, &stop).await {
+                    Ok(()) => return,
+                    Err(e) => {
+                        tracing::warn!("LISTEN {NOTIFY_CHANNEL} interrupted, polling until it is back: {e}");
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                        pause = (pause * 2).min(Duration::from_secs(5));
+                    }
+                }
+            }
+        });
+        true
+    }
+
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
         let rows: Vec<(String, i64)> =
             sqlx::query_as("SELECT status, COUNT(*) FROM ferry_events GROUP BY status").fetch_all(&self.pool).await?;
@@ -227,6 +290,26 @@ impl Store for PostgresStore {
             .fetch_optional(&self.pool)
             .await?;
         Ok(row.as_ref().map(event_record).transpose()?)
+    }
+}
+
+/// The channel the `ferry_events_notify` trigger signals.
+const NOTIFY_CHANNEL: &str = "ferry_events";
+
+/// Forwards notifications to `wake` until `stop` (Ok) or the connection fails (Err).
+async fn listen(pool: &PgPool, wake: &Notify, stop: &CancellationToken) -> Result<(), sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(NOTIFY_CHANNEL).await?;
+    // Events committed while we were not listening would otherwise wait for the next poll.
+    wake.notify_one();
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            received = listener.try_recv() => match received? {
+                Some(_) => wake.notify_one(),
+                None => return Err(sqlx::Error::PoolClosed),
+            },
+        }
     }
 }
 

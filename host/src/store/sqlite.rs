@@ -125,9 +125,14 @@ impl Store for SqliteStore {
              SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
                  claimed_by = ?3, claim_token = ?4, lease_until = ?5
              WHERE id IN (
-                 SELECT id FROM ferry_events
-                 WHERE status = 'PENDING' AND next_attempt_at <= ?1
-                 ORDER BY next_attempt_at, id
+                 SELECT e.id FROM ferry_events e
+                 WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1
+                   AND (e.ordering_key IS NULL OR e.route NOT IN (SELECT value FROM json_each(?6)) OR NOT EXISTS (
+                        SELECT 1 FROM ferry_events p
+                        WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
+                          AND (p.status IN ('PENDING', 'PROCESSING')
+                               OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))
+                 ORDER BY e.next_attempt_at, e.id
                  LIMIT ?2
              )
              RETURNING id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type,
@@ -138,6 +143,8 @@ impl Store for SqliteStore {
         .bind(&claim.instance)
         .bind(&claim.token)
         .bind(ms(claim.lease_until))
+        .bind(serde_json::to_string(&claim.ordered_routes).expect("strings serialize"))
+        .bind(serde_json::to_string(&claim.blocking_routes).expect("strings serialize"))
         .fetch_all(&self.pool)
         .await?;
         let mut claimed: Vec<(i64, ClaimedEvent)> = rows
@@ -245,6 +252,38 @@ impl Store for SqliteStore {
             .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
             .collect::<Result<_, sqlx::Error>>()
             .map_err(Into::into)
+    }
+
+    async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        let mut resent = 0;
+        for chunk in ids.chunks(500) {
+            let sql = format!(
+                "UPDATE ferry_events
+                 SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
+                     processed_at = NULL, next_attempt_at = ?1, last_status_at = ?1
+                 WHERE status = 'FAILED' AND id IN ({})",
+                placeholders(2, chunk.len())
+            );
+            let mut query = sqlx::query(&sql).bind(ms(now));
+            for id in chunk {
+                query = query.bind(id);
+            }
+            resent += query.execute(&self.pool).await?.rows_affected();
+        }
+        Ok(resent)
+    }
+
+    async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM ferry_events WHERE id IN (
+                 SELECT id FROM ferry_events WHERE status = 'SENT' AND processed_at < ?1 LIMIT ?2
+             )",
+        )
+        .bind(ms(before))
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {

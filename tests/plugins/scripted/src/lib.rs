@@ -2,17 +2,35 @@
 //! relay transition with a real wasm component:
 //!
 //! - `transient` → transient failure (retry-after from the `retry-after-ms` header, if any);
+//! - `flaky` → transient failure on the first attempt, success afterwards;
 //! - `permanent` → permanent failure;
 //! - `trap` → panics, trapping the whole batch;
 //! - `spin` → loops forever (the host must time it out);
 //! - anything else → success.
 //!
-//! Config: `reject = "yes"` makes `init` fail, to test routes whose plugin refuses its config.
+//! Config:
+//! - `reject` — any value makes `init` fail, to test routes whose plugin refuses its config;
+//! - `record` — a file (in a pre-opened directory) to which every successful delivery appends a
+//!   line `id key attempt nanos` (nanos: wall-clock time of the call), so tests can count
+//!   deliveries per event and check their order across instances;
+//! - `delay_ms` — sleep this long in every call, to keep batches in flight.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::sync::Mutex;
+use std::time::Duration;
 
 wit_bindgen::generate!({ path: "../../../wit", world: "transport-plugin" });
 
 use exports::ferry::transport::transport::{Event, Guest, Outcome, PluginInfo};
 use ferry::transport::types::Failure;
+
+struct Settings {
+    record: Option<File>,
+    delay: Duration,
+}
+
+static SETTINGS: Mutex<Settings> = Mutex::new(Settings { record: None, delay: Duration::ZERO });
 
 struct Scripted;
 
@@ -22,10 +40,26 @@ impl Guest for Scripted {
     }
 
     fn init(config: Vec<(String, String)>) -> Result<(), String> {
-        match config.iter().find(|(k, _)| k == "reject") {
-            Some((_, why)) => Err(format!("reject: told to refuse ({why})")),
-            None => Ok(()),
+        let mut settings = SETTINGS.lock().unwrap();
+        for (key, value) in config {
+            match key.as_str() {
+                "reject" => return Err(format!("reject: told to refuse ({value})")),
+                "record" => {
+                    let file = OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&value)
+                        .map_err(|e| format!("record: cannot open {value}: {e}"))?;
+                    settings.record = Some(file);
+                }
+                "delay_ms" => {
+                    let ms = value.parse().map_err(|_| format!("delay_ms: not a number: {value:?}"))?;
+                    settings.delay = Duration::from_millis(ms);
+                }
+                other => return Err(format!("unknown config key {other:?}")),
+            }
         }
+        Ok(())
     }
 
     fn deliver_batch(events: Vec<Event>) -> Vec<Outcome> {
@@ -36,7 +70,30 @@ impl Guest for Scripted {
             #[allow(clippy::empty_loop)]
             loop {}
         }
-        events.iter().map(outcome).collect()
+        let mut settings = SETTINGS.lock().unwrap();
+        if !settings.delay.is_zero() {
+            std::thread::sleep(settings.delay);
+        }
+        let outcomes: Vec<Outcome> = events.iter().map(outcome).collect();
+        if let Some(file) = settings.record.as_mut() {
+            let nanos =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+            let mut lines = String::new();
+            for (event, outcome) in events.iter().zip(&outcomes) {
+                if matches!(outcome, Outcome::Success) {
+                    let key = event.ordering_key.as_deref().unwrap_or("-");
+                    lines.push_str(&format!("{} {key} {} {nanos}\n", event.id, event.attempt));
+                }
+            }
+            if let Err(e) = file.write_all(lines.as_bytes()) {
+                let reason = format!("record: write failed: {e}");
+                return events
+                    .iter()
+                    .map(|_| Outcome::Transient(Failure { reason: reason.clone(), retry_after_ms: None }))
+                    .collect();
+            }
+        }
+        outcomes
     }
 }
 
@@ -47,6 +104,7 @@ fn outcome(event: &Event) -> Outcome {
     };
     match event.event_type.as_str() {
         "transient" => Outcome::Transient(failure("transient")),
+        "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),
         "permanent" => Outcome::Permanent(failure("permanent")),
         _ => Outcome::Success,
     }

@@ -5,4 +5,6 @@ mod common;
 mod e2e;
 mod engine;
 mod relay;
+mod reload;
+mod sandbox;
 mod store;

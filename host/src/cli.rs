@@ -2,6 +2,7 @@
 
 use std::io::Read as _;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
@@ -10,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, parse_duration};
 use crate::event::NewEvent;
+use crate::plugins::{Registry, Runtime};
 use crate::service;
 
 /// Delivers events from a transactional outbox through WebAssembly transport plugins.
@@ -40,11 +42,29 @@ pub enum Command {
         #[arg(required = true)]
         ids: Vec<i64>,
     },
+    /// Inspect transport plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCommand),
     /// Show how many events are in each status.
     Status {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PluginsCommand {
+    /// Load every plugin in the plugins directory and show what each is and which routes use it.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check that FILE is a transport ferry can load, and init it for the routes that would use it.
+    Check {
+        /// The component to check.
+        file: PathBuf,
     },
 }
 
@@ -113,6 +133,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{id}");
             Ok(())
         }
+        Command::Plugins(PluginsCommand::List { json }) => plugins_list(&config, json).await,
+        Command::Plugins(PluginsCommand::Check { file }) => plugins_check(&config, &file).await,
         Command::Resend { ids } => {
             let store = service::open_store(&config).await?;
             let resent = store.resend(&ids, SystemClock.now()).await?;
@@ -138,6 +160,41 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {
+    let runtime = Arc::new(Runtime::new(config)?);
+    let registry = Registry::new(runtime, Arc::new(config.clone()));
+    registry.load_dir().await?;
+    let (plugins, errors) = registry.status();
+    if json {
+        let errors: serde_json::Map<String, serde_json::Value> =
+            errors.iter().map(|(path, e)| (path.display().to_string(), e.clone().into())).collect();
+        println!("{}", serde_json::json!({ "plugins": plugins, "errors": errors }));
+        return Ok(());
+    }
+    println!("{:<16} {:<10} {:<14} {:<24} FILE", "NAME", "VERSION", "HASH", "ROUTES");
+    for p in &plugins {
+        let routes = if p.routes.is_empty() { "-".to_string() } else { p.routes.join(",") };
+        println!("{:<16} {:<10} {:<14} {:<24} {}", p.name, p.version, &p.hash[..12], routes, p.file.display());
+    }
+    for (path, error) in &errors {
+        println!("not loaded: {}: {error}", path.display());
+    }
+    Ok(())
+}
+
+async fn plugins_check(config: &Config, file: &std::path::Path) -> anyhow::Result<()> {
+    let runtime = Runtime::new(config)?;
+    let plugin = runtime.load(file).await?;
+    println!(
+        "ok: {} is the transport plugin {:?}, version {}, for ferry:transport (sha256 {})",
+        file.display(),
+        plugin.info.name,
+        plugin.info.version,
+        &plugin.hash[..12]
+    );
+    Ok(())
 }
 
 impl EmitArgs {

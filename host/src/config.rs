@@ -50,6 +50,7 @@ pub struct DatabaseConfig {
 #[serde(deny_unknown_fields)]
 pub struct RelayConfig {
     pub batch_size: u32,
+    pub workers: u32,
     pub poll_interval: Dur,
     pub idle_poll_max: Dur,
     pub retain_sent: Retention,
@@ -134,7 +135,50 @@ impl<'de> Deserialize<'de> for MaxAttempts {
 #[serde(deny_unknown_fields)]
 pub struct PluginsConfig {
     pub dir: PathBuf,
+    pub watch: bool,
+    pub debounce: Dur,
+    pub cache_dir: PathBuf,
     pub timeout: Dur,
+    pub memory: ByteSize,
+    pub instances: u32,
+    pub max_calls: u64,
+}
+
+/// The limits one plugin runs under, after per-plugin overrides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PluginLimits {
+    pub timeout: Duration,
+    pub memory: usize,
+    pub instances: usize,
+    pub max_calls: u64,
+}
+
+/// A size written as `"64MiB"`, `"512KiB"`, `"1GiB"` or a plain number of bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub usize);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        parse_size(&text).map(ByteSize).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses `"<number><unit>"` with unit `B`, `KiB`, `MiB` or `GiB`.
+pub fn parse_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let bad = || format!("invalid size {text:?} (write a whole number and a unit: 512KiB, 64MiB, 1GiB)");
+    let n: usize = number.parse().map_err(|_| bad())?;
+    let unit: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(unit).ok_or_else(bad)
 }
 
 /// What one plugin may touch. Everything not listed is denied.
@@ -150,6 +194,13 @@ pub struct SandboxConfig {
     /// Whether the plugin's stdout and stderr reach ferry's.
     #[serde(default = "yes")]
     pub stdio: bool,
+    /// `host:port` pairs the plugin may open TCP connections to.
+    #[serde(default)]
+    pub tcp: Vec<String>,
+    pub timeout: Option<Dur>,
+    pub memory: Option<ByteSize>,
+    pub instances: Option<u32>,
+    pub max_calls: Option<u64>,
 }
 
 fn yes() -> bool {
@@ -158,7 +209,16 @@ fn yes() -> bool {
 
 impl Default for SandboxConfig {
     fn default() -> Self {
-        Self { dirs: BTreeMap::new(), env: BTreeMap::new(), stdio: true }
+        Self {
+            dirs: BTreeMap::new(),
+            env: BTreeMap::new(),
+            stdio: true,
+            tcp: Vec::new(),
+            timeout: None,
+            memory: None,
+            instances: None,
+            max_calls: None,
+        }
     }
 }
 
@@ -318,14 +378,30 @@ impl Config {
         if self.relay.recover_every == 0 {
             return Err("relay.recover_every must be at least 1".into());
         }
-        if self.plugins.timeout.0.is_zero() {
-            return Err("plugins.timeout must be greater than 0".into());
+        if !(1..=64).contains(&self.relay.workers) {
+            return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));
         }
-        if self.relay.lease <= self.plugins.timeout {
-            return Err(format!(
-                "relay.lease ({}) must be longer than plugins.timeout ({}), or events would be recovered while still being delivered",
-                self.relay.lease, self.plugins.timeout
-            ));
+        let plugin_limits = std::iter::once(("plugins".to_string(), self.plugin_limits("")))
+            .chain(self.sandbox.keys().map(|name| (format!("sandbox.{name}"), self.plugin_limits(name))));
+        for (table, limits) in plugin_limits {
+            if limits.timeout.is_zero() {
+                return Err(format!("{table}.timeout must be greater than 0"));
+            }
+            if self.relay.lease.0 <= limits.timeout {
+                return Err(format!(
+                    "relay.lease ({}) must be longer than {table}.timeout ({:?}), or events would be recovered while still being delivered",
+                    self.relay.lease, limits.timeout
+                ));
+            }
+            if limits.memory < (1 << 20) {
+                return Err(format!("{table}.memory must be at least 1MiB"));
+            }
+            if !(1..=64).contains(&limits.instances) {
+                return Err(format!("{table}.instances must be between 1 and 64, got {}", limits.instances));
+            }
+            if limits.max_calls == 0 {
+                return Err(format!("{table}.max_calls must be at least 1"));
+            }
         }
         self.retry_policy_for(None).map_err(|e| format!("retry.{e}"))?;
         for (name, route) in &self.route {
@@ -335,6 +411,11 @@ impl Config {
             self.retry_policy_for(Some(name)).map_err(|e| format!("route.{name}.retry.{e}"))?;
         }
         for (plugin, sandbox) in &self.sandbox {
+            for target in &sandbox.tcp {
+                if target.rsplit_once(':').is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err()) {
+                    return Err(format!("sandbox.{plugin}.tcp: {target:?} is not host:port"));
+                }
+            }
             for guest in sandbox.dirs.keys() {
                 if !guest.starts_with('/') {
                     return Err(format!("sandbox.{plugin}.dirs: guest path {guest:?} must be absolute, like \"/out\""));
@@ -396,6 +477,23 @@ impl Config {
         (ordered, blocking)
     }
 
+    /// The limits plugin `name` runs under: `[plugins]` with `[sandbox.NAME]` overrides.
+    pub fn plugin_limits(&self, name: &str) -> PluginLimits {
+        let sandbox = self.sandbox.get(name);
+        let base = &self.plugins;
+        PluginLimits {
+            timeout: sandbox.and_then(|s| s.timeout).unwrap_or(base.timeout).0,
+            memory: sandbox.and_then(|s| s.memory).unwrap_or(base.memory).0,
+            instances: sandbox.and_then(|s| s.instances).unwrap_or(base.instances) as usize,
+            max_calls: sandbox.and_then(|s| s.max_calls).unwrap_or(base.max_calls),
+        }
+    }
+
+    /// The sandbox of plugin `name` (the default, deny-all one if none is configured).
+    pub fn sandbox_of(&self, name: &str) -> SandboxConfig {
+        self.sandbox.get(name).cloned().unwrap_or_default()
+    }
+
     /// The instance name written to `claimed_by`.
     pub fn instance_id(&self) -> String {
         if !self.relay.instance_id.is_empty() {
@@ -413,6 +511,9 @@ impl Config {
     fn resolve_paths(&mut self, base: &Path) {
         let join = |p: &Path| if p.is_relative() { base.join(p) } else { p.to_path_buf() };
         self.plugins.dir = join(&self.plugins.dir);
+        if !self.plugins.cache_dir.as_os_str().is_empty() {
+            self.plugins.cache_dir = join(&self.plugins.cache_dir);
+        }
         for sandbox in self.sandbox.values_mut() {
             for dir in sandbox.dirs.values_mut() {
                 *dir = join(dir);
@@ -525,6 +626,12 @@ mod tests {
         assert!(e.contains("relay.idle_poll_max"), "{e}");
         let e = err("[route.a]\nplugin = \"log\"\nordered = true\nordered_after_failure = \"wait\"");
         assert!(e.contains("wait"), "{e}");
+        let e = err("[sandbox.kafka]\ntcp = [\"localhost\"]");
+        assert!(e.contains("sandbox.kafka.tcp") && e.contains("host:port"), "{e}");
+        let e = err("[sandbox.slow]\ntimeout = \"10m\"");
+        assert!(e.contains("sandbox.slow.timeout") && e.contains("relay.lease"), "{e}");
+        let e = err("[plugins]\nmemory = \"lots\"");
+        assert!(e.contains("lots"), "{e}");
         let e = err("not toml at all [");
         assert!(e.contains("test.toml"), "{e}");
     }
@@ -551,6 +658,18 @@ mod tests {
             Config::from_toml_str("[relay]\nretain_sent = \"forever\"", "t").unwrap().relay.retain_sent,
             Retention(None)
         );
+    }
+
+    #[test]
+    fn plugin_limits_take_per_plugin_overrides() {
+        let c = Config::from_toml_str("[sandbox.big]\nmemory = \"256MiB\"\ninstances = 4", "t").unwrap();
+        let big = c.plugin_limits("big");
+        assert_eq!((big.memory, big.instances, big.timeout), (256 << 20, 4, Duration::from_secs(30)));
+        assert_eq!(c.plugin_limits("other").memory, 64 << 20);
+        assert_eq!(parse_size("512KiB"), Ok(512 << 10));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("100"), Ok(100));
+        assert!(parse_size("1.5GiB").is_err() && parse_size("64MB").is_err());
     }
 
     #[test]

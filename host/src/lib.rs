@@ -14,6 +14,7 @@ pub mod plugins;
 pub mod relay;
 pub mod service;
 pub mod store;
+pub mod watch;
 
 pub use emit::{Outbox, emit};
 pub use event::NewEvent;

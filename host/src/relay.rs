@@ -16,11 +16,8 @@ use crate::backoff::{RetryDecision, RetryPolicy};
 use crate::clock::Clock;
 use crate::config::Config;
 use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
-use crate::plugins::{Outcome, PluginFault, RouteTransport};
+use crate::plugins::{DeliverError, Outcome, RouteTransport};
 use crate::store::{Claim, Store, StoreError};
-
-/// Why a route has no transport; recorded as the event's error with reason `no_transport`.
-pub type Unavailable = String;
 
 /// What one relay cycle did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -33,17 +30,17 @@ pub struct CycleStats {
     pub fenced_off: usize,
 }
 
-/// Routes resolved to transports (or to the reason they have none), with their retry policies.
+/// Routes resolved to transports, with their retry policies.
 #[derive(Debug)]
 pub struct Routes {
-    transports: HashMap<String, Result<Arc<RouteTransport>, Unavailable>>,
+    transports: HashMap<String, Arc<RouteTransport>>,
     policies: HashMap<String, RetryPolicy>,
     default_policy: RetryPolicy,
 }
 
 impl Routes {
     /// Builds the route table from the config and the transports started for it.
-    pub fn new(config: &Config, transports: HashMap<String, Result<Arc<RouteTransport>, Unavailable>>) -> Self {
+    pub fn new(config: &Config, transports: HashMap<String, Arc<RouteTransport>>) -> Self {
         let policies = config
             .route
             .keys()
@@ -51,14 +48,6 @@ impl Routes {
             .collect();
         let default_policy = config.retry_policy_for(None).expect("validated at load");
         Self { transports, policies, default_policy }
-    }
-
-    fn transport(&self, route: &str) -> Result<&Arc<RouteTransport>, Unavailable> {
-        match self.transports.get(route) {
-            Some(Ok(transport)) => Ok(transport),
-            Some(Err(why)) => Err(why.clone()),
-            None => Err(format!("no route {route:?} is configured")),
-        }
     }
 
     fn policy(&self, route: &str) -> &RetryPolicy {
@@ -74,6 +63,7 @@ pub struct Relay {
     routes: Routes,
     instance: String,
     batch_size: u32,
+    workers: u32,
     poll_interval: Duration,
     idle_poll_max: Duration,
     lease: Duration,
@@ -96,6 +86,7 @@ impl Relay {
             routes,
             instance: config.instance_id(),
             batch_size: config.relay.batch_size,
+            workers: config.relay.workers,
             poll_interval: config.relay.poll_interval.0,
             idle_poll_max: config.relay.idle_poll_max.0,
             lease: config.relay.lease.0,
@@ -114,21 +105,27 @@ impl Relay {
         self.wake.notify_one();
     }
 
-    /// Runs until `shutdown` is cancelled: claims as long as there is work, and waits (polling
-    /// with a growing interval, or for a database notification) when there is none. Database
-    /// errors are logged and retried; they never end the loop.
+    /// Runs until `shutdown` is cancelled, with `relay.workers` batches in flight at most.
     pub async fn run(&self, shutdown: CancellationToken) {
         let listening = self.store.spawn_waker(self.wake.clone(), shutdown.child_token());
-        tracing::info!(instance = %self.instance, batch_size = self.batch_size, listening, "relay started");
+        tracing::info!(instance = %self.instance, batch_size = self.batch_size, workers = self.workers, listening, "relay started");
+        futures::future::join_all((0..self.workers).map(|worker| self.work(worker, &shutdown))).await;
+        tracing::info!(instance = %self.instance, "relay stopped");
+    }
+
+    /// One worker: claims as long as there is work, and waits (polling with a growing interval,
+    /// or for a wake-up) when there is none. Worker 0 also does the housekeeping. Database errors
+    /// are logged and retried; they never end the loop.
+    async fn work(&self, worker: u32, shutdown: &CancellationToken) {
         let mut cycle: u64 = 0;
         let mut idle_pause = self.poll_interval;
         let mut error_pause = self.poll_interval;
         while !shutdown.is_cancelled() {
-            if cycle.is_multiple_of(u64::from(self.recover_every)) {
+            if worker == 0 && cycle.is_multiple_of(u64::from(self.recover_every)) {
                 self.housekeeping().await;
             }
             cycle += 1;
-            let pause = match self.cycle(&shutdown).await {
+            let pause = match self.cycle(shutdown).await {
                 Ok(stats) if stats.claimed > 0 => {
                     // Work found: look again at once, and start idling afresh afterwards.
                     (idle_pause, error_pause) = (self.poll_interval, self.poll_interval);
@@ -153,7 +150,6 @@ impl Relay {
                 _ = self.wake.notified() => idle_pause = self.poll_interval,
             }
         }
-        tracing::info!(instance = %self.instance, "relay stopped");
     }
 
     /// Stuck-claim recovery and retention; failures are logged, not fatal.
@@ -264,13 +260,11 @@ impl Relay {
             }
         }
         let deliveries = by_route.into_iter().map(|(route, batch)| async move {
-            match self.routes.transport(route) {
-                Ok(transport) => {
-                    let result = transport.deliver(&batch).await;
-                    self.judge(&batch, result)
-                }
-                Err(why) => batch.iter().map(|e| self.fail(e, FailureReason::NoTransport, why.clone())).collect(),
-            }
+            let result = match self.routes.transports.get(route) {
+                Some(transport) => transport.deliver(&batch).await,
+                None => Err(DeliverError::NoTransport(format!("no route {route:?} is configured"))),
+            };
+            self.judge(&batch, result)
         });
         for done in futures::future::join_all(deliveries).await {
             completions.extend(done);
@@ -279,7 +273,7 @@ impl Relay {
     }
 
     /// Turns a plugin's answer for `batch` into completions.
-    fn judge(&self, batch: &[ClaimedEvent], result: Result<Vec<Outcome>, PluginFault>) -> Vec<Completion> {
+    fn judge(&self, batch: &[ClaimedEvent], result: Result<Vec<Outcome>, DeliverError>) -> Vec<Completion> {
         let now = self.clock.now();
         match result {
             Ok(outcomes) => batch
@@ -294,10 +288,13 @@ impl Relay {
                     }
                 })
                 .collect(),
-            Err(fault) => batch
+            Err(DeliverError::Fault(fault)) => batch
                 .iter()
                 .map(|event| self.retry_or_fail(event, now, fault.to_string(), None, FailureReason::PluginFault))
                 .collect(),
+            Err(DeliverError::NoTransport(why)) => {
+                batch.iter().map(|event| self.fail(event, FailureReason::NoTransport, why.clone())).collect()
+            }
         }
     }
 

@@ -1,7 +1,7 @@
-//! Start-up wiring: open and migrate the store, load the plugins, start a transport per route,
-//! and build the relay. `serve` is the same function in production and in tests.
+//! Start-up wiring: open and migrate the store, load the plugins (and watch for changes), make a
+//! transport per route, and build the relay. `serve` is the same function in production and in
+//! tests.
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -9,51 +9,37 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, redact_url};
-use crate::plugins::{Plugin, RouteTransport, Runtime};
+use crate::plugins::{Registry, Runtime, route_transports};
 use crate::relay::{Relay, Routes};
 use crate::store::{self, Store};
 
-/// A started ferry: everything `serve` runs, exposed so tests can drive single cycles.
+/// A started ferry: everything `serve` runs, exposed so tests can drive single cycles and reloads.
 #[derive(Debug)]
 pub struct Ferry {
     pub store: Arc<dyn Store>,
     pub relay: Relay,
-    pub plugins: BTreeMap<String, Arc<Plugin>>,
+    pub registry: Arc<Registry>,
 }
 
 impl Ferry {
-    /// Opens the database (migrating it), loads the plugins and starts every route's transport.
+    /// Opens the database (migrating it), loads the plugins and prepares every route's transport.
     /// A route whose plugin is missing or rejects its config is logged; its events fail with
-    /// reason `no_transport` and can be resent once it is fixed.
+    /// reason `no_transport` (and can be resent) until a working plugin is loaded.
     pub async fn start(config: &Config, clock: Arc<dyn Clock>) -> anyhow::Result<Ferry> {
         let store = open_store(config).await?;
-        let runtime = Arc::new(Runtime::new()?);
-        let plugins = runtime.load_dir(&config.plugins.dir).await?;
-        let mut transports = HashMap::new();
-        for (route, route_config) in &config.route {
-            let started = match plugins.get(&route_config.plugin) {
-                Some(plugin) => RouteTransport::start(runtime.clone(), plugin.clone(), route, config)
-                    .await
-                    .map(Arc::new)
-                    .map_err(|fault| fault.to_string()),
-                None => Err(format!(
-                    "plugin {:?} of route {route:?} is not loaded (loaded: {})",
-                    route_config.plugin,
-                    if plugins.is_empty() {
-                        "none".to_string()
-                    } else {
-                        plugins.keys().cloned().collect::<Vec<_>>().join(", ")
-                    }
-                )),
-            };
-            match &started {
-                Ok(t) => tracing::info!(route = %route, plugin = %t.plugin().info.name, "route ready"),
+        let config = Arc::new(config.clone());
+        let runtime = Arc::new(Runtime::new(&config)?);
+        let registry = Arc::new(Registry::new(runtime, config.clone()));
+        registry.load_dir().await?;
+        let transports = route_transports(&registry, &config);
+        for (route, transport) in &transports {
+            match transport.warm_up().await {
+                Ok(()) => tracing::info!(route = %route, plugin = %transport.plugin_name(), "route ready"),
                 Err(why) => tracing::error!(route = %route, "route has no transport: {why}"),
             }
-            transports.insert(route.clone(), started);
         }
-        let relay = Relay::new(store.clone(), clock, config, Routes::new(config, transports));
-        Ok(Ferry { store, relay, plugins })
+        let relay = Relay::new(store.clone(), clock, &config, Routes::new(&config, transports));
+        Ok(Ferry { store, relay, registry })
     }
 }
 
@@ -68,6 +54,9 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
 /// Runs ferry until `shutdown` is cancelled.
 pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Result<()> {
     let ferry = Ferry::start(config, Arc::new(SystemClock)).await?;
+    if config.plugins.watch {
+        crate::watch::spawn(ferry.registry.clone(), config.plugins.debounce.0, shutdown.child_token())?;
+    }
     ferry.relay.run(shutdown).await;
     Ok(())
 }

@@ -154,6 +154,26 @@ pub fn plugins_dir(parent: &Path, crates: &[&str]) -> PathBuf {
     dir
 }
 
+/// A copy of a built plugin that differs in its bytes (a trailing custom section named after
+/// `tag`) but not in behaviour: a new version for reload tests.
+pub fn plugin_variant(crate_name: &str, tag: &str) -> Vec<u8> {
+    let mut bytes = std::fs::read(built_plugin(crate_name)).expect("read plugin");
+    let name = format!("ferry-test-{tag}");
+    let mut section = vec![name.len() as u8];
+    section.extend_from_slice(name.as_bytes());
+    bytes.push(0); // custom section id
+    bytes.push(section.len() as u8); // size, as one LEB128 byte (short names only)
+    bytes.extend_from_slice(&section);
+    bytes
+}
+
+/// Writes `bytes` to `path` atomically (a temporary file renamed over it), as deployment tools do.
+pub fn install(path: &Path, bytes: &[u8]) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes).expect("write plugin");
+    std::fs::rename(&tmp, path).expect("rename plugin into place");
+}
+
 /// Polls `check` until it returns `Some`, failing the test with `what` after `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
 where
@@ -208,6 +228,7 @@ pub async fn emit_in_transaction(db: &TestDb, event: &ferry::NewEvent, commit: b
 
 /// A ferry relay running in the background of a test.
 pub struct Running {
+    pub registry: Arc<ferry::plugins::Registry>,
     shutdown: tokio_util::sync::CancellationToken,
     relay: tokio::task::JoinHandle<()>,
 }
@@ -217,10 +238,11 @@ impl Running {
     pub async fn start(config: &Config) -> Running {
         let ferry =
             ferry::service::Ferry::start(config, Arc::new(ferry::clock::SystemClock)).await.expect("ferry starts");
+        let registry = ferry.registry.clone();
         let shutdown = tokio_util::sync::CancellationToken::new();
         let token = shutdown.clone();
         let relay = tokio::spawn(async move { ferry.relay.run(token).await });
-        Running { shutdown, relay }
+        Running { registry, shutdown, relay }
     }
 
     /// Asks the relay to stop and waits until it has.

@@ -6,6 +6,13 @@
 //! - `permanent` → permanent failure;
 //! - `trap` → panics, trapping the whole batch;
 //! - `spin` → loops forever (the host must time it out);
+//! - `count` → permanent failure whose reason is `call N`, N counting this instance's calls (to
+//!   observe instance reuse and recycling);
+//! - `hog` → allocates memory without bound (the host's memory limit must stop it);
+//! - `connect` → opens a TCP connection to the address in the `addr` header: success if it
+//!   connects, permanent failure with the error otherwise;
+//! - `read` → reads the file named by the `path` header: success if it can, permanent failure
+//!   with the error otherwise;
 //! - anything else → success.
 //!
 //! Config:
@@ -29,6 +36,8 @@ struct Settings {
     record: Option<File>,
     delay: Duration,
 }
+
+static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 static SETTINGS: Mutex<Settings> = Mutex::new(Settings { record: None, delay: Duration::ZERO });
 
@@ -63,12 +72,27 @@ impl Guest for Scripted {
     }
 
     fn deliver_batch(events: Vec<Event>) -> Vec<Outcome> {
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if events.iter().any(|e| e.event_type == "count") {
+            let reason = format!("call {call}");
+            return events
+                .iter()
+                .map(|_| Outcome::Permanent(Failure { reason: reason.clone(), retry_after_ms: None }))
+                .collect();
+        }
         if events.iter().any(|e| e.event_type == "trap") {
             panic!("scripted trap");
         }
         if events.iter().any(|e| e.event_type == "spin") {
             #[allow(clippy::empty_loop)]
             loop {}
+        }
+        if events.iter().any(|e| e.event_type == "hog") {
+            let mut hoard: Vec<Vec<u8>> = Vec::new();
+            loop {
+                hoard.push(vec![1; 1 << 20]);
+                std::hint::black_box(&hoard);
+            }
         }
         let mut settings = SETTINGS.lock().unwrap();
         if !settings.delay.is_zero() {
@@ -102,7 +126,17 @@ fn outcome(event: &Event) -> Outcome {
         reason: format!("scripted {kind} failure of event {} (attempt {})", event.id, event.attempt),
         retry_after_ms: event.headers.iter().find(|(k, _)| k == "retry-after-ms").and_then(|(_, v)| v.parse().ok()),
     };
+    let header = |name: &str| event.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()).unwrap_or_default();
+    let refused = |what: String| Outcome::Permanent(Failure { reason: what, retry_after_ms: None });
     match event.event_type.as_str() {
+        "connect" => match std::net::TcpStream::connect(header("addr")) {
+            Ok(_) => Outcome::Success,
+            Err(e) => refused(format!("connect {}: {e}", header("addr"))),
+        },
+        "read" => match std::fs::read(header("path")) {
+            Ok(_) => Outcome::Success,
+            Err(e) => refused(format!("read {}: {e}", header("path"))),
+        },
         "transient" => Outcome::Transient(failure("transient")),
         "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),
         "permanent" => Outcome::Permanent(failure("permanent")),

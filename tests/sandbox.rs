@@ -1,0 +1,234 @@
+//! Plugins that misbehave on purpose: each test shows the host survives, the events get the
+//! right outcome and reason, and other routes keep flowing. Plus the sandbox: a plugin reaches
+//! only the addresses and directories it was granted, and bad plugin files are refused with a
+//! clear reason.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use chrono::{TimeZone, Utc};
+use ferry::NewEvent;
+use ferry::clock::{Clock, ManualClock};
+use ferry::event::{EventRecord, Status};
+use ferry::service::Ferry;
+use tokio_util::sync::CancellationToken;
+use tracing::instrument::WithSubscriber as _;
+
+use crate::common::{Backend, TestDb, built_plugin, plugins_dir};
+
+struct Setup {
+    db: TestDb,
+    clock: Arc<ManualClock>,
+    ferry: Ferry,
+}
+
+/// Ferry on SQLite with the scripted plugin on route `s` (a 300 ms timeout plus the sandbox
+/// settings `sandbox`) and the log plugin on route `ok`.
+async fn setup(sandbox: &str) -> Setup {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_transport_log"]);
+    let out = db.dir.path().join("out");
+    let config = db.config(&format!(
+        r#"
+        [plugins]
+        dir = {plugins:?}
+        [sandbox.scripted]
+        timeout = "300ms"
+        {sandbox}
+        [sandbox.log]
+        dirs = {{ "/out" = {out:?} }}
+        [route.s]
+        plugin = "scripted"
+        [route.ok]
+        plugin = "log"
+        config = {{ output = "/out/ok.jsonl" }}
+        "#
+    ));
+    let clock = Arc::new(ManualClock::new(Utc.with_ymd_and_hms(2026, 6, 1, 0, 0, 0).unwrap()));
+    let ferry = Ferry::start(&config, clock.clone()).await.expect("ferry starts");
+    Setup { db, clock, ferry }
+}
+
+impl Setup {
+    async fn emit(&self, event: NewEvent) -> i64 {
+        self.db.store.insert(&event, self.clock.now()).await.unwrap()
+    }
+
+    /// Emits `event` on route `s` next to an event on route `ok`, runs one cycle, and returns the
+    /// `s` event's row after checking that the `ok` event was delivered regardless.
+    async fn deliver_beside_a_healthy_route(&self, event: NewEvent) -> EventRecord {
+        let id = self.emit(event).await;
+        let healthy = self.emit(NewEvent::new("ok", "fine", "{}")).await;
+        self.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+        assert_eq!(
+            self.db.store.get(healthy).await.unwrap().unwrap().status,
+            Status::Sent,
+            "other routes keep flowing"
+        );
+        self.db.store.get(id).await.unwrap().unwrap()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traps_loops_and_memory_hogs_become_transient_failures() {
+    let s = setup("memory = \"16MiB\"").await;
+    let cases = [
+        ("hog", "plugin exceeded its 16 MiB memory limit"),
+        ("spin", "plugin timed out after 300ms"),
+        ("trap", "plugin trapped:"),
+        ("transient", "scripted transient failure"),
+    ];
+    for (kind, reason) in cases {
+        let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", kind, "{}")).await;
+        assert_eq!((row.status, row.attempts), (Status::Pending, 1), "{kind}: retried later");
+        let error = row.last_error.unwrap();
+        assert!(error.starts_with(reason), "{kind}: {error:?} should start with {reason:?}");
+    }
+    let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", "permanent", "{}")).await;
+    assert_eq!((row.status, row.failure_reason.as_deref()), (Status::Failed, Some("permanent")));
+    // After all that, the same plugin still delivers.
+    let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", "ok", "{}")).await;
+    assert_eq!(row.status, Status::Sent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_are_reused_then_recycled() {
+    let s = setup("instances = 1\nmax_calls = 2").await;
+    let mut reasons = Vec::new();
+    for _ in 0..5 {
+        let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", "count", "{}")).await;
+        reasons.push(row.last_error.unwrap());
+    }
+    // The warmed-up instance serves two calls, then a fresh one takes over, and so on.
+    assert_eq!(reasons, ["call 1", "call 2", "call 1", "call 2", "call 1"]);
+}
+
+/// A `tracing` subscriber writing into a buffer, to check what the host logged.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_reaches_only_its_tcp_allowlist() {
+    let allowed = TcpListener::bind("127.0.0.1:0").unwrap();
+    let other = TcpListener::bind("127.0.0.1:0").unwrap();
+    let (allowed, other) = (allowed.local_addr().unwrap(), other.local_addr().unwrap());
+    let s = setup(&format!("tcp = [\"{allowed}\"]")).await;
+    let log = Captured::default();
+    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer({
+        let log = log.clone();
+        move || log.clone()
+    });
+
+    let ok = s
+        .deliver_beside_a_healthy_route(NewEvent::new("s", "connect", "{}").with_header("addr", allowed.to_string()))
+        .with_subscriber(subscriber.finish())
+        .await;
+    assert_eq!(ok.status, Status::Sent, "{:?}", ok.last_error);
+
+    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer({
+        let log = log.clone();
+        move || log.clone()
+    });
+    let denied = s
+        .deliver_beside_a_healthy_route(NewEvent::new("s", "connect", "{}").with_header("addr", other.to_string()))
+        .with_subscriber(subscriber.finish())
+        .await;
+    assert_eq!(denied.status, Status::Failed);
+    let error = denied.last_error.unwrap();
+    assert!(error.starts_with(&format!("connect {other}: ")), "{error}");
+    let log = log.text();
+    assert!(log.contains("not on its tcp allowlist") && log.contains(&other.to_string()), "{log}");
+    assert!(log.contains("plugin=scripted"), "the warning names the plugin: {log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_sees_only_its_own_directories() {
+    let db_dir = tempfile::tempdir().unwrap();
+    let data = db_dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(data.join("granted.txt"), "yes").unwrap();
+    let s = setup(&format!("dirs = {{ \"/data\" = {data:?} }}")).await;
+    let read = |path: &str| NewEvent::new("s", "read", "{}").with_header("path", path);
+
+    let granted = s.deliver_beside_a_healthy_route(read("/data/granted.txt")).await;
+    assert_eq!(granted.status, Status::Sent, "{:?}", granted.last_error);
+    for outside in ["/etc/hostname", "/data/../../etc/hostname", "/data/../data/../../../etc/passwd"] {
+        let row = s.deliver_beside_a_healthy_route(read(outside)).await;
+        assert_eq!(row.status, Status::Failed, "{outside} must not be readable");
+        assert!(row.last_error.as_deref().unwrap().starts_with(&format!("read {outside}: ")), "{:?}", row.last_error);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_plugin_files_are_refused_with_a_reason_and_the_rest_load() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_test_other_world"]);
+    std::fs::write(plugins.join("garbage.wasm"), "this is not webassembly").unwrap();
+    let config = db.config(&format!("[plugins]\ndir = {plugins:?}\n[route.s]\nplugin = \"scripted\""));
+    let ferry = Ferry::start(&config, Arc::new(ferry::clock::SystemClock)).await.expect("ferry starts anyway");
+    let (loaded, errors) = ferry.registry.status();
+    assert_eq!(loaded.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["scripted"]);
+    assert_eq!(loaded[0].routes, ["s"]);
+    let garbage = &errors[&plugins.join("garbage.wasm")];
+    assert!(garbage.contains("is not a valid wasm component"), "{garbage}");
+    let other = &errors[&plugins.join("ferry_test_other_world.wasm")];
+    assert!(other.contains("does not export the ferry:transport world"), "{other}");
+
+    // The same verdicts from the command line, with exit codes.
+    let check = |file: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_ferry")).args(["plugins", "check"]).arg(file).output().unwrap()
+    };
+    let good = check(&built_plugin("ferry_test_scripted"));
+    assert!(good.status.success());
+    assert!(String::from_utf8_lossy(&good.stdout).contains("\"scripted\""));
+    for (file, message) in [
+        (plugins.join("garbage.wasm"), "is not a valid wasm component"),
+        (plugins.join("ferry_test_other_world.wasm"), "does not export the ferry:transport world"),
+        (plugins.join("missing.wasm"), "reading plugin"),
+    ] {
+        let out = check(&file);
+        assert_eq!(out.status.code(), Some(1), "{}", file.display());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(message), "{stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plugins_list_shows_versions_routes_and_errors() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    std::fs::write(plugins.join("broken.wasm"), [0, 97, 115, 109]).unwrap();
+    let config_path = db.dir.path().join("ferry.toml");
+    std::fs::write(&config_path, format!("[plugins]\ndir = {plugins:?}\n[route.a]\nplugin = \"scripted\"")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .arg("--config")
+        .arg(&config_path)
+        .args(["plugins", "list", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let scripted = &list["plugins"][0];
+    assert_eq!((scripted["name"].as_str(), scripted["routes"][0].as_str()), (Some("scripted"), Some("a")));
+    assert_eq!(scripted["hash"].as_str().unwrap().len(), 64);
+    let broken = list["errors"][plugins.join("broken.wasm").display().to_string()].as_str().unwrap();
+    assert!(broken.contains("not a valid wasm component"), "{broken}");
+}

@@ -197,6 +197,9 @@ pub struct SandboxConfig {
     /// `host:port` pairs the plugin may open TCP connections to.
     #[serde(default)]
     pub tcp: Vec<String>,
+    /// Origins (`scheme://host[:port]`) the plugin may send wasi:http requests to.
+    #[serde(default)]
+    pub http: Vec<String>,
     pub timeout: Option<Dur>,
     pub memory: Option<ByteSize>,
     pub instances: Option<u32>,
@@ -214,6 +217,7 @@ impl Default for SandboxConfig {
             env: BTreeMap::new(),
             stdio: true,
             tcp: Vec::new(),
+            http: Vec::new(),
             timeout: None,
             memory: None,
             instances: None,
@@ -416,6 +420,9 @@ impl Config {
                     return Err(format!("sandbox.{plugin}.tcp: {target:?} is not host:port"));
                 }
             }
+            for origin in &sandbox.http {
+                normalize_origin(origin).map_err(|e| format!("sandbox.{plugin}.http: {e}"))?;
+            }
             for guest in sandbox.dirs.keys() {
                 if !guest.starts_with('/') {
                     return Err(format!("sandbox.{plugin}.dirs: guest path {guest:?} must be absolute, like \"/out\""));
@@ -534,6 +541,23 @@ impl Config {
     }
 }
 
+/// An origin as `scheme://host:port`, with the scheme's default port filled in, so the allowlist
+/// and the requests compare equal however they were written.
+pub fn normalize_origin(text: &str) -> Result<String, String> {
+    let uri: http::Uri = text.parse().map_err(|e| format!("{text:?} is not an origin like https://host:port: {e}"))?;
+    let scheme = uri.scheme_str().ok_or_else(|| format!("{text:?} has no scheme (http:// or https://)"))?;
+    let default_port = match scheme {
+        "http" => 80,
+        "https" => 443,
+        other => return Err(format!("{text:?}: scheme {other:?} is not http or https")),
+    };
+    let host = uri.host().filter(|h| !h.is_empty()).ok_or_else(|| format!("{text:?} has no host"))?;
+    if uri.path_and_query().is_some_and(|p| p.as_str() != "/" && !p.as_str().is_empty()) {
+        return Err(format!("{text:?}: an origin has no path"));
+    }
+    Ok(format!("{scheme}://{}:{}", host.to_ascii_lowercase(), uri.port_u16().unwrap_or(default_port)))
+}
+
 /// Overlays `over` onto `base`, table by table.
 fn merge(base: &mut toml::Table, over: toml::Table) {
     for (key, value) in over {
@@ -628,6 +652,8 @@ mod tests {
         assert!(e.contains("wait"), "{e}");
         let e = err("[sandbox.kafka]\ntcp = [\"localhost\"]");
         assert!(e.contains("sandbox.kafka.tcp") && e.contains("host:port"), "{e}");
+        let e = err("[sandbox.web]\nhttp = [\"ftp://x\"]");
+        assert!(e.contains("sandbox.web.http") && e.contains("ftp"), "{e}");
         let e = err("[sandbox.slow]\ntimeout = \"10m\"");
         assert!(e.contains("sandbox.slow.timeout") && e.contains("relay.lease"), "{e}");
         let e = err("[plugins]\nmemory = \"lots\"");
@@ -658,6 +684,16 @@ mod tests {
             Config::from_toml_str("[relay]\nretain_sent = \"forever\"", "t").unwrap().relay.retain_sent,
             Retention(None)
         );
+    }
+
+    #[test]
+    fn origins_are_normalized() {
+        assert_eq!(normalize_origin("https://Hooks.Example.com").unwrap(), "https://hooks.example.com:443");
+        assert_eq!(normalize_origin("http://127.0.0.1:8080/").unwrap(), "http://127.0.0.1:8080");
+        assert_eq!(normalize_origin("http://h").unwrap(), "http://h:80");
+        for bad in ["h:80", "ftp://h", "https://h/path", "https://"] {
+            assert!(normalize_origin(bad).is_err(), "{bad} accepted");
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! next call gets a fresh one. Nothing a plugin does can stop the host.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,6 +24,9 @@ use wasmtime::{
 };
 use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+use wasmtime_wasi_http::{
+    Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView,
+};
 
 use crate::config::{Config, PluginLimits, SandboxConfig};
 use crate::event::ClaimedEvent;
@@ -90,10 +94,12 @@ impl ResourceLimiter for Limiter {
     }
 }
 
-/// What each instance's store carries: WASI state, the memory limiter, and the plugin's name for
-/// log lines.
+/// What each instance's store carries: WASI and wasi:http state, the memory limiter, and the
+/// plugin's name for log lines.
 pub struct HostState {
     wasi: WasiCtx,
+    http: WasiHttpCtx,
+    http_policy: HttpPolicy,
     table: ResourceTable,
     limiter: Limiter,
     plugin: Arc<str>,
@@ -102,6 +108,50 @@ pub struct HostState {
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl WasiHttpView for HostState {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.http_policy }
+    }
+}
+
+/// Outgoing wasi:http requests go only to the plugin's allowed origins; the `Host` header is set
+/// from the request's authority.
+struct HttpPolicy {
+    plugin: Arc<str>,
+    origins: Arc<HashSet<String>>,
+}
+
+impl WasiHttpHooks for HttpPolicy {
+    fn send_request(
+        &mut self,
+        request: http::Request<WasiBody>,
+        options: Option<RequestOptions>,
+        fut: Box<dyn Future<Output = Result<(), HttpError>> + Send>,
+    ) -> Box<
+        dyn Future<
+                Output = Result<
+                    (http::Response<WasiBody>, Box<dyn Future<Output = Result<(), HttpError>> + Send>),
+                    HttpError,
+                >,
+            > + Send,
+    > {
+        let _ = fut;
+        let uri = request.uri();
+        let origin =
+            format!("{}://{}", uri.scheme_str().unwrap_or("https"), uri.authority().map_or("", |a| a.as_str()));
+        let allowed = crate::config::normalize_origin(&origin).is_ok_and(|o| self.origins.contains(&o));
+        if !allowed {
+            tracing::warn!(plugin = %self.plugin, %origin, "plugin denied an HTTP request to an origin not on its http allowlist");
+            return Box::new(async { Err(HttpError::HttpRequestDenied) });
+        }
+        Box::new(async move {
+            use http_body_util::BodyExt;
+            let (response, io) = wasmtime_wasi_http::default_send_request(request, options).await?;
+            Ok((response.map(BodyExt::boxed_unsync), Box::new(io) as Box<dyn Future<Output = _> + Send>))
+        })
     }
 }
 
@@ -189,6 +239,7 @@ impl Runtime {
         };
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
+        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
@@ -287,8 +338,11 @@ impl Runtime {
                 Box::pin(async move { ok })
             });
         }
+        let origins = sandbox.http.iter().filter_map(|o| crate::config::normalize_origin(o).ok()).collect();
         let state = HostState {
             wasi: wasi.build(),
+            http: WasiHttpCtx::new(),
+            http_policy: HttpPolicy { plugin: plugin.clone(), origins: Arc::new(origins) },
             table: ResourceTable::new(),
             limiter: Limiter { max_memory: limits.memory, hit: false },
             plugin,

@@ -11,6 +11,8 @@
 //! - `hog` → allocates memory without bound (the host's memory limit must stop it);
 //! - `connect` → opens a TCP connection to the address in the `addr` header: success if it
 //!   connects, permanent failure with the error otherwise;
+//! - `http` → sends a wasi:http GET to `http://<authority header>/`: success on a 2xx answer,
+//!   permanent failure with the status or the error otherwise;
 //! - `read` → reads the file named by the `path` header: success if it can, permanent failure
 //!   with the error otherwise;
 //! - anything else → success.
@@ -133,6 +135,11 @@ fn outcome(event: &Event) -> Outcome {
             Ok(_) => Outcome::Success,
             Err(e) => refused(format!("connect {}: {e}", header("addr"))),
         },
+        "http" => match http_get(&header("authority")) {
+            Ok(status) if (200..300).contains(&status) => Outcome::Success,
+            Ok(status) => refused(format!("http {}: status {status}", header("authority"))),
+            Err(e) => refused(format!("http {}: {e}", header("authority"))),
+        },
         "read" => match std::fs::read(header("path")) {
             Ok(_) => Outcome::Success,
             Err(e) => refused(format!("read {}: {e}", header("path"))),
@@ -142,6 +149,22 @@ fn outcome(event: &Event) -> Outcome {
         "permanent" => Outcome::Permanent(failure("permanent")),
         _ => Outcome::Success,
     }
+}
+
+/// A plain wasi:http GET of `http://{authority}/`, returning the status code.
+fn http_get(authority: &str) -> Result<u16, String> {
+    use wasi::http::outgoing_handler;
+    use wasi::http::types::{Fields, Method, OutgoingRequest, Scheme};
+    let request = OutgoingRequest::new(Fields::new());
+    request.set_method(&Method::Get).map_err(|()| "bad method")?;
+    request.set_scheme(Some(&Scheme::Http)).map_err(|()| "bad scheme")?;
+    request.set_authority(Some(authority)).map_err(|()| format!("bad authority {authority:?}"))?;
+    request.set_path_with_query(Some("/")).map_err(|()| "bad path")?;
+    let pending = outgoing_handler::handle(request, None).map_err(|e| format!("{e:?}"))?;
+    pending.subscribe().block();
+    let response =
+        pending.get().ok_or("no response")?.map_err(|()| "response taken twice")?.map_err(|e| format!("{e:?}"))?;
+    Ok(response.status())
 }
 
 export!(Scripted);

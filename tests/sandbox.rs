@@ -178,6 +178,34 @@ async fn a_plugin_sees_only_its_own_directories() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_sees_only_the_environment_it_is_given() {
+    let s = setup("env = { GRANTED = \"yes\" }").await;
+    let env = |name: &str| NewEvent::new("s", "env", "{}").with_header("name", name);
+    let granted = s.deliver_beside_a_healthy_route(env("GRANTED")).await;
+    assert_eq!(granted.last_error.as_deref(), Some("env GRANTED=yes"));
+    assert!(std::env::var("PATH").is_ok(), "the host has PATH");
+    let host_only = s.deliver_beside_a_healthy_route(env("PATH")).await;
+    assert_eq!(host_only.last_error.as_deref(), Some("env PATH unset"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_pool_instances_are_allocated_on_demand() {
+    // No machine can reserve 512 slots of 4 TiB each: the pool cannot be created.
+    let s = setup("").await;
+    assert!(s.ferry.registry.runtime().pooling, "the pool is used when it can be");
+    drop(s);
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let config =
+        db.config(&format!("[plugins]\ndir = {plugins:?}\nmemory = \"4096GiB\"\n[route.s]\nplugin = \"scripted\""));
+    let ferry = Ferry::start(&config, Arc::new(ferry::clock::SystemClock)).await.expect("ferry starts without a pool");
+    assert!(!ferry.registry.runtime().pooling);
+    let id = db.store.insert(&NewEvent::new("s", "ok", "{}"), ferry::clock::SystemClock.now()).await.unwrap();
+    ferry.relay.cycle(&CancellationToken::new()).await.unwrap();
+    assert_eq!(db.store.get(id).await.unwrap().unwrap().status, Status::Sent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_plugin_files_are_refused_with_a_reason_and_the_rest_load() {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_test_other_world"]);

@@ -13,6 +13,8 @@
 //!   connects, permanent failure with the error otherwise;
 //! - `http` → sends a wasi:http GET to `http://<authority header>/`: success on a 2xx answer,
 //!   permanent failure with the status or the error otherwise;
+//! - `env` → permanent failure whose reason is `env NAME=VALUE` (or `env NAME unset`) for the
+//!   variable named by the `name` header, to observe what environment the plugin sees;
 //! - `read` → reads the file named by the `path` header: success if it can, permanent failure
 //!   with the error otherwise;
 //! - anything else → success.
@@ -139,6 +141,10 @@ fn outcome(event: &Event) -> Outcome {
             Ok(status) if (200..300).contains(&status) => Outcome::Success,
             Ok(status) => refused(format!("http {}: status {status}", header("authority"))),
             Err(e) => refused(format!("http {}: {e}", header("authority"))),
+        },
+        "env" => match std::env::var(header("name")) {
+            Ok(value) => refused(format!("env {}={value}", header("name"))),
+            Err(_) => refused(format!("env {} unset", header("name"))),
         },
         "read" => match std::fs::read(header("path")) {
             Ok(_) => Outcome::Success,

@@ -4,6 +4,7 @@
 mod common;
 mod e2e;
 mod engine;
+mod http;
 mod relay;
 mod reload;
 mod sandbox;

@@ -16,7 +16,7 @@ use ferry::service::Ferry;
 use tokio_util::sync::CancellationToken;
 use tracing::instrument::WithSubscriber as _;
 
-use crate::common::{Backend, TestDb, built_plugin, plugins_dir};
+use crate::common::{Backend, Receiver, TestDb, built_plugin, plugins_dir};
 
 struct Setup {
     db: TestDb,
@@ -261,37 +261,11 @@ async fn plugins_list_shows_versions_routes_and_errors() {
     assert!(broken.contains("not a valid wasm component"), "{broken}");
 }
 
-/// A one-route HTTP/1.1 server answering 200 to everything and keeping each request's head.
-async fn http_receiver() -> (std::net::SocketAddr, Arc<Mutex<Vec<String>>>) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let heads = Arc::new(Mutex::new(Vec::new()));
-    let seen = heads.clone();
-    tokio::spawn(async move {
-        while let Ok((mut socket, _)) = listener.accept().await {
-            let seen = seen.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match socket.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                seen.lock().unwrap().push(String::from_utf8_lossy(&buf).into_owned());
-                let _ = socket.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
-            });
-        }
-    });
-    (addr, heads)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wasi_http_reaches_only_allowed_origins_with_the_right_host_header() {
-    let (allowed, requests) = http_receiver().await;
-    let (other, other_requests) = http_receiver().await;
+    let allowed_receiver = Receiver::start().await;
+    let other_receiver = Receiver::start().await;
+    let (allowed, other) = (allowed_receiver.addr, other_receiver.addr);
     let s = setup(&format!("http = [\"http://{allowed}\"]")).await;
     let get = |authority: std::net::SocketAddr| {
         NewEvent::new("s", "http", "{}").with_header("authority", authority.to_string())
@@ -299,13 +273,13 @@ async fn wasi_http_reaches_only_allowed_origins_with_the_right_host_header() {
 
     let ok = s.deliver_beside_a_healthy_route(get(allowed)).await;
     assert_eq!(ok.status, Status::Sent, "{:?}", ok.last_error);
-    let head = requests.lock().unwrap()[0].to_ascii_lowercase();
-    assert!(head.starts_with("get / http/1.1"), "{head}");
-    assert!(head.contains(&format!("host: {allowed}")), "the Host header names the origin: {head}");
+    let request = &allowed_receiver.requests()[0];
+    assert_eq!((request.method.as_str(), request.path.as_str()), ("GET", "/"));
+    assert_eq!(request.header("host"), Some(allowed.to_string().as_str()), "the Host header names the origin");
 
     let denied = s.deliver_beside_a_healthy_route(get(other)).await;
     assert_eq!(denied.status, Status::Failed);
     let error = denied.last_error.unwrap();
     assert!(error.starts_with(&format!("http {other}: ")) && error.contains("HttpRequestDenied"), "{error}");
-    assert!(other_requests.lock().unwrap().is_empty(), "nothing reached the origin that is not allowed");
+    assert!(other_receiver.requests().is_empty(), "nothing reached the origin that is not allowed");
 }

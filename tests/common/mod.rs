@@ -286,3 +286,103 @@ pub fn deliveries(dir: &Path) -> Vec<Delivery> {
     all.sort_by_key(|d| (d.nanos, d.id));
     all
 }
+
+/// One request a [`Receiver`] got.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub method: String,
+    pub path: String,
+    /// Header names lower-cased, in arrival order.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// A real HTTP/1.1 server on 127.0.0.1 that records every request and answers by path:
+/// `/fail` → 500, `/busy` → 429 with `Retry-After: 7`, `/reject` → 400 with a body, `/hang` →
+/// no answer for 30 s, anything else → 200.
+pub struct Receiver {
+    pub addr: std::net::SocketAddr,
+    requests: Arc<std::sync::Mutex<Vec<Received>>>,
+}
+
+impl Receiver {
+    pub async fn start() -> Receiver {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind receiver");
+        let addr = listener.local_addr().unwrap();
+        let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = requests.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                tokio::spawn(serve_connection(socket, log.clone()));
+            }
+        });
+        Receiver { addr, requests }
+    }
+
+    /// `http://<addr><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn requests(&self) -> Vec<Received> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+async fn serve_connection(mut socket: tokio::net::TcpStream, log: Arc<std::sync::Mutex<Vec<Received>>>) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buf = Vec::new();
+    loop {
+        // One request: the head, then Content-Length bytes of body.
+        let head_end = loop {
+            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+            let mut chunk = [0u8; 4096];
+            match socket.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+        let mut lines = head.split("\r\n");
+        let mut first = lines.next().unwrap_or_default().split(' ');
+        let (method, path) =
+            (first.next().unwrap_or_default().to_string(), first.next().unwrap_or_default().to_string());
+        let headers: Vec<(String, String)> = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        let length: usize =
+            headers.iter().find(|(n, _)| n == "content-length").and_then(|(_, v)| v.parse().ok()).unwrap_or(0);
+        while buf.len() < head_end + length {
+            let mut chunk = [0u8; 4096];
+            match socket.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let body = buf[head_end..head_end + length].to_vec();
+        buf.drain(..head_end + length);
+        log.lock().unwrap().push(Received { method, path: path.clone(), headers, body });
+        let answer: &[u8] = match path.as_str() {
+            "/fail" => b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n",
+            "/busy" => b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 0\r\n\r\n",
+            "/reject" => b"HTTP/1.1 400 Bad Request\r\ncontent-length: 20\r\n\r\nmissing field: total",
+            "/hang" => {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                return;
+            }
+            _ => b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
+        };
+        if socket.write_all(answer).await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! The pure parts of the webhook transport: configuration, signing and the mapping from an HTTP
+//! answer to an outcome. No I/O here, so it is unit-tested natively.
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+/// How one answer is judged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Success,
+    /// Retry later; the receiver may have asked for a delay (milliseconds).
+    Transient {
+        reason: String,
+        retry_after_ms: Option<u64>,
+    },
+    Permanent {
+        reason: String,
+    },
+}
+
+/// Longest response-body excerpt kept in a failure reason.
+pub const BODY_EXCERPT: usize = 200;
+
+/// 2xx → success; 408, 425, 429 and 5xx → transient (honouring `Retry-After` in seconds);
+/// anything else → permanent, with the status and the start of the body in the reason.
+pub fn judge(status: u16, retry_after: Option<&str>, body: &[u8]) -> Verdict {
+    let excerpt = excerpt(body);
+    let reason = if excerpt.is_empty() { format!("HTTP {status}") } else { format!("HTTP {status}: {excerpt}") };
+    match status {
+        200..=299 => Verdict::Success,
+        408 | 425 | 429 | 500..=599 => {
+            Verdict::Transient { reason, retry_after_ms: retry_after.and_then(parse_retry_after) }
+        }
+        _ => Verdict::Permanent { reason },
+    }
+}
+
+/// `Retry-After` as delay-seconds. (The HTTP-date form is rare for webhooks and ignored: the
+/// route's backoff applies then.)
+pub fn parse_retry_after(value: &str) -> Option<u64> {
+    value.trim().parse::<u64>().ok().map(|s| s.saturating_mul(1000))
+}
+
+/// The body's first characters, as text, on one line.
+pub fn excerpt(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let mut out: String = text.chars().take(BODY_EXCERPT).map(|c| if c.is_control() { ' ' } else { c }).collect();
+    if text.chars().count() > BODY_EXCERPT {
+        out.push('…');
+    }
+    out.trim().to_string()
+}
+
+/// A signing secret: `whsec_<base64>` as Standard Webhooks issues them, or raw text.
+pub fn secret_bytes(secret: &str) -> Result<Vec<u8>, String> {
+    match secret.strip_prefix("whsec_") {
+        Some(encoded) => STANDARD.decode(encoded).map_err(|e| format!("secret: whsec_ value is not base64: {e}")),
+        None => Ok(secret.as_bytes().to_vec()),
+    }
+}
+
+/// One `v1,<base64 HMAC-SHA256>` signature over `{id}.{timestamp}.{body}`.
+pub fn sign(secret: &[u8], id: &str, timestamp: u64, body: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(id.as_bytes());
+    mac.update(b".");
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    format!("v1,{}", STANDARD.encode(mac.finalize().into_bytes()))
+}
+
+/// The `webhook-signature` header: one signature per secret, space-separated, so receivers can
+/// rotate secrets without dropping deliveries.
+pub fn signature_header(secrets: &[Vec<u8>], id: &str, timestamp: u64, body: &[u8]) -> String {
+    secrets.iter().map(|s| sign(s, id, timestamp, body)).collect::<Vec<_>>().join(" ")
+}
+
+/// A parsed `http://` or `https://` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    pub https: bool,
+    pub authority: String,
+    pub path_and_query: String,
+}
+
+pub fn parse_url(url: &str) -> Result<Target, String> {
+    let (https, rest) = if let Some(rest) = url.strip_prefix("https://") {
+        (true, rest)
+    } else if let Some(rest) = url.strip_prefix("http://") {
+        (false, rest)
+    } else {
+        return Err(format!("url: {url:?} must start with http:// or https://"));
+    };
+    let (authority, path) = match rest.find(['/', '?']) {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    if authority.is_empty() {
+        return Err(format!("url: {url:?} has no host"));
+    }
+    let path = if path.starts_with('?') { format!("/{path}") } else { path.to_string() };
+    Ok(Target { https, authority: authority.to_string(), path_and_query: path })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_map_to_outcomes() {
+        let transient = |s| matches!(judge(s, None, b""), Verdict::Transient { .. });
+        let permanent = |s| matches!(judge(s, None, b""), Verdict::Permanent { .. });
+        for s in [200, 201, 204, 299] {
+            assert_eq!(judge(s, None, b""), Verdict::Success, "{s}");
+        }
+        for s in [408, 425, 429, 500, 502, 503, 504, 599] {
+            assert!(transient(s), "{s} is transient");
+        }
+        for s in [100, 301, 304, 400, 401, 403, 404, 409, 410, 413, 422, 451] {
+            assert!(permanent(s), "{s} is permanent");
+        }
+    }
+
+    #[test]
+    fn retry_after_and_body_reach_the_reason() {
+        assert_eq!(
+            judge(429, Some("7"), b"slow down"),
+            Verdict::Transient { reason: "HTTP 429: slow down".into(), retry_after_ms: Some(7000) }
+        );
+        assert_eq!(
+            judge(503, Some("Wed, 21 Oct 2015 07:28:00 GMT"), b""),
+            Verdict::Transient { reason: "HTTP 503".into(), retry_after_ms: None }
+        );
+        let long = "x".repeat(500);
+        let Verdict::Permanent { reason } = judge(400, None, long.as_bytes()) else { panic!() };
+        assert_eq!(reason.chars().count(), "HTTP 400: ".len() + BODY_EXCERPT + 1);
+        assert!(reason.ends_with('…'));
+        assert_eq!(excerpt(b"line\nbreak"), "line break");
+    }
+
+    #[test]
+    fn signatures_follow_standard_webhooks() {
+        // The example from the Standard Webhooks specification.
+        let secret = secret_bytes("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let body = br#"{"test": 2432232314}"#;
+        assert_eq!(
+            sign(&secret, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
+        let both = signature_header(&[secret.clone(), b"old".to_vec()], "id", 1, b"");
+        assert_eq!(both.split(' ').count(), 2);
+        assert!(secret_bytes("whsec_%%%").unwrap_err().contains("base64"));
+        assert_eq!(secret_bytes("plain").unwrap(), b"plain");
+    }
+
+    #[test]
+    fn urls_are_split_for_wasi_http() {
+        assert_eq!(
+            parse_url("https://hooks.example.com/in?x=1").unwrap(),
+            Target { https: true, authority: "hooks.example.com".into(), path_and_query: "/in?x=1".into() }
+        );
+        assert_eq!(parse_url("http://127.0.0.1:8080").unwrap().path_and_query, "/");
+        assert_eq!(parse_url("http://h?q").unwrap().path_and_query, "/?q");
+        assert!(parse_url("ftp://h").is_err());
+        assert!(parse_url("http:///x").is_err());
+    }
+}

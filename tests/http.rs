@@ -1,0 +1,166 @@
+//! The `http` webhook plugin, compiled from `plugins/http`, against a real HTTP server: what is
+//! sent (body, headers, Standard Webhooks signatures) and how every kind of answer maps to an
+//! outcome.
+
+use std::sync::Arc;
+
+use chrono::{TimeZone, Utc};
+use ferry::NewEvent;
+use ferry::clock::{Clock, ManualClock};
+use ferry::event::{EventRecord, Status};
+use ferry::service::Ferry;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{Backend, Receiver, TestDb, plugins_dir};
+
+/// The plugin's pure policy (signing, status mapping), compiled here too so its unit tests run
+/// natively and the receiver can check signatures with it.
+#[path = "../plugins/http/src/policy.rs"]
+mod policy;
+
+const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const OLD_SECRET: &str = "rotated-out";
+
+struct Setup {
+    db: TestDb,
+    clock: Arc<ManualClock>,
+    ferry: Ferry,
+}
+
+/// Ferry with the http plugin; `routes` maps route names to `(url, extra config)`.
+async fn setup(receiver: &Receiver, extra_origin: &str, routes: &[(&str, String, &str)]) -> Setup {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
+    let mut text = format!(
+        "[plugins]\ndir = {plugins:?}\n[sandbox.http]\nhttp = [\"http://{}\", \"{extra_origin}\"]\n",
+        receiver.addr
+    );
+    for (name, url, extra) in routes {
+        text.push_str(&format!("[route.{name}]\nplugin = \"http\"\nconfig = {{ url = \"{url}\"{extra} }}\n"));
+    }
+    let clock = Arc::new(ManualClock::new(Utc.with_ymd_and_hms(2026, 7, 1, 0, 0, 0).unwrap()));
+    let ferry = Ferry::start(&db.config(&text), clock.clone()).await.expect("ferry starts");
+    Setup { db, clock, ferry }
+}
+
+impl Setup {
+    async fn deliver(&self, events: Vec<NewEvent>) -> Vec<EventRecord> {
+        let mut ids = Vec::new();
+        for event in &events {
+            ids.push(self.db.store.insert(event, self.clock.now()).await.unwrap());
+        }
+        self.ferry.relay.cycle(&CancellationToken::new()).await.unwrap();
+        let mut rows = Vec::new();
+        for id in ids {
+            rows.push(self.db.store.get(id).await.unwrap().unwrap());
+        }
+        rows
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_carry_the_event_and_standard_signatures() {
+    let receiver = Receiver::start().await;
+    let config = format!(", secret = \"{SECRET}\", secret_previous = \"{OLD_SECRET}\", \"header.x-api-key\" = \"k1\"");
+    let s = setup(&receiver, "http://127.0.0.1:9", &[("hooks", receiver.url("/in?v=1"), &config)]).await;
+    let event = NewEvent::new("hooks", "order.paid", r#"{"order":42}"#).with_header("tenant", "acme");
+    let rows = s.deliver(vec![event]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+
+    let got = receiver.requests();
+    assert_eq!(got.len(), 1);
+    let r = &got[0];
+    assert_eq!((r.method.as_str(), r.path.as_str(), r.body.as_slice()), ("POST", "/in?v=1", &br#"{"order":42}"#[..]));
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(r.header("tenant"), Some("acme"));
+    assert_eq!(r.header("x-api-key"), Some("k1"));
+    assert_eq!(r.header("host"), Some(receiver.addr.to_string().as_str()));
+    let id = r.header("webhook-id").unwrap();
+    assert_eq!(id, rows[0].id.to_string(), "the id is stable across retries: the event id");
+    let timestamp: u64 = r.header("webhook-timestamp").unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    assert!(now.abs_diff(timestamp) < 60);
+    let signatures: Vec<&str> = r.header("webhook-signature").unwrap().split(' ').collect();
+    let expected =
+        [SECRET, OLD_SECRET].map(|s| policy::sign(&policy::secret_bytes(s).unwrap(), id, timestamp, &r.body));
+    assert_eq!(signatures, expected, "one valid signature per secret, current first");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_answer_maps_to_its_outcome() {
+    let receiver = Receiver::start().await;
+    // A port with nothing listening: connection refused.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let denied = Receiver::start().await;
+    let routes = [
+        ("ok", receiver.url("/ok"), ""),
+        ("fail", receiver.url("/fail"), ""),
+        ("busy", receiver.url("/busy"), ""),
+        ("reject", receiver.url("/reject"), ""),
+        ("hang", receiver.url("/hang"), ", timeout_ms = \"300\""),
+        ("refused", format!("http://{closed}/"), ""),
+        ("denied", denied.url("/ok"), ""),
+    ];
+    let s = setup(&receiver, &format!("http://{closed}"), &routes).await;
+    let events = routes.iter().map(|(route, _, _)| NewEvent::new(*route, "t", "{}")).collect();
+    let rows = s.deliver(events).await;
+    let by_route = |route: &str| rows.iter().find(|r| r.route == route).unwrap();
+    let now = s.clock.now();
+
+    assert_eq!(by_route("ok").status, Status::Sent);
+    let fail = by_route("fail");
+    assert_eq!((fail.status, fail.last_error.as_deref()), (Status::Pending, Some("HTTP 500")));
+    let busy = by_route("busy");
+    assert_eq!((busy.status, busy.last_error.as_deref()), (Status::Pending, Some("HTTP 429")));
+    assert_eq!(busy.next_attempt_at, now + chrono::Duration::seconds(7), "Retry-After is honoured");
+    let reject = by_route("reject");
+    assert_eq!((reject.status, reject.failure_reason.as_deref()), (Status::Failed, Some("permanent")));
+    assert_eq!(reject.last_error.as_deref(), Some("HTTP 400: missing field: total"));
+    for (route, needle) in [("hang", "Timeout"), ("refused", "ConnectionRefused")] {
+        let row = by_route(route);
+        assert_eq!(row.status, Status::Pending, "{route}: transient");
+        let error = row.last_error.as_deref().unwrap();
+        assert!(error.starts_with("request failed: ") && error.contains(needle), "{route}: {error}");
+    }
+    let denied_row = by_route("denied");
+    assert_eq!(
+        denied_row.status,
+        Status::Failed,
+        "an origin off the allowlist will not start working by itself: {:?}",
+        denied_row.last_error
+    );
+    assert!(denied_row.last_error.as_deref().unwrap().contains("HttpRequestDenied"));
+    assert!(denied.requests().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_sent_in_full_with_bounded_concurrency() {
+    let receiver = Receiver::start().await;
+    let s = setup(&receiver, "http://127.0.0.1:9", &[("hooks", receiver.url("/ok"), ", concurrency = \"4\"")]).await;
+    let events = (0..30).map(|i| NewEvent::new("hooks", "t", format!("{{\"n\":{i}}}"))).collect();
+    let rows = s.deliver(events).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent));
+    let mut bodies: Vec<String> =
+        receiver.requests().iter().map(|r| String::from_utf8(r.body.clone()).unwrap()).collect();
+    bodies.sort();
+    let mut expected: Vec<String> = (0..30).map(|i| format!("{{\"n\":{i}}}")).collect();
+    expected.sort();
+    assert_eq!(bodies, expected, "each event sent once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_route_config_is_refused_by_init() {
+    let receiver = Receiver::start().await;
+    let routes = [
+        ("nourl", String::new(), ""),
+        ("badurl", "ftp://x".to_string(), ""),
+        ("typo", receiver.url("/ok"), ", secrett = \"x\""),
+    ];
+    let text_routes: Vec<(&str, String, &str)> = routes.to_vec();
+    let s = setup(&receiver, "http://127.0.0.1:9", &text_routes).await;
+    let rows = s.deliver(routes.iter().map(|(r, _, _)| NewEvent::new(*r, "t", "{}")).collect()).await;
+    for (row, needle) in rows.iter().zip(["url:", "url:", "unknown config key \"secrett\""]) {
+        assert_eq!(row.failure_reason.as_deref(), Some("no_transport"));
+        assert!(row.last_error.as_deref().unwrap().contains(needle), "{:?}", row.last_error);
+    }
+}

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use sqlx::{ColumnIndex, Decode, Row, Type};
 
 pub use self::postgres::PostgresStore;
 pub use self::sqlite::SqliteStore;
@@ -116,9 +117,86 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<Arc<dyn Store>, 
     }
 }
 
-/// Zero for every status, to be filled from a `GROUP BY status` query.
-fn empty_counts() -> BTreeMap<Status, u64> {
-    Status::ALL.into_iter().map(|s| (s, 0)).collect()
+/// Counts per status from `SELECT status, COUNT(*) … GROUP BY status`, with zero for the rest.
+fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
+    let mut counts: BTreeMap<Status, u64> = Status::ALL.into_iter().map(|s| (s, 0)).collect();
+    for (status, n) in rows {
+        if let Ok(status) = status.parse() {
+            counts.insert(status, u64::try_from(n).unwrap_or(0));
+        }
+    }
+    counts
+}
+
+/// How a backend reads one (nullable) timestamp column: the only column type the two schemas
+/// store differently (TIMESTAMPTZ vs integer milliseconds).
+type TimeReader<R> = dyn Fn(&R, &str) -> Result<Option<DateTime<Utc>>, sqlx::Error>;
+
+fn required(row_time: Option<DateTime<Utc>>, column: &str) -> Result<DateTime<Utc>, sqlx::Error> {
+    row_time.ok_or_else(|| sqlx::Error::Decode(format!("{column} is NULL").into()))
+}
+
+/// Decodes a row of the claim's RETURNING list, on either backend.
+fn claimed_event<R>(row: &R, time: &TimeReader<R>) -> Result<ClaimedEvent, sqlx::Error>
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let id: i64 = row.try_get("id")?;
+    let (headers, defect) = decode_headers(id, &row.try_get::<String, _>("headers")?);
+    Ok(ClaimedEvent {
+        id,
+        route: row.try_get("route")?,
+        event_type: row.try_get("event_type")?,
+        ordering_key: row.try_get("ordering_key")?,
+        payload: row.try_get("payload")?,
+        content_type: row.try_get("content_type")?,
+        headers,
+        attempt: count(row.try_get("attempts")?),
+        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
+        event_time: required(time(row, "event_time")?, "event_time")?,
+        created_at: required(time(row, "created_at")?, "created_at")?,
+        defect,
+    })
+}
+
+/// Decodes a full row (`EVENT_COLUMNS` of either backend).
+fn event_record<R>(row: &R, time: &TimeReader<R>) -> Result<EventRecord, sqlx::Error>
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let status: String = row.try_get("status")?;
+    Ok(EventRecord {
+        id: row.try_get("id")?,
+        route: row.try_get("route")?,
+        event_type: row.try_get("event_type")?,
+        ordering_key: row.try_get("ordering_key")?,
+        payload: row.try_get("payload")?,
+        content_type: row.try_get("content_type")?,
+        headers: row.try_get("headers")?,
+        status: status.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?,
+        attempts: count(row.try_get("attempts")?),
+        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
+        event_time: required(time(row, "event_time")?, "event_time")?,
+        created_at: required(time(row, "created_at")?, "created_at")?,
+        last_status_at: required(time(row, "last_status_at")?, "last_status_at")?,
+        next_attempt_at: required(time(row, "next_attempt_at")?, "next_attempt_at")?,
+        processed_at: time(row, "processed_at")?,
+        last_error: row.try_get("last_error")?,
+        failure_reason: row.try_get("failure_reason")?,
+        claimed_by: row.try_get("claimed_by")?,
+        claim_token: row.try_get("claim_token")?,
+        lease_until: time(row, "lease_until")?,
+    })
 }
 
 /// Splits completions by kind so each kind is written with one statement.

@@ -14,7 +14,7 @@ use sqlx::{PgPool, Row};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::{Claim, Recovered, Store, StoreError, count, decode_headers, empty_counts, partition};
+use super::{Claim, Recovered, Store, StoreError, claimed_event, counts_by_status, event_record, partition};
 use crate::emit::Outbox;
 use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
@@ -105,7 +105,7 @@ impl Store for PostgresStore {
         .await?;
         let mut claimed: Vec<(DateTime<Utc>, ClaimedEvent)> = rows
             .iter()
-            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row)?)))
+            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row, &read_time)?)))
             .collect::<Result<_, sqlx::Error>>()?;
         // RETURNING does not keep the sub-select's order.
         claimed.sort_by_key(|(due, event)| (*due, event.id));
@@ -275,13 +275,7 @@ impl Store for PostgresStore {
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
         let rows: Vec<(String, i64)> =
             sqlx::query_as("SELECT status, COUNT(*) FROM ferry_events GROUP BY status").fetch_all(&self.pool).await?;
-        let mut counts = empty_counts();
-        for (status, n) in rows {
-            if let Ok(status) = status.parse() {
-                counts.insert(status, u64::try_from(n).unwrap_or(0));
-            }
-        }
-        Ok(counts)
+        Ok(counts_by_status(rows))
     }
 
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
@@ -289,7 +283,7 @@ impl Store for PostgresStore {
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(row.as_ref().map(event_record).transpose()?)
+        Ok(row.as_ref().map(|row| event_record(row, &read_time)).transpose()?)
     }
 }
 
@@ -318,47 +312,7 @@ fn pin(max_attempts: u32) -> i32 {
     i32::try_from(max_attempts).unwrap_or(i32::MAX)
 }
 
-fn claimed_event(row: &PgRow) -> Result<ClaimedEvent, sqlx::Error> {
-    let id: i64 = row.try_get("id")?;
-    let (headers, defect) = decode_headers(id, row.try_get("headers")?);
-    Ok(ClaimedEvent {
-        id,
-        route: row.try_get("route")?,
-        event_type: row.try_get("event_type")?,
-        ordering_key: row.try_get("ordering_key")?,
-        payload: row.try_get("payload")?,
-        content_type: row.try_get("content_type")?,
-        headers,
-        attempt: count(row.try_get("attempts")?),
-        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
-        event_time: row.try_get("event_time")?,
-        created_at: row.try_get("created_at")?,
-        defect,
-    })
-}
-
-fn event_record(row: &PgRow) -> Result<EventRecord, sqlx::Error> {
-    let status: String = row.try_get("status")?;
-    Ok(EventRecord {
-        id: row.try_get("id")?,
-        route: row.try_get("route")?,
-        event_type: row.try_get("event_type")?,
-        ordering_key: row.try_get("ordering_key")?,
-        payload: row.try_get("payload")?,
-        content_type: row.try_get("content_type")?,
-        headers: row.try_get("headers")?,
-        status: status.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?,
-        attempts: count(row.try_get("attempts")?),
-        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
-        event_time: row.try_get("event_time")?,
-        created_at: row.try_get("created_at")?,
-        last_status_at: row.try_get("last_status_at")?,
-        next_attempt_at: row.try_get("next_attempt_at")?,
-        processed_at: row.try_get("processed_at")?,
-        last_error: row.try_get("last_error")?,
-        failure_reason: row.try_get("failure_reason")?,
-        claimed_by: row.try_get("claimed_by")?,
-        claim_token: row.try_get("claim_token")?,
-        lease_until: row.try_get("lease_until")?,
-    })
+/// Timestamps are TIMESTAMPTZ.
+fn read_time(row: &PgRow, column: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    row.try_get(column)
 }

@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
 
-use super::{Claim, Recovered, Store, StoreError, count, decode_headers, empty_counts, partition};
+use super::{Claim, Recovered, Store, StoreError, claimed_event, counts_by_status, event_record, partition};
 use crate::emit::Outbox;
 use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
@@ -76,10 +76,6 @@ fn ms(t: DateTime<Utc>) -> i64 {
 fn time(ms: i64) -> Result<DateTime<Utc>, sqlx::Error> {
     DateTime::from_timestamp_millis(ms)
         .ok_or_else(|| sqlx::Error::Decode(format!("timestamp {ms} out of range").into()))
-}
-
-fn opt_time(row: &SqliteRow, column: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    row.try_get::<Option<i64>, _>(column)?.map(time).transpose()
 }
 
 /// `?1, ?2, …` placeholders for an `IN (…)` list starting at `first`.
@@ -149,7 +145,7 @@ impl Store for SqliteStore {
         .await?;
         let mut claimed: Vec<(i64, ClaimedEvent)> = rows
             .iter()
-            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row)?)))
+            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row, &read_time)?)))
             .collect::<Result<_, sqlx::Error>>()?;
         claimed.sort_by_key(|(due, event)| (*due, event.id));
         Ok(claimed.into_iter().map(|(_, event)| event).collect())
@@ -289,13 +285,7 @@ impl Store for SqliteStore {
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
         let rows: Vec<(String, i64)> =
             sqlx::query_as("SELECT status, COUNT(*) FROM ferry_events GROUP BY status").fetch_all(&self.pool).await?;
-        let mut counts = empty_counts();
-        for (status, n) in rows {
-            if let Ok(status) = status.parse() {
-                counts.insert(status, u64::try_from(n).unwrap_or(0));
-            }
-        }
-        Ok(counts)
+        Ok(counts_by_status(rows))
     }
 
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
@@ -303,51 +293,11 @@ impl Store for SqliteStore {
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(row.as_ref().map(event_record).transpose()?)
+        Ok(row.as_ref().map(|row| event_record(row, &read_time)).transpose()?)
     }
 }
 
-fn claimed_event(row: &SqliteRow) -> Result<ClaimedEvent, sqlx::Error> {
-    let id: i64 = row.try_get("id")?;
-    let (headers, defect) = decode_headers(id, row.try_get("headers")?);
-    Ok(ClaimedEvent {
-        id,
-        route: row.try_get("route")?,
-        event_type: row.try_get("event_type")?,
-        ordering_key: row.try_get("ordering_key")?,
-        payload: row.try_get("payload")?,
-        content_type: row.try_get("content_type")?,
-        headers,
-        attempt: count(row.try_get("attempts")?),
-        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
-        event_time: time(row.try_get("event_time")?)?,
-        created_at: time(row.try_get("created_at")?)?,
-        defect,
-    })
-}
-
-fn event_record(row: &SqliteRow) -> Result<EventRecord, sqlx::Error> {
-    let status: String = row.try_get("status")?;
-    Ok(EventRecord {
-        id: row.try_get("id")?,
-        route: row.try_get("route")?,
-        event_type: row.try_get("event_type")?,
-        ordering_key: row.try_get("ordering_key")?,
-        payload: row.try_get("payload")?,
-        content_type: row.try_get("content_type")?,
-        headers: row.try_get("headers")?,
-        status: status.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?,
-        attempts: count(row.try_get("attempts")?),
-        max_attempts: row.try_get::<Option<i32>, _>("max_attempts")?.map(count),
-        event_time: time(row.try_get("event_time")?)?,
-        created_at: time(row.try_get("created_at")?)?,
-        last_status_at: time(row.try_get("last_status_at")?)?,
-        next_attempt_at: time(row.try_get("next_attempt_at")?)?,
-        processed_at: opt_time(row, "processed_at")?,
-        last_error: row.try_get("last_error")?,
-        failure_reason: row.try_get("failure_reason")?,
-        claimed_by: row.try_get("claimed_by")?,
-        claim_token: row.try_get("claim_token")?,
-        lease_until: opt_time(row, "lease_until")?,
-    })
+/// Timestamps are stored as integer milliseconds.
+fn read_time(row: &SqliteRow, column: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    row.try_get::<Option<i64>, _>(column)?.map(time).transpose()
 }

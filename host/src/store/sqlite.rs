@@ -1,5 +1,5 @@
 //! The SQLite store: the embedded default. One file, WAL journal, timestamps as integer
-//! milliseconds. SQLite has a single writer, so a claim is one `UPDATE … RETURNING` statement that
+//! milliseconds; batches of ids and outcomes reach SQL as JSON arrays (`json_each`). SQLite has a single writer, so a claim is one `UPDATE … RETURNING` statement that
 //! takes the write lock before it reads, which makes concurrent claimers (threads or processes)
 //! see disjoint batches.
 
@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use serde_json::{Value, json};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
 
@@ -76,11 +77,6 @@ fn ms(t: DateTime<Utc>) -> i64 {
 fn time(ms: i64) -> Result<DateTime<Utc>, sqlx::Error> {
     DateTime::from_timestamp_millis(ms)
         .ok_or_else(|| sqlx::Error::Decode(format!("timestamp {ms} out of range").into()))
-}
-
-/// `?1, ?2, …` placeholders for an `IN (…)` list starting at `first`.
-fn placeholders(first: usize, n: usize) -> String {
-    (first..first + n).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ")
 }
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
@@ -152,57 +148,65 @@ impl Store for SqliteStore {
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
-        // SQLite runs in-process, so a statement per row inside one transaction costs no round
-        // trips; the transaction makes the batch a single commit.
+        // One statement per outcome kind, its rows passed as a JSON array, in one transaction.
         let parts = partition(items);
         let now = ms(now);
         let mut tx = self.pool.begin().await?;
         let mut updated = 0;
-        for c in &parts.sent {
+        if !parts.sent.is_empty() {
+            let rows: Vec<Value> = parts.sent.iter().map(|c| json!({"id": c.id, "max": c.max_attempts})).collect();
             updated += sqlx::query(
                 "UPDATE ferry_events
                  SET status = 'SENT', processed_at = ?2, last_status_at = ?2, claim_token = NULL,
-                     lease_until = NULL, max_attempts = COALESCE(max_attempts, ?3)
-                 WHERE id = ?1 AND claim_token = ?4 AND status = 'PROCESSING'",
+                     lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
+                 FROM (SELECT value->>'id' AS id, value->>'max' AS max FROM json_each(?1)) AS u
+                 WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'",
             )
-            .bind(c.id)
+            .bind(Value::Array(rows).to_string())
             .bind(now)
-            .bind(c.max_attempts)
             .bind(token)
             .execute(&mut *tx)
             .await?
             .rows_affected();
         }
-        for (c, at, error) in &parts.retry {
+        if !parts.retry.is_empty() {
+            let rows: Vec<Value> = parts
+                .retry
+                .iter()
+                .map(|(c, at, error)| json!({"id": c.id, "at": ms(*at), "error": error, "max": c.max_attempts}))
+                .collect();
             updated += sqlx::query(
                 "UPDATE ferry_events
-                 SET status = 'PENDING', next_attempt_at = ?2, last_error = ?3, last_status_at = ?4,
-                     claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(max_attempts, ?5)
-                 WHERE id = ?1 AND claim_token = ?6 AND status = 'PROCESSING'",
+                 SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = ?2,
+                     claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
+                 FROM (SELECT value->>'id' AS id, value->>'at' AS at, value->>'error' AS error,
+                              value->>'max' AS max FROM json_each(?1)) AS u
+                 WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'",
             )
-            .bind(c.id)
-            .bind(ms(*at))
-            .bind(*error)
+            .bind(Value::Array(rows).to_string())
             .bind(now)
-            .bind(c.max_attempts)
             .bind(token)
             .execute(&mut *tx)
             .await?
             .rows_affected();
         }
-        for (c, reason, error) in &parts.failed {
+        if !parts.failed.is_empty() {
+            let rows: Vec<Value> = parts
+                .failed
+                .iter()
+                .map(|(c, reason, error)| json!({"id": c.id, "reason": reason, "error": error, "max": c.max_attempts}))
+                .collect();
             updated += sqlx::query(
                 "UPDATE ferry_events
-                 SET status = 'FAILED', failure_reason = ?2, last_error = ?3, processed_at = ?4,
-                     last_status_at = ?4, claim_token = NULL, lease_until = NULL,
-                     max_attempts = COALESCE(max_attempts, ?5)
-                 WHERE id = ?1 AND claim_token = ?6 AND status = 'PROCESSING'",
+                 SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = ?2,
+                     last_status_at = ?2, claim_token = NULL, lease_until = NULL,
+                     max_attempts = COALESCE(ferry_events.max_attempts, u.max)
+                 FROM (SELECT value->>'id' AS id, value->>'reason' AS reason, value->>'error' AS error,
+                              value->>'max' AS max FROM json_each(?1)) AS u
+                 WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'",
             )
-            .bind(c.id)
-            .bind(*reason)
-            .bind(*error)
+            .bind(Value::Array(rows).to_string())
             .bind(now)
-            .bind(c.max_attempts)
             .bind(token)
             .execute(&mut *tx)
             .await?
@@ -213,23 +217,18 @@ impl Store for SqliteStore {
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
-        let mut released = 0;
-        // Bounded statement size: SQLite limits the number of bound parameters.
-        for chunk in ids.chunks(500) {
-            let sql = format!(
-                "UPDATE ferry_events
-                 SET status = 'PENDING', attempts = MAX(attempts - 1, 0), last_status_at = ?1,
-                     claim_token = NULL, lease_until = NULL
-                 WHERE claim_token = ?2 AND status = 'PROCESSING' AND id IN ({})",
-                placeholders(3, chunk.len())
-            );
-            let mut query = sqlx::query(&sql).bind(ms(now)).bind(token);
-            for id in chunk {
-                query = query.bind(id);
-            }
-            released += query.execute(&self.pool).await?.rows_affected();
-        }
-        Ok(released)
+        let done = sqlx::query(
+            "UPDATE ferry_events
+             SET status = 'PENDING', attempts = MAX(attempts - 1, 0), last_status_at = ?1,
+                 claim_token = NULL, lease_until = NULL
+             WHERE claim_token = ?2 AND status = 'PROCESSING' AND id IN (SELECT value FROM json_each(?3))",
+        )
+        .bind(ms(now))
+        .bind(token)
+        .bind(json!(ids).to_string())
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
@@ -251,22 +250,17 @@ impl Store for SqliteStore {
     }
 
     async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
-        let mut resent = 0;
-        for chunk in ids.chunks(500) {
-            let sql = format!(
-                "UPDATE ferry_events
-                 SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
-                     processed_at = NULL, next_attempt_at = ?1, last_status_at = ?1
-                 WHERE status = 'FAILED' AND id IN ({})",
-                placeholders(2, chunk.len())
-            );
-            let mut query = sqlx::query(&sql).bind(ms(now));
-            for id in chunk {
-                query = query.bind(id);
-            }
-            resent += query.execute(&self.pool).await?.rows_affected();
-        }
-        Ok(resent)
+        let done = sqlx::query(
+            "UPDATE ferry_events
+             SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
+                 processed_at = NULL, next_attempt_at = ?1, last_status_at = ?1
+             WHERE status = 'FAILED' AND id IN (SELECT value FROM json_each(?2))",
+        )
+        .bind(ms(now))
+        .bind(json!(ids).to_string())
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected())
     }
 
     async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {

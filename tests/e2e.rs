@@ -141,3 +141,76 @@ async fn the_binary_serves_emits_reports_and_stops_on_sigterm(db: TestDb) {
 }
 
 crate::both_backends!(events_flow_through_the_log_plugin, the_binary_serves_emits_reports_and_stops_on_sigterm);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_emits_from_files_and_stdin_defers_and_resends() {
+    use std::io::Write as _;
+    let db = TestDb::new(crate::common::Backend::Sqlite).await;
+    let config_path = db.dir.path().join("ferry.toml");
+    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n", db.url)).unwrap();
+    let ferry = |args: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        cmd.arg("--config").arg(&config_path).args(args).env_remove("FERRY_DATABASE_URL");
+        cmd
+    };
+    let id_of = |out: std::process::Output| -> i64 {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().trim().parse().unwrap()
+    };
+    assert!(ferry(&["migrate"]).output().unwrap().status.success());
+
+    let file = db.dir.path().join("payload.bin");
+    std::fs::write(&file, [1u8, 2, 3]).unwrap();
+    let from_file = id_of(ferry(&["emit", "r", "t", "--file"]).arg(&file).output().unwrap());
+    assert_eq!(store_payload(&db, from_file).await, vec![1, 2, 3]);
+
+    let mut child = ferry(&["emit", "r", "t", "-", "--header", "a=b"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"from stdin").unwrap();
+    let from_stdin = id_of(child.wait_with_output().unwrap());
+    assert_eq!(store_payload(&db, from_stdin).await, b"from stdin");
+    assert_eq!(db.store.get(from_stdin).await.unwrap().unwrap().headers, r#"{"a":"b"}"#);
+
+    let deferred = id_of(ferry(&["emit", "r", "t", "{}", "--delay", "5m"]).output().unwrap());
+    let row = db.store.get(deferred).await.unwrap().unwrap();
+    assert_eq!(row.next_attempt_at - row.created_at, chrono::Duration::minutes(5));
+
+    let bad = ferry(&["emit", "r", "t", "{}", "--header", "no-equals"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("NAME=VALUE"));
+    let bad = ferry(&["emit", "r", "t", "{}", "--delay", "soon"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("soon"));
+
+    // Resend: only FAILED events, and saying so when some are not.
+    let claim = ferry::store::Claim {
+        now: SystemClock.now() + chrono::Duration::seconds(1),
+        limit: 1,
+        lease_until: SystemClock.now() + chrono::Duration::minutes(5),
+        instance: "test".into(),
+        token: "tok".into(),
+        ordered_routes: vec![],
+        blocking_routes: vec![],
+    };
+    let claimed = db.store.claim(&claim).await.unwrap();
+    let failed = ferry::event::Completion {
+        id: claimed[0].id,
+        disposition: ferry::event::Disposition::Failed {
+            reason: ferry::event::FailureReason::Permanent,
+            error: "x".into(),
+        },
+        max_attempts: 6,
+    };
+    db.store.complete("tok", SystemClock.now(), &[failed]).await.unwrap();
+    let resent = ferry(&["resend", &claimed[0].id.to_string()]).output().unwrap();
+    assert!(resent.status.success(), "{}", String::from_utf8_lossy(&resent.stderr));
+    assert_eq!(db.store.get(claimed[0].id).await.unwrap().unwrap().status, Status::Pending);
+    let not_failed = ferry(&["resend", &deferred.to_string()]).output().unwrap();
+    assert_eq!(not_failed.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&not_failed.stderr).contains("not FAILED"));
+}
+
+async fn store_payload(db: &TestDb, id: i64) -> Vec<u8> {
+    db.store.get(id).await.unwrap().unwrap().payload
+}

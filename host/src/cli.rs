@@ -127,9 +127,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Emit(args) => {
-            let event = args.into_event()?;
+            let now = SystemClock.now();
+            let event = args.into_event(now)?;
             let store = service::open_store(&config).await?;
-            let id = store.insert(&event, SystemClock.now()).await?;
+            let id = store.insert(&event, now).await?;
             println!("{id}");
             Ok(())
         }
@@ -198,7 +199,8 @@ async fn plugins_check(config: &Config, file: &std::path::Path) -> anyhow::Resul
 }
 
 impl EmitArgs {
-    fn into_event(self) -> anyhow::Result<NewEvent> {
+    /// The event to emit at `now` (deferral is counted from it).
+    fn into_event(self, now: chrono::DateTime<chrono::Utc>) -> anyhow::Result<NewEvent> {
         let payload = match (&self.payload, &self.file) {
             (_, Some(path)) => {
                 std::fs::read(path).with_context(|| format!("reading payload file {}", path.display()))?
@@ -221,7 +223,7 @@ impl EmitArgs {
         }
         if let Some(delay) = self.delay {
             let delay = chrono::Duration::from_std(delay).context("--delay is too long")?;
-            event = event.not_before(SystemClock.now() + delay);
+            event = event.not_before(now + delay);
         }
         event.validate().map_err(anyhow::Error::msg)?;
         Ok(event)

@@ -708,10 +708,10 @@ impl RouteTransport {
     }
 
     /// Hands `events` to the plugin and returns one outcome per event, in order.
-    pub async fn deliver(&self, events: &[ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
+    pub async fn deliver(&self, events: &[&ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
         let mut instance = self.instance().await.map_err(DeliverError::NoTransport)?;
-        let wit_events: Vec<types::Event> = events.iter().map(to_wit).collect();
+        let wit_events: Vec<types::Event> = events.iter().map(|e| to_wit(e)).collect();
         instance.store.set_epoch_deadline(ticks(self.limits.timeout));
         let call = instance.bindings.ferry_transport_transport().call_deliver_batch(&mut instance.store, &wit_events);
         // The epoch deadline stops wasm code; this timeout also covers a call parked in the host.

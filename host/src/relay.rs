@@ -250,13 +250,13 @@ impl Relay {
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion
     /// per event.
     async fn deliver_all(&self, events: &[ClaimedEvent]) -> Vec<Completion> {
-        let mut by_route: BTreeMap<&str, Vec<ClaimedEvent>> = BTreeMap::new();
+        let mut by_route: BTreeMap<&str, Vec<&ClaimedEvent>> = BTreeMap::new();
         let mut completions = Vec::with_capacity(events.len());
         for event in events {
             if let Some(defect) = &event.defect {
                 completions.push(self.fail(event, FailureReason::InvalidEvent, defect.clone()));
             } else {
-                by_route.entry(&event.route).or_default().push(event.clone());
+                by_route.entry(&event.route).or_default().push(event);
             }
         }
         let deliveries = by_route.into_iter().map(|(route, batch)| async move {
@@ -273,7 +273,7 @@ impl Relay {
     }
 
     /// Turns a plugin's answer for `batch` into completions.
-    fn judge(&self, batch: &[ClaimedEvent], result: Result<Vec<Outcome>, DeliverError>) -> Vec<Completion> {
+    fn judge(&self, batch: &[&ClaimedEvent], result: Result<Vec<Outcome>, DeliverError>) -> Vec<Completion> {
         let now = self.clock.now();
         match result {
             Ok(outcomes) => batch

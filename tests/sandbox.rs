@@ -170,11 +170,20 @@ async fn a_plugin_sees_only_its_own_directories() {
 
     let granted = s.deliver_beside_a_healthy_route(read("/data/granted.txt")).await;
     assert_eq!(granted.status, Status::Sent, "{:?}", granted.last_error);
+    let log = Captured::default();
     for outside in ["/etc/hostname", "/data/../../etc/hostname", "/data/../data/../../../etc/passwd"] {
-        let row = s.deliver_beside_a_healthy_route(read(outside)).await;
+        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer({
+            let log = log.clone();
+            move || log.clone()
+        });
+        let row = s.deliver_beside_a_healthy_route(read(outside)).with_subscriber(subscriber.finish()).await;
         assert_eq!(row.status, Status::Failed, "{outside} must not be readable");
         assert!(row.last_error.as_deref().unwrap().starts_with(&format!("read {outside}: ")), "{:?}", row.last_error);
     }
+    // Climbing out of a granted directory reaches the host, which refuses and says so.
+    let log = log.text();
+    assert!(log.contains("denied access to a path outside its directories"), "{log}");
+    assert!(log.contains("plugin=scripted") && log.contains("../../etc/hostname"), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

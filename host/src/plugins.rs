@@ -240,6 +240,7 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
+        log_denied_file_access(&mut linker)?;
         TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
@@ -353,6 +354,44 @@ impl Runtime {
         store.epoch_deadline_trap();
         Ok(store)
     }
+}
+
+/// The WASI version of `wasi:filesystem` that wasmtime-wasi links.
+const WASI_FILESYSTEM_TYPES: &str = "wasi:filesystem/types@0.2.12";
+
+/// Replaces `descriptor.open-at` with a wrapper that calls wasmtime-wasi's own implementation and,
+/// when it refuses a path (one that climbs out of a granted directory), leaves a warning naming
+/// the plugin and the path. Paths outside every granted directory never reach the host: the
+/// guest's libc finds no directory to resolve them against and fails on its own.
+fn log_denied_file_access(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
+    use wasmtime::component::Resource;
+    use wasmtime_wasi::filesystem::WasiFilesystemView;
+    use wasmtime_wasi::p2::bindings::filesystem::types::{
+        Descriptor, DescriptorFlags, ErrorCode, Host as _, HostDescriptor as _, OpenFlags, PathFlags,
+    };
+    type Args = (Resource<Descriptor>, PathFlags, String, OpenFlags, DescriptorFlags);
+    linker.allow_shadowing(true);
+    let mut types = linker.instance(WASI_FILESYSTEM_TYPES).map_err(anyhow::Error::from)?;
+    types
+        .func_wrap_async("[method]descriptor.open-at", |mut store, (fd, path_flags, path, oflags, flags): Args| {
+            Box::new(async move {
+                let state = store.data_mut();
+                let plugin = state.plugin.clone();
+                let mut fs = state.filesystem();
+                let opened = fs.open_at(fd, path_flags, path.clone(), oflags, flags).await;
+                let result: Result<Resource<Descriptor>, ErrorCode> = match opened {
+                    Ok(fd) => Ok(fd),
+                    Err(e) => Err(fs.convert_error_code(e)?),
+                };
+                if let Err(ErrorCode::NotPermitted | ErrorCode::Access) = &result {
+                    tracing::warn!(plugin = %plugin, path = %path, "plugin denied access to a path outside its directories");
+                }
+                Ok((result,))
+            })
+        })
+        .map_err(anyhow::Error::from)?;
+    linker.allow_shadowing(false);
+    Ok(())
 }
 
 /// Epoch ticks covering `timeout`, at least one.

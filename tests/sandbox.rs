@@ -292,3 +292,50 @@ async fn wasi_http_reaches_only_allowed_origins_with_the_right_host_header() {
     assert!(error.starts_with(&format!("http {other}: ")) && error.contains("HttpRequestDenied"), "{error}");
     assert!(other_receiver.requests().is_empty(), "nothing reached the origin that is not allowed");
 }
+
+/// Runs two slow `count` events through ferry with two workers and `instances` instances of the
+/// plugin, and returns the reasons they failed with (`call N` per instance).
+async fn calls_seen_with(instances: u32) -> Vec<String> {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let config = db.config(&format!(
+        r#"
+        [relay]
+        batch_size = 1
+        workers = 2
+        poll_interval = "10ms"
+        idle_poll_max = "20ms"
+        [plugins]
+        dir = {plugins:?}
+        [sandbox.scripted]
+        instances = {instances}
+        [route.s]
+        plugin = "scripted"
+        config = {{ delay_ms = "500" }}
+        "#
+    ));
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        ids.push(db.store.insert(&NewEvent::new("s", "count", "{}"), ferry::clock::SystemClock.now()).await.unwrap());
+    }
+    let running = crate::common::Running::start(&config).await;
+    crate::common::eventually(std::time::Duration::from_secs(20), "both events answered", || async {
+        (crate::common::count(&db.store, Status::Failed).await == 2).then_some(())
+    })
+    .await;
+    running.stop().await;
+    let mut reasons = Vec::new();
+    for id in ids {
+        reasons.push(db.store.get(id).await.unwrap().unwrap().last_error.unwrap());
+    }
+    reasons.sort();
+    reasons
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_of_one_route_use_several_instances_at_once() {
+    // Two instances: the batches run side by side, each on its own instance's first call.
+    assert_eq!(calls_seen_with(2).await, ["call 1", "call 1"]);
+    // One instance: the second batch waits for it and is its second call.
+    assert_eq!(calls_seen_with(1).await, ["call 1", "call 2"]);
+}

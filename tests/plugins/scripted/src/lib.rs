@@ -24,7 +24,7 @@
 //! - `record` — a file (in a pre-opened directory) to which every successful delivery appends a
 //!   line `id key attempt nanos` (nanos: wall-clock time of the call), so tests can count
 //!   deliveries per event and check their order across instances;
-//! - `delay_ms` — sleep this long in every call, to keep batches in flight.
+//! - `delay_ms` — sleep this long in every call (before answering), to keep batches in flight.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -77,13 +77,6 @@ impl Guest for Scripted {
 
     fn deliver_batch(events: Vec<Event>) -> Vec<Outcome> {
         let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-        if events.iter().any(|e| e.event_type == "count") {
-            let reason = format!("call {call}");
-            return events
-                .iter()
-                .map(|_| Outcome::Permanent(Failure { reason: reason.clone(), retry_after_ms: None }))
-                .collect();
-        }
         if events.iter().any(|e| e.event_type == "trap") {
             panic!("scripted trap");
         }
@@ -101,6 +94,13 @@ impl Guest for Scripted {
         let mut settings = SETTINGS.lock().unwrap();
         if !settings.delay.is_zero() {
             std::thread::sleep(settings.delay);
+        }
+        if events.iter().any(|e| e.event_type == "count") {
+            let reason = format!("call {call}");
+            return events
+                .iter()
+                .map(|_| Outcome::Permanent(Failure { reason: reason.clone(), retry_after_ms: None }))
+                .collect();
         }
         let outcomes: Vec<Outcome> = events.iter().map(outcome).collect();
         if let Some(file) = settings.record.as_mut() {

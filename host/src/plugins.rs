@@ -45,6 +45,9 @@ pub use bindings::ferry::transport::types::Failure;
 use bindings::ferry::transport::{logging, types};
 use bindings::{TransportPlugin, TransportPluginPre};
 
+/// The version of the `ferry:transport` WIT package this host implements (`wit/transport.wit`).
+pub const WIT_VERSION: &str = "0.1.0";
+
 /// How often the epoch ticker advances; the granularity of plugin timeouts.
 const EPOCH_TICK: Duration = Duration::from_millis(10);
 
@@ -267,6 +270,9 @@ impl Runtime {
         let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
             .await?
             .map_err(|e| anyhow::anyhow!("{} is not a valid wasm component: {}", path.display(), root_cause(&e)))?;
+        let exports = component.component_type();
+        check_wit_version(exports.exports(&self.engine).map(|(name, _)| name))
+            .map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?;
         let pre = self.linker.instantiate_pre(&component).map_err(|e| {
             anyhow::anyhow!("{} needs imports ferry does not provide: {}", path.display(), root_cause(&e))
         })?;
@@ -353,6 +359,29 @@ impl Runtime {
         store.set_epoch_deadline(ticks(limits.timeout));
         store.epoch_deadline_trap();
         Ok(store)
+    }
+}
+
+/// Refuses a component whose `ferry:transport/transport` export is of a semver-incompatible
+/// version (another major version; for 0.x, another minor). A component without that export is
+/// left to the world check, which says so.
+pub fn check_wit_version<'a>(exports: impl IntoIterator<Item = &'a str>) -> Result<(), String> {
+    let Some(theirs) = exports.into_iter().find_map(|name| name.strip_prefix("ferry:transport/transport@")) else {
+        return Ok(());
+    };
+    let series = |version: &str| -> Option<(u64, u64)> {
+        let mut parts = version.split(['.', '-', '+']);
+        let major = parts.next()?.parse().ok()?;
+        let minor = parts.next()?.parse().ok()?;
+        // Semver: below 1.0 every minor release may break, above it every major one.
+        Some(if major == 0 { (0, minor) } else { (major, 0) })
+    };
+    match (series(theirs), series(WIT_VERSION)) {
+        (Some(a), Some(b)) if a == b => Ok(()),
+        _ => Err(format!(
+            "is built for ferry:transport@{theirs}, but this ferry implements ferry:transport@{WIT_VERSION}, \
+             an incompatible version; rebuild the plugin against this ferry's wit/ directory"
+        )),
     }
 }
 
@@ -797,5 +826,25 @@ fn to_wit(event: &ClaimedEvent) -> types::Event {
         headers: event.headers.clone(),
         attempt: event.attempt,
         event_time: event.event_time.timestamp_millis(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wit_versions_are_checked_by_semver() {
+        let ok = |v: &str| check_wit_version([format!("ferry:transport/transport@{v}").as_str()]);
+        assert!(ok("0.1.0").is_ok());
+        assert!(ok("0.1.7").is_ok(), "a compatible patch release");
+        let err = ok("0.2.0").unwrap_err();
+        assert!(
+            err.contains("ferry:transport@0.2.0") && err.contains(&format!("ferry:transport@{WIT_VERSION}")),
+            "{err}"
+        );
+        assert!(ok("1.0.0").is_err());
+        assert!(ok("garbage").is_err());
+        assert!(check_wit_version(["wasi:cli/run@0.2.0"]).is_ok(), "no transport export: left to the world check");
     }
 }

@@ -120,6 +120,12 @@ impl Write for Captured {
 }
 
 impl Captured {
+    /// A plain-text subscriber writing into this buffer, for `.with_subscriber(..)`.
+    fn subscriber(&self) -> tracing::Dispatch {
+        let log = self.clone();
+        tracing_subscriber::fmt().with_ansi(false).with_writer(move || log.clone()).finish().into()
+    }
+
     fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
@@ -132,24 +138,16 @@ async fn a_plugin_reaches_only_its_tcp_allowlist() {
     let (allowed, other) = (allowed.local_addr().unwrap(), other.local_addr().unwrap());
     let s = setup(&format!("tcp = [\"{allowed}\"]")).await;
     let log = Captured::default();
-    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer({
-        let log = log.clone();
-        move || log.clone()
-    });
 
     let ok = s
         .deliver_beside_a_healthy_route(NewEvent::new("s", "connect", "{}").with_header("addr", allowed.to_string()))
-        .with_subscriber(subscriber.finish())
+        .with_subscriber(log.subscriber())
         .await;
     assert_eq!(ok.status, Status::Sent, "{:?}", ok.last_error);
 
-    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer({
-        let log = log.clone();
-        move || log.clone()
-    });
     let denied = s
         .deliver_beside_a_healthy_route(NewEvent::new("s", "connect", "{}").with_header("addr", other.to_string()))
-        .with_subscriber(subscriber.finish())
+        .with_subscriber(log.subscriber())
         .await;
     assert_eq!(denied.status, Status::Failed);
     let error = denied.last_error.unwrap();
@@ -172,11 +170,7 @@ async fn a_plugin_sees_only_its_own_directories() {
     assert_eq!(granted.status, Status::Sent, "{:?}", granted.last_error);
     let log = Captured::default();
     for outside in ["/etc/hostname", "/data/../../etc/hostname", "/data/../data/../../../etc/passwd"] {
-        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer({
-            let log = log.clone();
-            move || log.clone()
-        });
-        let row = s.deliver_beside_a_healthy_route(read(outside)).with_subscriber(subscriber.finish()).await;
+        let row = s.deliver_beside_a_healthy_route(read(outside)).with_subscriber(log.subscriber()).await;
         assert_eq!(row.status, Status::Failed, "{outside} must not be readable");
         assert!(row.last_error.as_deref().unwrap().starts_with(&format!("read {outside}: ")), "{:?}", row.last_error);
     }

@@ -2,16 +2,11 @@
 //! sent (body, headers, Standard Webhooks signatures) and how every kind of answer maps to an
 //! outcome.
 
-use std::sync::Arc;
-
-use chrono::{TimeZone, Utc};
 use ferry::NewEvent;
-use ferry::clock::{Clock, ManualClock};
-use ferry::event::{EventRecord, Status};
-use ferry::service::Ferry;
-use tokio_util::sync::CancellationToken;
+use ferry::clock::Clock;
+use ferry::event::Status;
 
-use crate::common::{Backend, Receiver, TestDb, plugins_dir};
+use crate::common::{Backend, Receiver, Stepped, TestDb, plugins_dir};
 
 /// The plugin's pure policy (signing, status mapping), compiled here too so its unit tests run
 /// natively and the receiver can check signatures with it.
@@ -21,14 +16,8 @@ mod policy;
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const OLD_SECRET: &str = "rotated-out";
 
-struct Setup {
-    db: TestDb,
-    clock: Arc<ManualClock>,
-    ferry: Ferry,
-}
-
 /// Ferry with the http plugin; `routes` maps route names to `(url, extra config)`.
-async fn setup(receiver: &Receiver, extra_origin: &str, routes: &[(&str, String, &str)]) -> Setup {
+async fn setup(receiver: &Receiver, extra_origin: &str, routes: &[(&str, String, &str)]) -> Stepped {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
     let mut text = format!(
@@ -38,24 +27,7 @@ async fn setup(receiver: &Receiver, extra_origin: &str, routes: &[(&str, String,
     for (name, url, extra) in routes {
         text.push_str(&format!("[route.{name}]\nplugin = \"http\"\nconfig = {{ url = \"{url}\"{extra} }}\n"));
     }
-    let clock = Arc::new(ManualClock::new(Utc.with_ymd_and_hms(2026, 7, 1, 0, 0, 0).unwrap()));
-    let ferry = Ferry::start(&db.config(&text), clock.clone()).await.expect("ferry starts");
-    Setup { db, clock, ferry }
-}
-
-impl Setup {
-    async fn deliver(&self, events: Vec<NewEvent>) -> Vec<EventRecord> {
-        let mut ids = Vec::new();
-        for event in &events {
-            ids.push(self.db.store.insert(event, self.clock.now()).await.unwrap());
-        }
-        self.ferry.relay.cycle(&CancellationToken::new()).await.unwrap();
-        let mut rows = Vec::new();
-        for id in ids {
-            rows.push(self.db.store.get(id).await.unwrap().unwrap());
-        }
-        rows
-    }
+    Stepped::start(db, &text).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -64,7 +36,7 @@ async fn webhooks_carry_the_event_and_standard_signatures() {
     let config = format!(", secret = \"{SECRET}\", secret_previous = \"{OLD_SECRET}\", \"header.x-api-key\" = \"k1\"");
     let s = setup(&receiver, "http://127.0.0.1:9", &[("hooks", receiver.url("/in?v=1"), &config)]).await;
     let event = NewEvent::new("hooks", "order.paid", r#"{"order":42}"#).with_header("tenant", "acme");
-    let rows = s.deliver(vec![event]).await;
+    let rows = s.deliver(&[event]).await;
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
 
     let got = receiver.requests();
@@ -102,8 +74,8 @@ async fn every_kind_of_answer_maps_to_its_outcome() {
         ("denied", denied.url("/ok"), ""),
     ];
     let s = setup(&receiver, &format!("http://{closed}"), &routes).await;
-    let events = routes.iter().map(|(route, _, _)| NewEvent::new(*route, "t", "{}")).collect();
-    let rows = s.deliver(events).await;
+    let events: Vec<NewEvent> = routes.iter().map(|(route, _, _)| NewEvent::new(*route, "t", "{}")).collect();
+    let rows = s.deliver(&events).await;
     let by_route = |route: &str| rows.iter().find(|r| r.route == route).unwrap();
     let now = s.clock.now();
 
@@ -137,8 +109,8 @@ async fn every_kind_of_answer_maps_to_its_outcome() {
 async fn a_batch_is_sent_in_full_with_bounded_concurrency() {
     let receiver = Receiver::start().await;
     let s = setup(&receiver, "http://127.0.0.1:9", &[("hooks", receiver.url("/ok"), ", concurrency = \"4\"")]).await;
-    let events = (0..30).map(|i| NewEvent::new("hooks", "t", format!("{{\"n\":{i}}}"))).collect();
-    let rows = s.deliver(events).await;
+    let events: Vec<NewEvent> = (0..30).map(|i| NewEvent::new("hooks", "t", format!("{{\"n\":{i}}}"))).collect();
+    let rows = s.deliver(&events).await;
     assert!(rows.iter().all(|r| r.status == Status::Sent));
     let mut bodies: Vec<String> =
         receiver.requests().iter().map(|r| String::from_utf8(r.body.clone()).unwrap()).collect();
@@ -158,7 +130,8 @@ async fn bad_route_config_is_refused_by_init() {
     ];
     let text_routes: Vec<(&str, String, &str)> = routes.to_vec();
     let s = setup(&receiver, "http://127.0.0.1:9", &text_routes).await;
-    let rows = s.deliver(routes.iter().map(|(r, _, _)| NewEvent::new(*r, "t", "{}")).collect()).await;
+    let events: Vec<NewEvent> = routes.iter().map(|(r, _, _)| NewEvent::new(*r, "t", "{}")).collect();
+    let rows = s.deliver(&events).await;
     for (row, needle) in rows.iter().zip(["url:", "url:", "unknown config key \"secrett\""]) {
         assert_eq!(row.failure_reason.as_deref(), Some("no_transport"));
         assert!(row.last_error.as_deref().unwrap().contains(needle), "{:?}", row.last_error);

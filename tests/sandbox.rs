@@ -3,10 +3,9 @@
 //! only the addresses and directories it was granted, and bad plugin files are refused with a
 //! clear reason.
 
-use std::io::Write;
 use std::net::TcpListener;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use chrono::{TimeZone, Utc};
 use ferry::NewEvent;
@@ -16,7 +15,7 @@ use ferry::service::Ferry;
 use tokio_util::sync::CancellationToken;
 use tracing::instrument::WithSubscriber as _;
 
-use crate::common::{Backend, Receiver, TestDb, built_plugin, plugins_dir};
+use crate::common::{Backend, Captured, Receiver, TestDb, built_plugin, plugins_dir};
 
 struct Setup {
     db: TestDb,
@@ -103,32 +102,6 @@ async fn instances_are_reused_then_recycled() {
     }
     // The warmed-up instance serves two calls, then a fresh one takes over, and so on.
     assert_eq!(reasons, ["call 1", "call 2", "call 1", "call 2", "call 1"]);
-}
-
-/// A `tracing` subscriber writing into a buffer, to check what the host logged.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Captured {
-    /// A plain-text subscriber writing into this buffer, for `.with_subscriber(..)`.
-    fn subscriber(&self) -> tracing::Dispatch {
-        let log = self.clone();
-        tracing_subscriber::fmt().with_ansi(false).with_writer(move || log.clone()).finish().into()
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -197,6 +197,10 @@ pub struct SandboxConfig {
     /// `host:port` pairs the plugin may open TCP connections to.
     #[serde(default)]
     pub tcp: Vec<String>,
+    /// Whether the plugin may resolve host names itself (needed when a server tells it where to
+    /// connect by name, as Kafka brokers do). Connections still go only to `tcp` addresses.
+    #[serde(default)]
+    pub dns: bool,
     /// Origins (`scheme://host[:port]`) the plugin may send wasi:http requests to.
     #[serde(default)]
     pub http: Vec<String>,
@@ -217,6 +221,7 @@ impl Default for SandboxConfig {
             env: BTreeMap::new(),
             stdio: true,
             tcp: Vec::new(),
+            dns: false,
             http: Vec::new(),
             timeout: None,
             memory: None,

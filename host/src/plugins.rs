@@ -329,6 +329,7 @@ impl Runtime {
                 .map_err(anyhow::Error::from)
                 .with_context(|| format!("granting {} to plugin {plugin} as {guest}", host.display()))?;
         }
+        wasi.allow_ip_name_lookup(sandbox.dns);
         if !tcp.is_empty() {
             let allowed: Arc<HashSet<SocketAddr>> = Arc::new(tcp.iter().copied().collect());
             let name = plugin.clone();

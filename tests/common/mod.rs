@@ -1,8 +1,11 @@
 //! Test fixtures: a fresh database per test (a SQLite file, or a PostgreSQL schema), the
 //! compiled plugins, and polling with a deadline.
 
+pub mod broker;
+
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry::config::Config;
@@ -384,5 +387,69 @@ async fn serve_connection(mut socket: tokio::net::TcpStream, log: Arc<std::sync:
         if socket.write_all(answer).await.is_err() {
             return;
         }
+    }
+}
+
+/// A `tracing` subscriber writing into a buffer, to check what the host logged.
+#[derive(Clone, Default)]
+pub struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    /// A plain-text subscriber writing into this buffer, for `.with_subscriber(..)`.
+    pub fn subscriber(&self) -> tracing::Dispatch {
+        let log = self.clone();
+        tracing_subscriber::fmt().with_ansi(false).with_writer(move || log.clone()).finish().into()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+}
+
+/// Ferry on a manual clock, driven one relay cycle at a time: for tests of what a plugin does with
+/// a batch.
+pub struct Stepped {
+    pub db: TestDb,
+    pub clock: Arc<ferry::clock::ManualClock>,
+    pub ferry: ferry::service::Ferry,
+}
+
+impl Stepped {
+    /// The clock's start; events a test inserts are due at once.
+    pub fn epoch() -> chrono::DateTime<chrono::Utc> {
+        use chrono::TimeZone as _;
+        chrono::Utc.with_ymd_and_hms(2026, 7, 1, 0, 0, 0).unwrap()
+    }
+
+    /// Starts ferry on `db` with `config` (TOML appended to the database section).
+    pub async fn start(db: TestDb, config: &str) -> Stepped {
+        let clock = Arc::new(ferry::clock::ManualClock::new(Self::epoch()));
+        let ferry = ferry::service::Ferry::start(&db.config(config), clock.clone()).await.expect("ferry starts");
+        Stepped { db, clock, ferry }
+    }
+
+    /// Inserts `events`, runs one relay cycle, and returns the rows as they are afterwards.
+    pub async fn deliver(&self, events: &[ferry::NewEvent]) -> Vec<ferry::event::EventRecord> {
+        use ferry::clock::Clock as _;
+        let mut ids = Vec::new();
+        for event in events {
+            ids.push(self.db.store.insert(event, self.clock.now()).await.expect("insert"));
+        }
+        self.ferry.relay.cycle(&tokio_util::sync::CancellationToken::new()).await.expect("relay cycle");
+        let mut rows = Vec::new();
+        for id in ids {
+            rows.push(self.db.store.get(id).await.expect("read back").expect("row exists"));
+        }
+        rows
     }
 }

@@ -17,17 +17,11 @@
 
 pub mod policy;
 
-use std::sync::Mutex;
-
+use ferry_plugin_sdk::outcome::{permanent, success, transient_after};
+use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::{Target, Verdict};
 
-wit_bindgen::generate!({ path: "../../wit", world: "transport-plugin" });
-
-use exports::ferry::transport::transport::{Event, Guest, Outcome, PluginInfo};
-use ferry::transport::logging::{Level, log};
-use ferry::transport::types::Failure;
-
-/// This instance's configuration, set by `init`.
+/// One instance's configuration.
 struct Settings {
     target: Target,
     method: String,
@@ -37,90 +31,45 @@ struct Settings {
     headers: Vec<(String, String)>,
 }
 
-static SETTINGS: Mutex<Option<Settings>> = Mutex::new(None);
+impl Transport for Settings {
+    const NAME: &'static str = "http";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
-struct HttpTransport;
-
-impl Guest for HttpTransport {
-    fn metadata() -> PluginInfo {
-        PluginInfo { name: "http".into(), version: env!("CARGO_PKG_VERSION").into() }
+    fn init(config: &mut Config) -> Result<Settings, String> {
+        let target = policy::parse_url(&config.required("url")?)?;
+        let method = config.optional("method").unwrap_or_else(|| "POST".into()).to_ascii_uppercase();
+        let mut secrets = Vec::new();
+        if let Some(secret) = config.optional("secret") {
+            secrets.push(policy::secret_bytes(&secret)?);
+        }
+        if let Some(previous) = config.optional("secret_previous") {
+            if secrets.is_empty() {
+                return Err("secret_previous: needs secret as well".into());
+            }
+            secrets.push(policy::secret_bytes(&previous)?);
+        }
+        let timeout_ms = config.positive_or("timeout_ms", 10_000)?;
+        let concurrency = usize::try_from(config.positive_or("concurrency", 8)?).unwrap_or(usize::MAX);
+        let headers =
+            config.prefixed("header.").into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect();
+        log::info(&format!("delivering to {}{}", target.authority, target.path_and_query));
+        Ok(Settings { target, method, secrets, timeout_ns: timeout_ms.saturating_mul(1_000_000), concurrency, headers })
     }
 
-    fn init(config: Vec<(String, String)>) -> Result<(), String> {
-        let mut url = None;
-        let mut settings = Settings {
-            target: Target { https: true, authority: String::new(), path_and_query: "/".into() },
-            method: "POST".into(),
-            secrets: Vec::new(),
-            timeout_ns: 10_000_000_000,
-            concurrency: 8,
-            headers: Vec::new(),
-        };
-        let mut previous = None;
-        for (key, value) in config {
-            match key.as_str() {
-                "url" => url = Some(policy::parse_url(&value)?),
-                "method" => settings.method = value.to_ascii_uppercase(),
-                "secret" => settings.secrets.insert(0, policy::secret_bytes(&value)?),
-                "secret_previous" => previous = Some(policy::secret_bytes(&value)?),
-                "timeout_ms" => {
-                    let ms: u64 = value.parse().map_err(|_| format!("timeout_ms: not a number: {value:?}"))?;
-                    settings.timeout_ns = ms.saturating_mul(1_000_000);
-                }
-                "concurrency" => {
-                    settings.concurrency = value
-                        .parse()
-                        .ok()
-                        .filter(|n| *n >= 1)
-                        .ok_or(format!("concurrency: not a positive number: {value:?}"))?;
-                }
-                other => match other.strip_prefix("header.") {
-                    Some(name) if !name.is_empty() => settings.headers.push((name.to_ascii_lowercase(), value)),
-                    _ => {
-                        return Err(format!(
-                            "unknown config key {other:?} (known: url, method, secret, secret_previous, timeout_ms, concurrency, header.NAME)"
-                        ));
-                    }
-                },
-            }
+    fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(events.len());
+        for chunk in events.chunks(self.concurrency) {
+            outcomes.extend(send::all(self, chunk).into_iter().map(|verdict| match verdict {
+                Verdict::Success => success(),
+                Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
+                Verdict::Permanent { reason } => permanent(reason),
+            }));
         }
-        settings.target = url.ok_or("url: required")?;
-        if previous.is_some() && settings.secrets.is_empty() {
-            return Err("secret_previous: needs secret as well".into());
-        }
-        settings.secrets.extend(previous);
-        log(Level::Info, &format!("delivering to {}{}", settings.target.authority, settings.target.path_and_query));
-        *SETTINGS.lock().unwrap_or_else(|e| e.into_inner()) = Some(settings);
-        Ok(())
-    }
-
-    fn deliver_batch(events: Vec<Event>) -> Vec<Outcome> {
-        let guard = SETTINGS.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(settings) = guard.as_ref() else {
-            return events.iter().map(|_| permanent("http transport: init was not called".into())).collect();
-        };
-        let mut outcomes: Vec<Option<Outcome>> = events.iter().map(|_| None).collect();
-        for (chunk_start, chunk) in
-            events.chunks(settings.concurrency).enumerate().map(|(i, c)| (i * settings.concurrency, c))
-        {
-            let results = send::all(settings, chunk);
-            for (offset, verdict) in results.into_iter().enumerate() {
-                outcomes[chunk_start + offset] = Some(match verdict {
-                    Verdict::Success => Outcome::Success,
-                    Verdict::Transient { reason, retry_after_ms } => {
-                        Outcome::Transient(Failure { reason, retry_after_ms })
-                    }
-                    Verdict::Permanent { reason } => permanent(reason),
-                });
-            }
-        }
-        outcomes.into_iter().map(|o| o.unwrap_or_else(|| permanent("http transport: no answer".into()))).collect()
+        outcomes
     }
 }
 
-fn permanent(reason: String) -> Outcome {
-    Outcome::Permanent(Failure { reason, retry_after_ms: None })
-}
+ferry_plugin_sdk::transport!(Settings);
 
 mod send {
     //! The wasi:http side: start every request of a chunk, then wait for all answers.
@@ -130,8 +79,8 @@ mod send {
     use wasi::io::streams::StreamError;
 
     use super::Settings;
-    use super::exports::ferry::transport::transport::Event;
     use super::policy::{self, Verdict};
+    use ferry_plugin_sdk::Event;
 
     /// Sends `events` concurrently and returns one verdict each, in order: every request is
     /// started first (connections open in parallel), then the bodies are written, then the
@@ -262,5 +211,3 @@ mod send {
         wasi::clocks::wall_clock::now().seconds
     }
 }
-
-export!(HttpTransport);

@@ -10,75 +10,55 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
-use std::sync::Mutex;
 
+use ferry_plugin_sdk::outcome::{success, transient};
+use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use serde_json::{Map, Value, json};
 
-wit_bindgen::generate!({ path: "../../wit", world: "transport-plugin" });
-
-use exports::ferry::transport::transport::{Event, Guest, Outcome, PluginInfo};
-use ferry::transport::logging::{Level, log};
-use ferry::transport::types::Failure;
-
-/// Where this instance writes; set by `init`.
+/// Where this instance writes.
 enum Output {
     Stdout,
-    File { path: String, file: File },
+    File(File),
 }
 
-static OUTPUT: Mutex<Option<Output>> = Mutex::new(None);
+impl Transport for Output {
+    const NAME: &'static str = "log";
+    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
-struct LogTransport;
-
-impl Guest for LogTransport {
-    fn metadata() -> PluginInfo {
-        PluginInfo { name: "log".into(), version: env!("CARGO_PKG_VERSION").into() }
-    }
-
-    fn init(config: Vec<(String, String)>) -> Result<(), String> {
-        let mut output = Output::Stdout;
-        for (key, value) in config {
-            match key.as_str() {
-                "output" if value == "stdout" => output = Output::Stdout,
-                "output" => {
-                    let file = OpenOptions::new().create(true).append(true).open(&value).map_err(|e| {
-                        format!("output: cannot open {value:?}: {e} (is its directory pre-opened for this plugin?)")
-                    })?;
-                    output = Output::File { path: value, file };
-                }
-                other => return Err(format!("unknown config key {other:?} (the log transport knows: output)")),
+    fn init(config: &mut Config) -> Result<Output, String> {
+        let output = match config.optional("output") {
+            None => Output::Stdout,
+            Some(value) if value == "stdout" => Output::Stdout,
+            Some(path) => {
+                let file = OpenOptions::new().create(true).append(true).open(&path).map_err(|e| {
+                    format!("output: cannot open {path:?}: {e} (is its directory pre-opened for this plugin?)")
+                })?;
+                log::info(&format!("writing events to {path}"));
+                return Ok(Output::File(file));
             }
-        }
-        let target = match &output {
-            Output::Stdout => "stdout".to_string(),
-            Output::File { path, .. } => path.clone(),
         };
-        log(Level::Info, &format!("writing events to {target}"));
-        *OUTPUT.lock().unwrap_or_else(|e| e.into_inner()) = Some(output);
-        Ok(())
+        log::info("writing events to stdout");
+        Ok(output)
     }
 
-    fn deliver_batch(events: Vec<Event>) -> Vec<Outcome> {
-        let mut guard = OUTPUT.lock().unwrap_or_else(|e| e.into_inner());
-        let output = guard.get_or_insert(Output::Stdout);
+    fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
         // Build the whole batch first so one write either lands completely or not at all.
         let mut buf = Vec::with_capacity(events.len() * 128);
         for event in &events {
             buf.extend_from_slice(to_json_line(event).as_bytes());
         }
-        match write_all(output, &buf) {
-            Ok(()) => events.iter().map(|_| Outcome::Success).collect(),
+        match write_all(self, &buf) {
+            Ok(()) => events.iter().map(|_| success()).collect(),
             Err(e) => {
                 let reason = format!("log transport: write failed: {e}");
-                log(Level::Warn, &reason);
-                events
-                    .iter()
-                    .map(|_| Outcome::Transient(Failure { reason: reason.clone(), retry_after_ms: None }))
-                    .collect()
+                log::warn(&reason);
+                events.iter().map(|_| transient(reason.as_str())).collect()
             }
         }
     }
 }
+
+ferry_plugin_sdk::transport!(Output);
 
 fn write_all(output: &mut Output, buf: &[u8]) -> io::Result<()> {
     match output {
@@ -87,7 +67,7 @@ fn write_all(output: &mut Output, buf: &[u8]) -> io::Result<()> {
             out.write_all(buf)?;
             out.flush()
         }
-        Output::File { file, .. } => {
+        Output::File(file) => {
             file.write_all(buf)?;
             file.flush()
         }
@@ -140,5 +120,3 @@ fn base64(bytes: &[u8]) -> String {
     }
     out
 }
-
-export!(LogTransport);

@@ -1,0 +1,134 @@
+//! Events per second through ferry on PostgreSQL, for each bundled transport delivering to a real
+//! receiver on this machine: `log` into a file, `http` into a local HTTP server, `kafka` into a
+//! tansu broker.
+//!
+//! Run: `cargo bench --bench transports [-- --events N --batch-size N --only PLUGIN]`
+//! (needs PostgreSQL as for the tests, the built plugins from `scripts/build-plugins`, and tansu
+//! from `scripts/ensure-tansu`). Each figure is the time from the commit of N events to the moment
+//! the last of them is SENT, with ferry already running and its plugins loaded. Prints a markdown
+//! table and writes `target/bench/transports.json`.
+
+#[path = "../tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::broker::broker;
+use common::{Receiver, Running, TestDb, plugins_dir};
+use ferry::NewEvent;
+use ferry::event::Status;
+
+struct Options {
+    events: usize,
+    batch_size: usize,
+    only: Option<String>,
+}
+
+fn options() -> Options {
+    let mut options = Options { events: 20_000, batch_size: 500, only: None };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
+        match arg.as_str() {
+            "--events" => options.events = value().parse().expect("--events: a number"),
+            "--batch-size" => options.batch_size = value().parse().expect("--batch-size: a number"),
+            "--only" => options.only = Some(value()),
+            // cargo bench passes --bench to every bench binary.
+            "--bench" => {}
+            other => panic!("unknown argument {other:?} (known: --events N, --batch-size N, --only PLUGIN)"),
+        }
+    }
+    options
+}
+
+/// What points `plugin` at its receiver: the plugin's sandbox table, the route's `config` value,
+/// and the HTTP receiver to keep alive.
+async fn plugin_setup(plugin: &str, db: &TestDb) -> (String, String, Option<Receiver>) {
+    match plugin {
+        "log" => {
+            let out = db.dir.path().join("out");
+            (format!("dirs = {{ \"/out\" = {out:?} }}"), "{ output = \"/out/events.jsonl\" }".into(), None)
+        }
+        "http" => {
+            let receiver = Receiver::start().await;
+            let sandbox = format!("http = [\"http://{}\"]", receiver.addr);
+            let config = format!("{{ url = \"{}\", concurrency = \"32\" }}", receiver.url("/bench"));
+            (sandbox, config, Some(receiver))
+        }
+        "kafka" => {
+            let broker = broker().await;
+            let topic = broker.topic("bench", 3).await;
+            let sandbox = format!("tcp = [\"{}\", \"localhost:{}\"]\ndns = true", broker.addr(), broker.port);
+            let config = format!("{{ brokers = \"{}\", topic = \"{topic}\" }}", broker.addr());
+            (sandbox, config, None)
+        }
+        other => panic!("no benchmark set-up for plugin {other:?}"),
+    }
+}
+
+async fn measure(plugin: &str, options: &Options) -> f64 {
+    let db = TestDb::postgres().await;
+    let crate_name = format!("ferry_transport_{plugin}");
+    let plugins = plugins_dir(db.dir.path(), &[crate_name.as_str()]);
+    let (sandbox, config, _receiver) = plugin_setup(plugin, &db).await;
+    let text = format!(
+        "[relay]\nbatch_size = {}\n[plugins]\ndir = {plugins:?}\n[sandbox.{plugin}]\n{sandbox}\n\
+         [route.bench]\nplugin = \"{plugin}\"\nconfig = {config}\n",
+        options.batch_size
+    );
+    let running = Running::start(&db.config(&text)).await;
+
+    let pool = db.postgres.as_ref().expect("postgres").pool().clone();
+    let mut tx = pool.begin().await.expect("begin");
+    for n in 0..options.events {
+        let event = NewEvent::new("bench", "bench.event", format!("{{\"n\":{n},\"padding\":\"{}\"}}", "x".repeat(200)))
+            .with_key(format!("key-{}", n % 64));
+        ferry::emit(&mut *tx, &event).await.expect("emit");
+    }
+    tx.commit().await.expect("commit");
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(600);
+    loop {
+        let counts = db.store.counts().await.expect("counts");
+        assert_eq!(counts[&Status::Failed], 0, "{plugin}: events failed; see the table");
+        if counts[&Status::Sent] as usize == options.events {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{plugin}: not all events delivered within 10 minutes: {counts:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    running.stop().await;
+    options.events as f64 / elapsed.as_secs_f64()
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let options = options();
+    let plugins: Vec<&str> =
+        ["log", "http", "kafka"].into_iter().filter(|p| options.only.as_deref().is_none_or(|o| o == *p)).collect();
+    let mut results = Vec::new();
+    for plugin in plugins {
+        let rate = measure(plugin, &options).await;
+        eprintln!("{plugin}: {rate:.0} events/s");
+        results.push((plugin, rate));
+    }
+    println!("| plugin | receiver | events | batch size | events/s |\n| --- | --- | ---: | ---: | ---: |");
+    for (plugin, rate) in &results {
+        let receiver = match *plugin {
+            "log" => "JSON lines file",
+            "http" => "local HTTP/1.1 server",
+            _ => "tansu broker, 3 partitions",
+        };
+        println!("| {plugin} | {receiver} | {} | {} | {rate:.0} |", options.events, options.batch_size);
+    }
+    let json = serde_json::json!({
+        "events": options.events,
+        "batch_size": options.batch_size,
+        "results": results.iter().map(|(p, r)| serde_json::json!({"plugin": p, "events_per_second": r.round()})).collect::<Vec<_>>(),
+    });
+    let out = common::repo_root().join("target/bench");
+    std::fs::create_dir_all(&out).expect("create target/bench");
+    std::fs::write(out.join("transports.json"), serde_json::to_string_pretty(&json).unwrap()).expect("write report");
+}

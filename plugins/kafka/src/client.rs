@@ -1,0 +1,176 @@
+//! The Kafka wire protocol over wasi:sockets TCP: one connection per broker, kept open across
+//! calls; version negotiation; metadata; produce requests.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use kafka_protocol::messages::{
+    ApiKey, ApiVersionsRequest, ApiVersionsResponse, MetadataRequest, MetadataResponse, ProduceRequest,
+    ProduceResponse, RequestHeader, ResponseHeader,
+};
+use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
+
+/// Why talking to a broker failed. Always transient for the events concerned.
+pub type NetError = String;
+
+/// The newest request versions this client speaks. Produce v9 and Metadata v9 still name topics
+/// (later versions move to topic ids); the broker's own maximum is used when it is lower.
+const PRODUCE_MAX: i16 = 9;
+const METADATA_MAX: i16 = 9;
+
+/// One open connection to one broker.
+pub struct Connection {
+    address: String,
+    stream: TcpStream,
+    next_correlation: i32,
+    produce_version: i16,
+    metadata_version: i16,
+}
+
+impl Connection {
+    /// Connects to `host:port` and negotiates request versions.
+    pub fn open(host: &str, port: u16, timeout: Duration, client_id: &str) -> Result<Connection, NetError> {
+        let address = format!("{host}:{port}");
+        let addrs: Vec<_> = (host, port)
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve {address}: {e} (does the plugin's sandbox allow dns?)"))?
+            .collect();
+        let mut last = format!("{address} resolves to no address");
+        for addr in addrs {
+            match TcpStream::connect_timeout(&addr, timeout) {
+                Ok(stream) => {
+                    let _ = stream.set_nodelay(true);
+                    stream.set_read_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
+                    stream.set_write_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
+                    let mut connection =
+                        Connection { address, stream, next_correlation: 1, produce_version: 3, metadata_version: 4 };
+                    // A refused connection can surface only at the first write (wasi-libc's
+                    // non-blocking connect), so a failed negotiation counts as a failed connect.
+                    connection.negotiate(client_id).map_err(|e| format!("cannot connect: {e}"))?;
+                    return Ok(connection);
+                }
+                Err(e) => last = format!("cannot connect to {address} ({addr}): {e}"),
+            }
+        }
+        Err(last)
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    fn negotiate(&mut self, client_id: &str) -> Result<(), NetError> {
+        let correlation = self.send(ApiKey::ApiVersions, 0, &ApiVersionsRequest::default(), client_id)?;
+        let response: ApiVersionsResponse = self.receive(ApiKey::ApiVersions, 0, correlation)?;
+        if response.error_code != 0 {
+            return Err(format!("{}: ApiVersions failed with error code {}", self.address, response.error_code));
+        }
+        let range = |key: ApiKey| response.api_keys.iter().find(|k| k.api_key == key as i16);
+        let pick = |key: ApiKey, min: i16, max: i16| -> Result<i16, NetError> {
+            let Some(broker) = range(key) else {
+                return Err(format!("{}: broker does not support {key:?} requests", self.address));
+            };
+            let version = broker.max_version.min(max);
+            if version < min.max(broker.min_version) {
+                return Err(format!(
+                    "{}: broker supports {key:?} versions {}..={}, this client needs {min}..={max}",
+                    self.address, broker.min_version, broker.max_version
+                ));
+            }
+            Ok(version)
+        };
+        self.produce_version = pick(ApiKey::Produce, 3, PRODUCE_MAX)?;
+        self.metadata_version = pick(ApiKey::Metadata, 4, METADATA_MAX)?;
+        Ok(())
+    }
+
+    /// Writes one request and returns its correlation id.
+    fn send<R: Encodable>(&mut self, key: ApiKey, version: i16, body: &R, client_id: &str) -> Result<i32, NetError> {
+        let correlation = self.next_correlation;
+        self.next_correlation = self.next_correlation.wrapping_add(1);
+        let mut header = RequestHeader::default();
+        header.request_api_key = key as i16;
+        header.request_api_version = version;
+        header.correlation_id = correlation;
+        header.client_id = Some(StrBytes::from_string(client_id.to_string()));
+        let mut frame = BytesMut::with_capacity(4 + 64);
+        frame.extend_from_slice(&[0; 4]);
+        let encode = |frame: &mut BytesMut| -> anyhow::Result<()> {
+            header.encode(frame, key.request_header_version(version))?;
+            body.encode(frame, version)
+        };
+        encode(&mut frame).map_err(|e| format!("encoding {key:?} request: {e}"))?;
+        let size = i32::try_from(frame.len() - 4).map_err(|_| format!("{key:?} request too large"))?;
+        frame[..4].copy_from_slice(&size.to_be_bytes());
+        self.stream.write_all(&frame).map_err(|e| format!("{}: sending {key:?}: {e}", self.address))?;
+        Ok(correlation)
+    }
+
+    /// Reads the answer to the request with `correlation`.
+    fn receive<R: Decodable>(&mut self, key: ApiKey, version: i16, correlation: i32) -> Result<R, NetError> {
+        let mut size = [0u8; 4];
+        self.stream.read_exact(&mut size).map_err(|e| read_error(&self.address, key, &e))?;
+        let size = i32::from_be_bytes(size);
+        if !(0..=256 * 1024 * 1024).contains(&size) {
+            return Err(format!("{}: implausible {key:?} response size {size}", self.address));
+        }
+        let mut frame = vec![0u8; size as usize];
+        self.stream.read_exact(&mut frame).map_err(|e| read_error(&self.address, key, &e))?;
+        let mut buf = Bytes::from(frame);
+        let header = ResponseHeader::decode(&mut buf, key.response_header_version(version))
+            .map_err(|e| format!("{}: decoding {key:?} response header: {e}", self.address))?;
+        if header.correlation_id != correlation {
+            return Err(format!(
+                "{}: {key:?} response for request {} while waiting for {correlation}",
+                self.address, header.correlation_id
+            ));
+        }
+        let response = R::decode(&mut buf, version).map_err(|e| format!("{}: decoding {key:?}: {e}", self.address))?;
+        if buf.has_remaining() {
+            return Err(format!("{}: {} unexpected bytes after the {key:?} response", self.address, buf.remaining()));
+        }
+        Ok(response)
+    }
+
+    /// Fetches metadata for `topic` without creating it.
+    pub fn metadata(&mut self, topic: &str, client_id: &str) -> Result<MetadataResponse, NetError> {
+        let mut request = MetadataRequest::default();
+        let mut wanted = kafka_protocol::messages::metadata_request::MetadataRequestTopic::default();
+        wanted.name = Some(StrBytes::from_string(topic.to_string()).into());
+        request.topics = Some(vec![wanted]);
+        request.allow_auto_topic_creation = false;
+        let version = self.metadata_version;
+        let correlation = self.send(ApiKey::Metadata, version, &request, client_id)?;
+        self.receive(ApiKey::Metadata, version, correlation)
+    }
+
+    /// Writes a produce request; with `acks = 0` the broker sends no answer, so `None` is returned
+    /// in place of a correlation id to wait for.
+    pub fn send_produce(&mut self, request: &ProduceRequest, client_id: &str) -> Result<Option<i32>, NetError> {
+        let correlation = self.send(ApiKey::Produce, self.produce_version, request, client_id)?;
+        Ok((request.acks != 0).then_some(correlation))
+    }
+
+    pub fn receive_produce(&mut self, correlation: i32) -> Result<ProduceResponse, NetError> {
+        self.receive(ApiKey::Produce, self.produce_version, correlation)
+    }
+}
+
+fn read_error(address: &str, key: ApiKey, error: &std::io::Error) -> NetError {
+    match error.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            format!("{address}: REQUEST_TIMED_OUT: no {key:?} response within the request timeout")
+        }
+        _ => format!("{address}: reading {key:?} response: {error}"),
+    }
+}
+
+/// Open connections by broker id, plus the bootstrap connection used before ids are known.
+#[derive(Default)]
+pub struct Connections {
+    pub by_broker: HashMap<i32, Connection>,
+    pub bootstrap: Option<Connection>,
+}

@@ -1,0 +1,295 @@
+//! The `kafka` plugin, compiled from `plugins/kafka`, against a real Kafka-protocol broker (tansu,
+//! started once for the test binary): what lands in the topic (partition, key, headers, payload,
+//! timestamp) and how each kind of failure maps to an outcome.
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use chrono::{TimeZone, Utc};
+use ferry::NewEvent;
+use ferry::event::Status;
+use tracing::instrument::WithSubscriber as _;
+
+use crate::common::broker::{Broker, broker};
+use crate::common::{Backend, Captured, Stepped, TestDb, plugins_dir};
+
+/// The plugin's pure policy (partitioner, error mapping, config parsing), compiled here too so
+/// its unit tests run natively and the tests can predict partitions with it.
+#[path = "../plugins/kafka/src/policy.rs"]
+mod policy;
+
+mod unit {
+    use super::policy::{Class, classify, murmur2, parse_acks, parse_brokers, partition_for_key, stale_metadata};
+
+    #[test]
+    fn murmur2_matches_the_java_client() {
+        // The reference values of Kafka's own `Utils.murmur2` test.
+        let cases: [(&[u8], i32); 6] = [
+            (b"21", -973932308),
+            (b"foobar", -790332482),
+            (b"a-little-bit-long-string", -985981536),
+            (b"a-little-bit-longer-string", -1486304829),
+            (b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8", -58897971),
+            (b"abc", 479470107),
+        ];
+        for (key, expected) in cases {
+            assert_eq!(murmur2(key), expected, "{}", String::from_utf8_lossy(key));
+        }
+    }
+
+    #[test]
+    fn keys_pick_partitions_like_the_default_partitioner() {
+        // toPositive(murmur2) % n.
+        assert_eq!(partition_for_key(b"21", 4), ((-973932308i32 & 0x7fff_ffff) % 4) as u32);
+        assert_eq!(partition_for_key(b"abc", 3), (479470107 % 3) as u32);
+        assert_eq!(partition_for_key(b"anything", 1), 0);
+        for n in 1..20 {
+            assert!(partition_for_key(b"foobar", n) < n);
+        }
+    }
+
+    #[test]
+    fn error_codes_map_to_outcomes() {
+        assert_eq!(classify(0), Class::Ok);
+        // Message-specific: permanent.
+        for code in [3, 10, 17, 18, 29, 87] {
+            assert!(matches!(classify(code), Class::Permanent(_)), "code {code}");
+        }
+        // The cluster's trouble, known or unknown: transient.
+        for code in [-1, 2, 5, 6, 7, 8, 13, 14, 19, 20, 56, 74, 75, 999] {
+            assert!(matches!(classify(code), Class::Transient(_)), "code {code}");
+        }
+        assert_eq!(classify(6), Class::Transient("NOT_LEADER_OR_FOLLOWER"));
+        assert!(matches!(classify(3), Class::Permanent(why) if why.starts_with("UNKNOWN_TOPIC_OR_PARTITION")));
+        assert!(stale_metadata(6) && stale_metadata(3) && !stale_metadata(10) && !stale_metadata(0));
+    }
+
+    #[test]
+    fn config_values_are_checked() {
+        assert_eq!(parse_acks("all"), Ok(-1));
+        assert_eq!(parse_acks("-1"), Ok(-1));
+        assert_eq!(parse_acks("1"), Ok(1));
+        assert_eq!(parse_acks("0"), Ok(0));
+        assert_eq!(parse_acks("2").unwrap_err(), "acks: expected 0, 1 or all, got \"2\"");
+        assert_eq!(
+            parse_brokers("k1:9092, k2:9093,[::1]:9094").unwrap(),
+            vec![("k1".into(), 9092), ("k2".into(), 9093), ("::1".into(), 9094)]
+        );
+        assert!(parse_brokers("k1").unwrap_err().contains("\"k1\" has no port"));
+        assert!(parse_brokers("k1:x").unwrap_err().contains("invalid port"));
+        assert!(parse_brokers(" , ").unwrap_err().starts_with("brokers: required"));
+    }
+}
+
+/// Ferry with the kafka plugin; `routes` are `(name, config)`; `sandbox` is the body of the
+/// plugin's sandbox table.
+async fn setup(sandbox: &str, routes: &[(&str, String)]) -> Stepped {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_kafka"]);
+    let mut text = format!("[plugins]\ndir = {plugins:?}\ntimeout = \"10s\"\n[sandbox.kafka]\n{sandbox}\n");
+    for (name, config) in routes {
+        text.push_str(&format!("[route.{name}]\nplugin = \"kafka\"\nconfig = {{ {config} }}\n"));
+    }
+    Stepped::start(db, &text).await
+}
+
+fn sandbox_for(broker: &Broker) -> String {
+    format!("tcp = [\"{}\", \"localhost:{}\"]\ndns = true", broker.addr(), broker.port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_land_on_the_key_partition_with_headers_and_payload() {
+    let broker = broker().await;
+    let topic = broker.topic("orders", 3).await;
+    let config = format!("brokers = \"localhost:{}\", topic = \"{topic}\"", broker.port);
+    let s = setup(&sandbox_for(broker), &[("orders", config)]).await;
+
+    let event_time = Utc.with_ymd_and_hms(2026, 6, 30, 12, 0, 0).unwrap();
+    let mut events = Vec::new();
+    for n in 0..30 {
+        let mut event =
+            NewEvent::new("orders", "order.created", format!("{{\"n\":{n}}}")).with_header("tenant", "acme");
+        event.event_time = Some(event_time);
+        if n % 3 != 0 {
+            event = event.with_key(format!("customer-{}", n % 7));
+        }
+        events.push(event);
+    }
+    let rows = s.deliver(&events).await;
+    for row in &rows {
+        assert_eq!(row.status, Status::Sent, "event {}: {:?}", row.id, row.last_error);
+    }
+
+    let records = broker.records(&topic, 3).await;
+    assert_eq!(records.len(), 30, "one record per event");
+    let mut unkeyed_partitions = std::collections::BTreeSet::new();
+    for (n, row) in rows.iter().enumerate() {
+        let (partition, record) = records
+            .iter()
+            .find(|(_, r)| r.headers.get("ferry-event-id").map(Vec::as_slice) == Some(row.id.to_string().as_bytes()))
+            .unwrap_or_else(|| panic!("no record for event {}", row.id));
+        assert_eq!(record.value.as_deref(), Some(format!("{{\"n\":{n}}}").as_bytes()));
+        assert_eq!(record.headers.get("tenant").map(Vec::as_slice), Some(&b"acme"[..]));
+        assert_eq!(record.headers.get("ferry-event-type").map(Vec::as_slice), Some(&b"order.created"[..]));
+        assert_eq!(record.headers.get("content-type").map(Vec::as_slice), Some(&b"application/json"[..]));
+        assert_eq!(record.timestamp, event_time, "the record carries the event time");
+        match &events[n].ordering_key {
+            Some(key) => {
+                assert_eq!(record.key.as_deref(), Some(key.as_bytes()));
+                assert_eq!(*partition as u32, policy::partition_for_key(key.as_bytes(), 3), "key {key}");
+            }
+            None => {
+                assert_eq!(record.key, None);
+                unkeyed_partitions.insert(*partition);
+            }
+        }
+    }
+    assert_eq!(unkeyed_partitions.len(), 3, "events without a key are spread over every partition");
+
+    // Within one partition, records of one key keep emit order.
+    for key in 0..7 {
+        let key = format!("customer-{key}");
+        let order: Vec<i64> = records
+            .iter()
+            .filter(|(_, r)| r.key.as_deref() == Some(key.as_bytes()))
+            .map(|(_, r)| String::from_utf8_lossy(&r.headers["ferry-event-id"]).parse().unwrap())
+            .collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{key}: {order:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_zero_and_one_deliver_too() {
+    let broker = broker().await;
+    let topic = broker.topic("acks", 1).await;
+    let route = |acks: &str| format!("brokers = \"{}\", topic = \"{topic}\", acks = \"{acks}\"", broker.addr());
+    let s = setup(&sandbox_for(broker), &[("zero", route("0")), ("one", route("1"))]).await;
+    let rows = s.deliver(&[NewEvent::new("zero", "t", "a"), NewEvent::new("one", "t", "b")]).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent), "{rows:?}");
+    let values = crate::common::eventually(Duration::from_secs(5), "both records", || async {
+        let mut values: Vec<_> = broker.records(&topic, 1).await.into_iter().filter_map(|(_, r)| r.value).collect();
+        values.sort();
+        (values.len() == 2).then_some(values)
+    })
+    .await;
+    assert_eq!(values, vec![b"a".to_vec(), b"b".to_vec()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_topic_and_oversized_records_fail_permanently() {
+    let broker = broker().await;
+    let topic = broker.topic("sized", 2).await;
+    let s = setup(
+        &sandbox_for(broker),
+        &[
+            ("missing", format!("brokers = \"{}\", topic = \"does-not-exist-{}\"", broker.addr(), topic)),
+            ("small", format!("brokers = \"{}\", topic = \"{topic}\", max_request_bytes = \"2048\"", broker.addr())),
+        ],
+    )
+    .await;
+    let big = "x".repeat(4000);
+    let rows = s
+        .deliver(&[
+            NewEvent::new("missing", "t", "lost?"),
+            NewEvent::new("small", "t", big.as_str()),
+            NewEvent::new("small", "t", "fits"),
+        ])
+        .await;
+    assert_eq!(rows[0].status, Status::Failed);
+    let reason = rows[0].last_error.as_deref().unwrap();
+    assert!(reason.contains("UNKNOWN_TOPIC_OR_PARTITION"), "{reason}");
+    assert_eq!(rows[1].status, Status::Failed);
+    let reason = rows[1].last_error.as_deref().unwrap();
+    assert!(reason.starts_with("MESSAGE_TOO_LARGE") && reason.contains("2048"), "{reason}");
+    assert_eq!(
+        rows[2].status,
+        Status::Sent,
+        "the small record of the same batch goes through: {:?}",
+        rows[2].last_error
+    );
+    let values: Vec<_> = broker.records(&topic, 2).await.into_iter().filter_map(|(_, r)| r.value).collect();
+    assert_eq!(values, vec![b"fits".to_vec()], "the oversized record never reached the broker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_silent_and_forbidden_brokers_are_transient() {
+    let broker = broker().await;
+    // A port nothing listens on, and a listener that accepts but never answers.
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let sandbox = format!("tcp = [\"{closed}\", \"{silent_addr}\"]");
+    let s = setup(
+        &sandbox,
+        &[
+            ("down", format!("brokers = \"{closed}\", topic = \"t\"")),
+            ("hung", format!("brokers = \"{silent_addr}\", topic = \"t\", timeout_ms = \"300\"")),
+            // The real broker, but not on the allowlist.
+            ("forbidden", format!("brokers = \"{}\", topic = \"t\"", broker.addr())),
+        ],
+    )
+    .await;
+    let log = Captured::default();
+    let rows = s
+        .deliver(&[
+            NewEvent::new("down", "t", "1"),
+            NewEvent::new("hung", "t", "2"),
+            NewEvent::new("forbidden", "t", "3"),
+        ])
+        .with_subscriber(log.subscriber())
+        .await;
+    for row in &rows {
+        assert_eq!(row.status, Status::Pending, "transient failures are retried: {row:?}");
+        assert_eq!(row.attempts, 1);
+        assert!(row.next_attempt_at > Stepped::epoch(), "a retry is scheduled");
+    }
+    let reason = |i: usize| rows[i].last_error.clone().unwrap();
+    assert!(reason(0).contains("cannot connect"), "{}", reason(0));
+    assert!(reason(1).contains("REQUEST_TIMED_OUT"), "{}", reason(1));
+    assert!(reason(2).contains("cannot connect"), "{}", reason(2));
+    let log = log.text();
+    assert!(
+        log.contains("not on its tcp allowlist") && log.contains(&broker.addr()) && log.contains("plugin=kafka"),
+        "the denied connection is logged with the plugin and the address: {log}"
+    );
+    drop(silent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advertised_names_need_dns() {
+    let broker = broker().await;
+    let topic = broker.topic("nodns", 1).await;
+    // Bootstrapping by address works, but the broker then advertises itself as `localhost`.
+    let sandbox = format!("tcp = [\"{}\"]", broker.addr());
+    let s = setup(&sandbox, &[("r", format!("brokers = \"{}\", topic = \"{topic}\"", broker.addr()))]).await;
+    let rows = s.deliver(&[NewEvent::new("r", "t", "x")]).await;
+    assert_eq!(rows[0].status, Status::Pending);
+    let reason = rows[0].last_error.as_deref().unwrap();
+    assert!(reason.contains("cannot resolve localhost") && reason.contains("dns"), "{reason}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_route_config_is_refused_naming_the_key() {
+    let broker = broker().await;
+    let s = setup(
+        &sandbox_for(broker),
+        &[
+            ("noacks", format!("brokers = \"{}\", topic = \"t\", acks = \"most\"", broker.addr())),
+            ("notopic", format!("brokers = \"{}\"", broker.addr())),
+            ("typo", format!("brokers = \"{}\", topic = \"t\", akcs = \"1\"", broker.addr())),
+        ],
+    )
+    .await;
+    let rows = s
+        .deliver(&[
+            NewEvent::new("noacks", "t", "1"),
+            NewEvent::new("notopic", "t", "2"),
+            NewEvent::new("typo", "t", "3"),
+        ])
+        .await;
+    let reasons: Vec<String> = rows.iter().map(|r| r.last_error.clone().unwrap_or_default()).collect();
+    assert!(reasons[0].contains("acks: expected 0, 1 or all, got \"most\""), "{}", reasons[0]);
+    assert!(reasons[1].contains("topic: required"), "{}", reasons[1]);
+    assert!(reasons[2].contains("unknown config key \"akcs\""), "{}", reasons[2]);
+    assert!(rows.iter().all(|r| r.status != Status::Sent));
+}

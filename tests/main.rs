@@ -6,6 +6,7 @@ mod e2e;
 mod engine;
 mod http;
 mod kafka;
+mod languages;
 mod relay;
 mod reload;
 mod sandbox;

@@ -209,16 +209,16 @@ impl Runtime {
         let mut engine_config = EngineConfig::new();
         engine_config.wasm_component_model(true).epoch_interruption(true);
         if !config.plugins.cache_dir.as_os_str().is_empty() {
+            // wasmtime wants an absolute directory; a relative one is relative to where ferry runs.
+            let dir =
+                std::path::absolute(&config.plugins.cache_dir).unwrap_or_else(|_| config.plugins.cache_dir.clone());
             let mut cache = CacheConfig::new();
-            cache.with_directory(&config.plugins.cache_dir);
+            cache.with_directory(&dir);
             match Cache::new(cache) {
                 Ok(cache) => {
                     engine_config.cache(Some(cache));
                 }
-                Err(e) => tracing::warn!(
-                    dir = %config.plugins.cache_dir.display(),
-                    "compiled-code cache disabled: {e:#}"
-                ),
+                Err(e) => tracing::warn!(dir = %dir.display(), "compiled-code cache disabled: {e:#}"),
             }
         }
         let mut pooled = engine_config.clone();

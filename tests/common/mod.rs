@@ -81,9 +81,15 @@ impl TestDb {
     }
 
     /// A config pointing at this database, with `extra` TOML appended.
+    /// Compiled plugin code is cached in one directory under `target/` shared by all tests (and
+    /// runs), unless `extra` chooses another.
     pub fn config(&self, extra: &str) -> Config {
         let text = format!("[database]\nurl = {:?}\n{extra}", self.url);
-        Config::from_toml_str(&text, "test config").expect("test config is valid")
+        let mut config = Config::from_toml_str(&text, "test config").expect("test config is valid");
+        if config.plugins.cache_dir == Config::defaults().plugins.cache_dir {
+            config.plugins.cache_dir = repo_root().join("target/test-plugin-cache");
+        }
+        config
     }
 }
 

@@ -192,6 +192,8 @@ async fn the_cli_emits_from_files_and_stdin_defers_and_resends() {
         token: "tok".into(),
         ordered_routes: vec![],
         blocking_routes: vec![],
+        paused_routes: vec![],
+        only_route: None,
     };
     let claimed = db.store.claim(&claim).await.unwrap();
     let failed = ferry::event::Completion {
@@ -213,4 +215,73 @@ async fn the_cli_emits_from_files_and_stdin_defers_and_resends() {
 
 async fn store_payload(db: &TestDb, id: i64) -> Vec<u8> {
     db.store.get(id).await.unwrap().unwrap().payload
+}
+
+#[test]
+fn environment_overrides_reach_the_binary_and_bad_ones_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let config_path = dir.path().join("ferry.toml");
+    std::fs::write(&config_path, "[plugins]\ndir = \"not-here\"\n").unwrap();
+    let plugins = crate::common::plugins_dir(dir.path(), &["ferry_transport_log"]);
+    let ferry = |env: &[(&str, &str)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        cmd.arg("--config").arg(&config_path).args(["plugins", "list", "--json"]);
+        cmd.envs(env.iter().copied()).output().unwrap()
+    };
+    // FERRY_PLUGINS_DIR wins over the file.
+    let out = ferry(&[("FERRY_PLUGINS_DIR", plugins.to_str().unwrap())]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(list["plugins"][0]["name"], "log");
+
+    let out = ferry(&[("FERRY_PLUGINS_INSTANCES", "several")]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("environment variable FERRY_PLUGINS_INSTANCES: plugins.instances:"), "{stderr}");
+    let out = ferry(&[("FERRY_PLUGIN_DIR", "x")]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FERRY_PLUGIN_DIR is not a setting ferry knows"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_switch_breakers_from_the_cli() {
+    let db = TestDb::new(crate::common::Backend::Sqlite).await;
+    let config_path = db.dir.path().join("ferry.toml");
+    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n[route.r]\nplugin = \"log\"\n", db.url)).unwrap();
+    let ferry = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .arg("--config")
+            .arg(&config_path)
+            .args(["breaker"])
+            .args(args)
+            .env_remove("FERRY_DATABASE_URL")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, stdout, stderr) = ferry(&["open", "r", "--reason", "receiver maintenance"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(stdout.trim(), "breaker of route r: open until closed by hand");
+    let (_, table, _) = ferry(&["list"]);
+    assert!(table.contains("open (by hand)") && table.contains("receiver maintenance"), "{table}");
+    let (_, json, _) = ferry(&["list", "--json"]);
+    let list: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!((list[0]["route"].as_str(), list[0]["state"].as_str()), (Some("r"), Some("open")));
+    assert_eq!(list[0]["manual"], true);
+    let breaker = db.store.breakers().await.unwrap();
+    assert!(breaker[0].opened_at.is_some(), "the CLI wrote to the shared table");
+
+    let (code, stdout, _) = ferry(&["close", "r"]);
+    assert_eq!((code, stdout.trim()), (Some(0), "breaker of route r: closed"));
+    let (_, json, _) = ferry(&["list", "--json"]);
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&json).unwrap()[0]["state"], "closed");
+    let (code, _, stderr) = ferry(&["open", " "]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("the route name must not be empty"), "{stderr}");
+    let (code, _, stderr) = ferry(&["open"]);
+    assert_eq!(code, Some(2), "clap's usage error");
+    assert!(stderr.contains("<ROUTE>"), "{stderr}");
 }

@@ -293,3 +293,37 @@ async fn bad_route_config_is_refused_naming_the_key() {
     assert!(reasons[2].contains("unknown config key \"akcs\""), "{}", reasons[2]);
     assert!(rows.iter().all(|r| r.status != Status::Sent));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_one_produce_request_per_leader_over_a_kept_connection() {
+    use crate::common::broker::CountingProxy;
+
+    // A broker of its own that tells clients to reach it through a proxy counting requests.
+    let proxy_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let own = Broker::start(Some(proxy_port));
+    let proxy = CountingProxy::start_on(proxy_port, own.port).await;
+    let topic = own.topic("counted", 4).await;
+    let sandbox = format!("tcp = [\"127.0.0.1:{proxy_port}\"]");
+    let s = setup(&sandbox, &[("r", format!("brokers = \"127.0.0.1:{proxy_port}\", topic = \"{topic}\""))]).await;
+
+    // The test's own client reached the broker through the proxy to create the topic; count
+    // from here on.
+    let (produce, metadata, api_versions) = (0, 3, 18);
+    let base = |key| proxy.count(key);
+    let (metadata_base, versions_base) = (base(metadata), base(api_versions));
+
+    let events: Vec<NewEvent> =
+        (0..100).map(|n| NewEvent::new("r", "t", format!("{{\"n\":{n}}}")).with_key(format!("k{}", n % 16))).collect();
+    let rows = s.deliver(&events).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent), "{:?}", rows.iter().find(|r| r.status != Status::Sent));
+    assert_eq!(proxy.count(produce), 1, "a batch of 100 events over 4 partitions with one leader: one produce request");
+    assert_eq!(proxy.count(metadata), metadata_base + 1);
+
+    // The next batch reuses the connection and the cached leaders.
+    let rows = s.deliver(&events[..50]).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent));
+    assert_eq!(proxy.count(produce), 2);
+    assert_eq!(proxy.count(metadata), metadata_base + 1, "leaders are cached between batches");
+    assert_eq!(proxy.count(api_versions), versions_base + 1, "one connection, negotiated once");
+    assert_eq!(own.records(&topic, 4).await.len(), 150);
+}

@@ -251,6 +251,8 @@ async fn stuck_claims_are_recovered_by_housekeeping(db: TestDb) {
         token: "gone".into(),
         ordered_routes: vec![],
         blocking_routes: vec![],
+        paused_routes: vec![],
+        only_route: None,
     };
     assert_eq!(s.db.store.claim(&crashed).await.unwrap().len(), 1);
     s.ferry.relay.housekeeping().await;
@@ -262,7 +264,89 @@ async fn stuck_claims_are_recovered_by_housekeeping(db: TestDb) {
     assert_eq!(s.row(id).await.attempts, 2);
 }
 
+/// Ferry as in [`setup`], with breakers that open after 2 consecutive failures and probe after 1m.
+async fn setup_breaker(db: TestDb) -> Setup {
+    setup_with(db, "[breaker]\nthreshold = 2\ncooldown = \"1m\"").await
+}
+
+async fn breaker_of(s: &Setup, route: &str) -> ferry::store::Breaker {
+    s.db.store.breakers().await.unwrap().into_iter().find(|b| b.route == route).expect("a breaker row")
+}
+
+async fn an_open_breaker_pauses_its_route_until_a_probe_succeeds(db: TestDb) {
+    let s = setup_breaker(db).await;
+    let t0 = s.clock.now();
+    let (x1, x2) = (s.emit("s", "transient").await, s.emit("s", "transient").await);
+    assert_eq!(s.cycle().await.retried, 2);
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.opened_at, b.consecutive_failures), (Some(t0), 2));
+    assert!(b.reason.unwrap().contains("scripted transient failure"));
+
+    // Open: the route's events wait without using attempts; other routes flow.
+    let waiting = s.emit("s", "ok").await;
+    let elsewhere = s.emit("o", "ok").await;
+    let stats = s.cycle().await;
+    assert_eq!((stats.claimed, stats.sent), (1, 1));
+    assert_eq!(s.status(elsewhere).await, Status::Sent);
+    s.clock.advance(Duration::from_secs(59));
+    assert_eq!(s.cycle().await.claimed, 0, "x1 and x2 are due, but the breaker holds them");
+    let row = s.row(waiting).await;
+    assert_eq!((row.status, row.attempts), (Status::Pending, 0));
+    assert_eq!(s.row(x1).await.attempts, 1);
+
+    // Cooled down: one probe (the oldest due event) goes through; its success closes the breaker.
+    s.clock.advance(Duration::from_secs(1));
+    let stats = s.cycle().await;
+    assert_eq!((stats.claimed, stats.sent), (1, 1), "exactly one probe");
+    assert_eq!(s.status(waiting).await, Status::Sent);
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.opened_at, b.consecutive_failures), (None, 0));
+    // Closed again: the rest flows (and, failing twice more, trips it again).
+    assert_eq!(s.cycle().await.retried, 2);
+    assert_eq!((s.row(x1).await.attempts, s.row(x2).await.attempts), (2, 2));
+    assert_eq!(breaker_of(&s, "s").await.opened_at, Some(s.clock.now()));
+}
+
+async fn a_failed_probe_opens_the_breaker_again_at_once(db: TestDb) {
+    let s = setup_breaker(db).await;
+    let (x1, x2) = (s.emit("s", "transient").await, s.emit("s", "transient").await);
+    s.cycle().await;
+    s.clock.advance(Duration::from_secs(60));
+    let stats = s.cycle().await;
+    assert_eq!((stats.claimed, stats.retried), (1, 1), "one probe, and it failed");
+    assert_eq!((s.row(x1).await.attempts, s.row(x2).await.attempts), (2, 1));
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.opened_at, b.consecutive_failures, b.probe_until), (Some(s.clock.now()), 3, None));
+    s.clock.advance(Duration::from_secs(30));
+    assert_eq!(s.cycle().await.claimed, 0, "a new cooldown started with the failed probe");
+}
+
+async fn operators_open_and_close_breakers_by_hand(db: TestDb) {
+    let s = setup_breaker(db).await;
+    s.db.store.set_breaker("s", true, "receiver maintenance", s.clock.now()).await.unwrap();
+    let id = s.emit("s", "ok").await;
+    assert_eq!(s.cycle().await.claimed, 0);
+    s.clock.advance(Duration::from_secs(3 * 3600));
+    assert_eq!(s.cycle().await.claimed, 0, "no probes for a breaker opened by hand");
+    s.db.store.set_breaker("s", false, "", s.clock.now()).await.unwrap();
+    assert_eq!(s.cycle().await.sent, 1);
+    assert_eq!(s.status(id).await, Status::Sent);
+}
+
+async fn permanent_failures_do_not_trip_the_breaker(db: TestDb) {
+    let s = setup_breaker(db).await;
+    for _ in 0..3 {
+        s.emit("s", "permanent").await;
+    }
+    assert_eq!(s.cycle().await.failed, 3);
+    assert!(s.db.store.breakers().await.unwrap().is_empty(), "the endpoint answered; the events were bad");
+}
+
 crate::both_backends!(
+    an_open_breaker_pauses_its_route_until_a_probe_succeeds,
+    a_failed_probe_opens_the_breaker_again_at_once,
+    operators_open_and_close_breakers_by_hand,
+    permanent_failures_do_not_trip_the_breaker,
     an_ordered_key_waits_for_its_head,
     a_failed_head_blocks_or_skips_its_key,
     retention_purges_old_sent_events_in_bounded_batches,

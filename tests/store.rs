@@ -27,6 +27,8 @@ fn claim(now: DateTime<Utc>, limit: u32, token: &str) -> Claim {
         token: token.into(),
         ordered_routes: vec![],
         blocking_routes: vec![],
+        paused_routes: vec![],
+        only_route: None,
     }
 }
 
@@ -265,7 +267,63 @@ async fn purge_deletes_only_old_sent_events(db: TestDb) {
     assert_eq!(s.counts().await.unwrap()[&Status::Sent], 0);
 }
 
+async fn breakers_count_open_probe_and_close(db: TestDb) {
+    let s = &db.store;
+    let t0 = t0();
+    assert!(s.breakers().await.unwrap().is_empty());
+
+    // Below the threshold failures are counted; a success resets the count.
+    let b = s.record_breaker("r", 2, "last failure: a", 3, t0).await.unwrap();
+    assert_eq!((b.consecutive_failures, b.opened_at, b.reason), (2, None, None));
+    let b = s.record_breaker("r", 0, "", 3, t0).await.unwrap();
+    assert_eq!(b.consecutive_failures, 0);
+
+    // Reaching it opens the breaker with the reason.
+    s.record_breaker("r", 2, "last failure: a", 3, t0).await.unwrap();
+    let b = s.record_breaker("r", 1, "last failure: boom", 3, t0 + secs(1)).await.unwrap();
+    assert_eq!((b.consecutive_failures, b.opened_at), (3, Some(t0 + secs(1))));
+    assert_eq!(b.reason.as_deref(), Some("last failure: boom"));
+    assert_eq!(s.breakers().await.unwrap(), vec![b.clone()]);
+
+    // Paused routes are not claimed; a probe claim takes only its route.
+    let paused = s.insert(&NewEvent::new("r", "t", "{}"), t0).await.unwrap();
+    let other = s.insert(&NewEvent::new("other", "t", "{}"), t0).await.unwrap();
+    let mut c = claim(t0 + secs(2), 10, "a");
+    c.paused_routes = vec!["r".into()];
+    assert_eq!(s.claim(&c).await.unwrap().iter().map(|e| e.id).collect::<Vec<_>>(), vec![other]);
+
+    // Half-open: not before the cooldown; then exactly one claimer wins the probe until it expires.
+    let (now, until) = (t0 + secs(60), t0 + secs(360));
+    assert!(!s.take_probe("r", t0, now, until).await.unwrap(), "opened after `cooled`: still cooling down");
+    assert!(s.take_probe("r", t0 + secs(1), now, until).await.unwrap());
+    assert!(!s.take_probe("r", t0 + secs(1), now, until).await.unwrap(), "a second instance loses");
+    assert!(s.take_probe("r", t0 + secs(1), until, until + secs(300)).await.unwrap(), "an expired probe is free");
+    s.release_probe("r").await.unwrap();
+    assert!(s.take_probe("r", t0 + secs(1), now, until).await.unwrap(), "a released probe is free");
+    let mut probe = claim(now, 10, "p");
+    probe.only_route = Some("r".into());
+    assert_eq!(s.claim(&probe).await.unwrap().iter().map(|e| e.id).collect::<Vec<_>>(), vec![paused]);
+
+    // A failed probe opens it again at once; a success closes it and resets the count.
+    let b = s.record_breaker("r", 1, "last failure: still down", 3, now).await.unwrap();
+    assert_eq!((b.opened_at, b.probe_until, b.consecutive_failures), (Some(now), None, 4));
+    let b = s.record_breaker("r", 0, "", 3, now + secs(1)).await.unwrap();
+    assert_eq!((b.opened_at, b.reason, b.consecutive_failures), (None, None, 0));
+
+    // By hand: stays open whatever deliveries report, with no probes, until closed by hand.
+    let b = s.set_breaker("r", true, "maintenance window", now).await.unwrap();
+    assert_eq!((b.opened_at, b.manual, b.reason.as_deref()), (Some(now), true, Some("maintenance window")));
+    let b = s.record_breaker("r", 0, "", 3, now + secs(1)).await.unwrap();
+    assert_eq!((b.opened_at, b.manual), (Some(now), true), "a late success does not close a manual breaker");
+    assert!(!s.take_probe("r", now + secs(3600), now + secs(3600), now + secs(4000)).await.unwrap());
+    let b = s.set_breaker("r", false, "", now + secs(2)).await.unwrap();
+    assert_eq!((b.opened_at, b.manual, b.consecutive_failures), (None, false, 0));
+    let b = s.set_breaker("fresh", true, "never failed", now).await.unwrap();
+    assert_eq!(b.consecutive_failures, 0, "a route without history can be opened too");
+}
+
 crate::both_backends!(
+    breakers_count_open_probe_and_close,
     resend_makes_failed_events_pending_again,
     purge_deletes_only_old_sent_events,
     claim_returns_due_events_in_order,

@@ -45,12 +45,34 @@ pub enum Command {
     /// Inspect transport plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
+    /// Show, open or close the per-route circuit breakers.
+    #[command(subcommand)]
+    Breaker(BreakerCommand),
     /// Show how many events are in each status.
     Status {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BreakerCommand {
+    /// Every route whose breaker has a history: state, consecutive failures, since when, why.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Open a route's breaker by hand: its events wait until it is closed by hand.
+    Open {
+        route: String,
+        /// Why, shown in `breaker list`.
+        #[arg(long, default_value = "opened by an operator")]
+        reason: String,
+    },
+    /// Close a route's breaker (by hand or not) and reset its failure count.
+    Close { route: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -98,9 +120,11 @@ impl Cli {
     /// Loads the configuration this invocation names.
     pub fn load_config(&self) -> anyhow::Result<Config> {
         let mut config = match &self.config {
-            Some(path) => Config::load(path)?,
-            None if std::path::Path::new("ferry.toml").exists() => Config::load("ferry.toml".as_ref())?,
-            None => Config::defaults(),
+            Some(path) => Config::load_with_env(path, std::env::vars())?,
+            None if std::path::Path::new("ferry.toml").exists() => {
+                Config::load_with_env("ferry.toml".as_ref(), std::env::vars())?
+            }
+            None => Config::from_sources("", "defaults", std::env::vars())?,
         };
         if let Some(url) = &self.database_url {
             config.database.url = url.clone();
@@ -145,6 +169,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Breaker(command) => breaker(&config, command).await,
         Command::Status { json } => {
             let store = service::open_store(&config).await?;
             let counts = store.counts().await?;
@@ -161,6 +186,48 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+async fn breaker(config: &Config, command: BreakerCommand) -> anyhow::Result<()> {
+    let store = service::open_store(config).await?;
+    let now = SystemClock.now();
+    let cooldown = config.breaker.cooldown.0;
+    let changed = match command {
+        BreakerCommand::List { json } => {
+            let breakers = store.breakers().await?;
+            if json {
+                let rows: Vec<serde_json::Value> = breakers
+                    .iter()
+                    .map(|b| {
+                        let mut row = serde_json::to_value(b).expect("breakers serialize");
+                        row["state"] = b.state(now, cooldown).into();
+                        row
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(rows));
+            } else {
+                println!("{:<20} {:<10} {:>8}  {:<25} REASON", "ROUTE", "STATE", "FAILURES", "OPENED AT");
+                for b in &breakers {
+                    let opened = b.opened_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
+                    let state = if b.manual { "open (by hand)" } else { b.state(now, cooldown) };
+                    let reason = b.reason.as_deref().unwrap_or("-");
+                    println!("{:<20} {:<10} {:>8}  {:<25} {reason}", b.route, state, b.consecutive_failures, opened);
+                }
+            }
+            return Ok(());
+        }
+        BreakerCommand::Open { route, .. } | BreakerCommand::Close { route } if route.trim().is_empty() => {
+            bail!("the route name must not be empty")
+        }
+        BreakerCommand::Open { route, reason } => store.set_breaker(&route, true, &reason, now).await?,
+        BreakerCommand::Close { route } => store.set_breaker(&route, false, "", now).await?,
+    };
+    if !config.route.contains_key(&changed.route) {
+        tracing::warn!(route = %changed.route, "no [route.{}] is configured; the breaker is stored anyway", changed.route);
+    }
+    let state = if changed.opened_at.is_some() { "open until closed by hand" } else { "closed" };
+    println!("breaker of route {}: {state}", changed.route);
+    Ok(())
 }
 
 async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {

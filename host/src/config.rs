@@ -29,6 +29,7 @@ pub struct Config {
     pub database: DatabaseConfig,
     pub relay: RelayConfig,
     pub retry: RetryConfig,
+    pub breaker: BreakerConfig,
     pub plugins: PluginsConfig,
     /// Per-plugin sandbox grants, keyed by plugin name.
     #[serde(default)]
@@ -36,6 +37,16 @@ pub struct Config {
     /// Routes, keyed by the route name events carry.
     #[serde(default)]
     pub route: BTreeMap<String, RouteConfig>,
+}
+
+/// The per-route circuit breaker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Consecutive transient failures that open a route's breaker; 0 turns breakers off.
+    pub threshold: u32,
+    /// How long an open breaker waits before letting one probe delivery through.
+    pub cooldown: Dur,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -339,9 +350,15 @@ impl Config {
 
     /// Loads `path` over the defaults, resolving relative paths against the file's directory.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_with_env(path, std::iter::empty())
+    }
+
+    /// Like [`Config::load`], then applies `FERRY_<TABLE>_<KEY>` overrides from `env` (see
+    /// [`Config::from_sources`]).
+    pub fn load_with_env(path: &Path, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        let mut config = Self::from_toml_str(&text, &path.display().to_string())?;
+        let mut config = Self::from_sources(&text, &path.display().to_string(), env)?;
         let base = path.parent().unwrap_or(Path::new(""));
         config.resolve_paths(base);
         Ok(config)
@@ -349,13 +366,55 @@ impl Config {
 
     /// Parses `text` over the defaults; `origin` names the source in errors.
     pub fn from_toml_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        let invalid = |message: String| ConfigError::Invalid { origin: origin.to_string(), message };
-        let mut merged: toml::Table = DEFAULT_TOML.parse().expect("ferry.default.toml parses");
-        let user: toml::Table = text.parse().map_err(|e: toml::de::Error| invalid(e.to_string()))?;
+        Self::from_sources(text, origin, std::iter::empty())
+    }
+
+    /// Parses `text` over the defaults, then applies environment overrides: `FERRY_RELAY_BATCH_SIZE=500`
+    /// sets `relay.batch_size`, for every key of the `database`, `relay`, `retry`, `breaker` and `plugins`
+    /// tables. A value is read as TOML when it parses as such (`500`, `true`, `["a"]`) and as a
+    /// string otherwise (`5m`, `unlimited`). An unknown `FERRY_` variable, or a bad value, is an
+    /// error naming the variable. Variables read elsewhere (`FERRY_CONFIG`, `FERRY_LOG`,
+    /// `FERRY_LOG_FORMAT`, `FERRY_DATABASE_URL`) are left alone.
+    pub fn from_sources(
+        text: &str,
+        origin: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let invalid = |origin: &str, message: String| ConfigError::Invalid { origin: origin.to_string(), message };
+        let defaults: toml::Table = DEFAULT_TOML.parse().expect("ferry.default.toml parses");
+        let mut merged = defaults.clone();
+        let user: toml::Table = text.parse().map_err(|e: toml::de::Error| invalid(origin, e.to_string()))?;
         merge(&mut merged, user);
-        let config: Config =
-            toml::Value::Table(merged).try_into().map_err(|e: toml::de::Error| invalid(e.message().to_string()))?;
-        config.validate().map_err(invalid)?;
+        let mut overrides: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(name, _)| name.starts_with(ENV_PREFIX) && !ENV_RESERVED.contains(&name.as_str()))
+            .collect();
+        overrides.sort();
+        for (name, raw) in overrides {
+            let env_origin = format!("environment variable {name}");
+            let (table, key) =
+                env_key(&defaults, &name).ok_or_else(|| invalid(&env_origin, unknown_env(&defaults, &name)))?;
+            let value = env_value(&raw);
+            // Check the value on its own first, so a bad one is blamed on its variable.
+            let mut alone = defaults.clone();
+            merge(
+                &mut alone,
+                toml::Table::from_iter([(
+                    table.clone(),
+                    toml::Value::Table(toml::Table::from_iter([(key.clone(), value.clone())])),
+                )]),
+            );
+            toml::Value::Table(alone)
+                .try_into::<Config>()
+                .map_err(|e| invalid(&env_origin, format!("{table}.{key}: {}", e.message())))?;
+            if let Some(toml::Value::Table(section)) = merged.get_mut(&table) {
+                section.insert(key, value);
+            }
+        }
+        let config: Config = toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e: toml::de::Error| invalid(origin, e.message().to_string()))?;
+        config.validate().map_err(|message| invalid(origin, message))?;
         Ok(config)
     }
 
@@ -564,6 +623,39 @@ pub fn normalize_origin(text: &str) -> Result<String, String> {
 }
 
 /// Overlays `over` onto `base`, table by table.
+/// Environment variables that override config keys start with this.
+const ENV_PREFIX: &str = "FERRY_";
+/// `FERRY_` variables with meanings of their own.
+const ENV_RESERVED: [&str; 4] = ["FERRY_CONFIG", "FERRY_LOG", "FERRY_LOG_FORMAT", "FERRY_DATABASE_URL"];
+
+/// The `(table, key)` a `FERRY_TABLE_KEY` variable names, if any: matched against the keys the
+/// defaults define, so keys with underscores (`batch_size`) resolve unambiguously.
+fn env_key(defaults: &toml::Table, name: &str) -> Option<(String, String)> {
+    let rest = name.strip_prefix(ENV_PREFIX)?.to_ascii_lowercase();
+    defaults.iter().find_map(|(table, section)| {
+        let key = rest.strip_prefix(table.as_str())?.strip_prefix('_')?;
+        section.as_table()?.contains_key(key).then(|| (table.clone(), key.to_string()))
+    })
+}
+
+fn unknown_env(defaults: &toml::Table, name: &str) -> String {
+    let known: Vec<String> = defaults
+        .iter()
+        .filter_map(|(table, section)| Some((table, section.as_table()?)))
+        .flat_map(|(table, section)| section.keys().map(move |key| format!("FERRY_{table}_{key}").to_ascii_uppercase()))
+        .collect();
+    format!("{name} is not a setting ferry knows; the overridable ones are {}", known.join(", "))
+}
+
+/// An environment value as TOML when it is a TOML value, else as a string.
+fn env_value(raw: &str) -> toml::Value {
+    format!("v = {raw}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()))
+}
+
 fn merge(base: &mut toml::Table, over: toml::Table) {
     for (key, value) in over {
         match (base.get_mut(&key), value) {
@@ -592,6 +684,55 @@ mod tests {
 
     fn err(text: &str) -> String {
         Config::from_toml_str(text, "test.toml").unwrap_err().to_string()
+    }
+
+    fn with_env(text: &str, env: &[(&str, &str)]) -> Result<Config, String> {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        Config::from_sources(text, "ferry.toml", env).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn environment_variables_override_the_file() {
+        let c = with_env(
+            "[relay]\nbatch_size = 10\n",
+            &[
+                ("FERRY_RELAY_BATCH_SIZE", "500"),
+                ("FERRY_RELAY_LEASE", "2m"),
+                ("FERRY_RETRY_MAX_ATTEMPTS", "unlimited"),
+                ("FERRY_RETRY_SCHEDULE", "[\"1s\", \"1m\"]"),
+                ("FERRY_PLUGINS_WATCH", "false"),
+                // Read elsewhere, not config keys; and variables of other programs.
+                ("FERRY_LOG", "debug"),
+                ("FERRY_DATABASE_URL", "postgres://elsewhere"),
+                ("PATH", "/usr/bin"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.relay.batch_size, 500, "the environment beats the file");
+        assert_eq!(c.relay.lease.0, std::time::Duration::from_secs(120));
+        assert_eq!(c.retry.max_attempts.0, 0, "unlimited");
+        assert_eq!(c.retry.schedule.len(), 2);
+        assert!(!c.plugins.watch);
+        assert_eq!(c.database.url, "sqlite://ferry.db", "FERRY_DATABASE_URL is the CLI's business");
+    }
+
+    #[test]
+    fn bad_environment_variables_are_named() {
+        let unknown = with_env("", &[("FERRY_RELAY_BATCHSIZE", "5")]).unwrap_err();
+        assert!(
+            unknown.starts_with(
+                "invalid config in environment variable FERRY_RELAY_BATCHSIZE: FERRY_RELAY_BATCHSIZE is not a setting"
+            ),
+            "{unknown}"
+        );
+        assert!(unknown.contains("FERRY_RELAY_BATCH_SIZE"), "the message lists the real names: {unknown}");
+        let bad = with_env("", &[("FERRY_RELAY_BATCH_SIZE", "lots")]).unwrap_err();
+        assert!(
+            bad.starts_with("invalid config in environment variable FERRY_RELAY_BATCH_SIZE: relay.batch_size:"),
+            "{bad}"
+        );
+        let bad = with_env("", &[("FERRY_RELAY_LEASE", "soon")]).unwrap_err();
+        assert!(bad.contains("FERRY_RELAY_LEASE") && bad.contains("soon"), "{bad}");
     }
 
     #[test]

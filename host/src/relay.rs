@@ -17,7 +17,7 @@ use crate::clock::Clock;
 use crate::config::Config;
 use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::plugins::{DeliverError, Outcome, RouteTransport};
-use crate::store::{Claim, Store, StoreError};
+use crate::store::{Breaker, Claim, Store, StoreError};
 
 /// What one relay cycle did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +73,10 @@ pub struct Relay {
     purge_batch: u32,
     ordered_routes: Vec<String>,
     blocking_routes: Vec<String>,
+    /// Consecutive transient failures that open a route's breaker; 0: breakers never open by
+    /// themselves (operators can still open them).
+    breaker_threshold: u32,
+    breaker_cooldown: Duration,
     /// Cuts an idle wait short: notified by the database listener or by in-process emitters.
     wake: Arc<Notify>,
 }
@@ -96,6 +100,8 @@ impl Relay {
             purge_batch: config.relay.purge_batch,
             ordered_routes,
             blocking_routes,
+            breaker_threshold: config.breaker.threshold,
+            breaker_cooldown: config.breaker.cooldown.0,
             wake: Arc::new(Notify::new()),
         }
     }
@@ -199,6 +205,7 @@ impl Relay {
     pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleStats, StoreError> {
         let now = self.clock.now();
         let token = new_token();
+        let breakers = self.store.breakers().await?;
         let claim = Claim {
             now,
             limit: self.batch_size,
@@ -207,8 +214,11 @@ impl Relay {
             token: token.clone(),
             ordered_routes: self.ordered_routes.clone(),
             blocking_routes: self.blocking_routes.clone(),
+            paused_routes: breakers.iter().filter(|b| b.opened_at.is_some()).map(|b| b.route.clone()).collect(),
+            only_route: None,
         };
-        let events = self.store.claim(&claim).await?;
+        let mut events = self.store.claim(&claim).await?;
+        events.extend(self.probes(&claim, &breakers).await?);
         if events.is_empty() {
             return Ok(CycleStats::default());
         }
@@ -237,6 +247,7 @@ impl Relay {
             }
         }
         let written = self.store.complete(&token, self.clock.now(), &completions).await?;
+        self.record_breakers(&events, &completions, &breakers).await?;
         stats.fenced_off = completions.len().saturating_sub(written as usize);
         if stats.fenced_off > 0 {
             tracing::warn!(
@@ -245,6 +256,87 @@ impl Relay {
             );
         }
         Ok(stats)
+    }
+
+    /// For each route whose breaker has cooled down, takes the half-open probe (one instance
+    /// wins it) and claims one event to try the route with.
+    async fn probes(&self, claim: &Claim, breakers: &[Breaker]) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let cooled = claim.now - chrono::Duration::from_std(self.breaker_cooldown).unwrap_or(chrono::Duration::MAX);
+        let mut probes = Vec::new();
+        for breaker in breakers {
+            let due = breaker.opened_at.is_some_and(|at| at <= cooled)
+                && !breaker.manual
+                && breaker.probe_until.is_none_or(|until| until <= claim.now);
+            if !due || !self.store.take_probe(&breaker.route, cooled, claim.now, claim.lease_until).await? {
+                continue;
+            }
+            let one =
+                Claim { limit: 1, paused_routes: Vec::new(), only_route: Some(breaker.route.clone()), ..claim.clone() };
+            match self.store.claim(&one).await?.pop() {
+                Some(event) => {
+                    tracing::info!(route = %breaker.route, event = event.id, "circuit breaker half-open: probing with one event");
+                    probes.push(event);
+                }
+                None => self.store.release_probe(&breaker.route).await?,
+            }
+        }
+        Ok(probes)
+    }
+
+    /// Feeds each route's results into its circuit breaker: a success resets it (and closes it),
+    /// transient failures count towards opening it. Permanent failures say nothing about the
+    /// endpoint and are left out.
+    async fn record_breakers(
+        &self,
+        events: &[ClaimedEvent],
+        completions: &[Completion],
+        breakers: &[Breaker],
+    ) -> Result<(), StoreError> {
+        if self.breaker_threshold == 0 {
+            return Ok(());
+        }
+        let route_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.route.as_str())).collect();
+        let mut tally: BTreeMap<&str, (u32, u32, &str)> = BTreeMap::new();
+        for completion in completions {
+            let Some(route) = route_of.get(&completion.id) else { continue };
+            let entry = tally.entry(route).or_insert((0, 0, ""));
+            match &completion.disposition {
+                Disposition::Sent => entry.0 += 1,
+                Disposition::Retry { error, .. }
+                | Disposition::Failed {
+                    reason: FailureReason::AttemptsExhausted | FailureReason::PluginFault,
+                    error,
+                } => {
+                    entry.1 += 1;
+                    entry.2 = error;
+                }
+                Disposition::Failed { .. } => {}
+            }
+        }
+        let now = self.clock.now();
+        for (route, (successes, failures, last_error)) in tally {
+            let before = breakers.iter().find(|b| b.route == route);
+            if successes > 0 {
+                if before.is_some_and(|b| b.consecutive_failures > 0 || b.opened_at.is_some()) {
+                    let after = self.store.record_breaker(route, 0, "", self.breaker_threshold, now).await?;
+                    if before.is_some_and(|b| b.opened_at.is_some()) && after.opened_at.is_none() {
+                        tracing::info!(route, "circuit breaker closed: the route delivers again");
+                    }
+                }
+            } else if failures > 0 {
+                let reason = format!("last failure: {last_error}");
+                let after = self.store.record_breaker(route, failures, &reason, self.breaker_threshold, now).await?;
+                if after.opened_at == Some(now) && !after.manual {
+                    tracing::warn!(
+                        route,
+                        consecutive_failures = after.consecutive_failures,
+                        cooldown = ?self.breaker_cooldown,
+                        "circuit breaker open: the route's events wait until a probe succeeds; {reason}"
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion

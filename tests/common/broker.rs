@@ -37,40 +37,47 @@ fn tansu_binary() -> PathBuf {
     );
 }
 
+/// The broker shared by the tests of this binary, started on first use.
 pub async fn broker() -> &'static Broker {
-    BROKER
-        .get_or_init(|| async {
-            let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            let tansu = tansu_binary();
-            // Brokers advertise themselves by name, as real clusters do, so the plugin needs dns.
-            let script = format!(
-                "{tansu:?} broker --listener-url tcp://127.0.0.1:{port} --advertised-listener-url tcp://localhost:{port} \
-                 --storage-engine memory://tansu/ >\"$LOG\" 2>&1 & pid=$!; cat >/dev/null; kill $pid"
-            );
-            let log = std::env::temp_dir().join(format!("ferry-test-tansu-{port}.log"));
-            let wrapper = std::process::Command::new("sh")
-                .arg("-c")
-                .arg(script)
-                .env("LOG", &log)
-                .stdin(Stdio::piped())
-                .spawn()
-                .expect("start tansu");
-            let broker = Broker { port, _wrapper: wrapper };
-            let deadline = std::time::Instant::now() + Duration::from_secs(30);
-            while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "tansu did not listen on {port} within 30s; its log: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            broker
-        })
-        .await
+    BROKER.get_or_init(|| async { Broker::start(None) }).await
 }
 
 impl Broker {
+    /// Starts a broker of its own. It advertises itself as `localhost:<its port>` (real clusters
+    /// advertise names, so the plugin needs dns), or as `127.0.0.1:<advertise>` when given, for
+    /// tests that put a proxy in front of it.
+    pub fn start(advertise: Option<u16>) -> Broker {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let tansu = tansu_binary();
+        let advertised = match advertise {
+            Some(proxy) => format!("tcp://127.0.0.1:{proxy}"),
+            None => format!("tcp://localhost:{port}"),
+        };
+        let script = format!(
+            "{tansu:?} broker --listener-url tcp://127.0.0.1:{port} --advertised-listener-url {advertised} \
+             --storage-engine memory://tansu/ >\"$LOG\" 2>&1 & pid=$!; cat >/dev/null; kill $pid"
+        );
+        let log = std::env::temp_dir().join(format!("ferry-test-tansu-{port}.log"));
+        let wrapper = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .env("LOG", &log)
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("start tansu");
+        let broker = Broker { port, _wrapper: wrapper };
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "tansu did not listen on {port} within 30s; its log: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        broker
+    }
+
     pub fn addr(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
@@ -96,5 +103,59 @@ impl Broker {
             all.extend(records.into_iter().map(|r| (partition, r.record)));
         }
         all
+    }
+}
+
+/// A TCP proxy in front of a broker that counts the Kafka requests passing through it, by API key
+/// (the first two bytes after each frame's length).
+pub struct CountingProxy {
+    counts: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<i16, u32>>>,
+}
+
+impl CountingProxy {
+    /// Listens on `port` (which the broker advertises) and forwards to the broker on `upstream`.
+    pub async fn start_on(port: u16, upstream: u16) -> CountingProxy {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.expect("bind proxy");
+        let counts = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        let tally = counts.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { continue };
+                let (mut server_read, mut server_write) = server.into_split();
+                let (mut client_read, mut client_write) = client.into_split();
+                let tally = tally.clone();
+                tokio::spawn(async move {
+                    // Requests: forward frame by frame, counting API keys.
+                    loop {
+                        let mut size = [0u8; 4];
+                        if client_read.read_exact(&mut size).await.is_err() {
+                            break;
+                        }
+                        let mut frame = vec![0u8; i32::from_be_bytes(size).max(0) as usize];
+                        if client_read.read_exact(&mut frame).await.is_err() {
+                            break;
+                        }
+                        if frame.len() >= 2 {
+                            let key = i16::from_be_bytes([frame[0], frame[1]]);
+                            *tally.lock().unwrap().entry(key).or_insert(0) += 1;
+                        }
+                        if server_write.write_all(&size).await.is_err() || server_write.write_all(&frame).await.is_err()
+                        {
+                            break;
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                });
+            }
+        });
+        CountingProxy { counts }
+    }
+
+    /// How many requests with this API key went through (0 = Produce, 3 = Metadata).
+    pub fn count(&self, api_key: i16) -> u32 {
+        self.counts.lock().unwrap().get(&api_key).copied().unwrap_or(0)
     }
 }

@@ -48,6 +48,43 @@ pub struct Claim {
     pub ordered_routes: Vec<String>,
     /// Of the ordered routes, those where a FAILED event still holds back the rest of its key.
     pub blocking_routes: Vec<String>,
+    /// Routes whose circuit breaker is open: their events are not claimed.
+    pub paused_routes: Vec<String>,
+    /// Claim only events of this route (a half-open breaker's probe).
+    pub only_route: Option<String>,
+}
+
+/// A route's circuit breaker, shared by every instance through the database.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Breaker {
+    pub route: String,
+    /// Transient failures since the last success.
+    pub consecutive_failures: u32,
+    /// When the breaker opened; `None` while it is closed.
+    pub opened_at: Option<DateTime<Utc>>,
+    /// Why it opened: the last failure, or the operator's words.
+    pub reason: Option<String>,
+    /// Opened by an operator: stays open, without probes, until closed by hand.
+    pub manual: bool,
+    /// While half-open: the probe delivery in flight holds the route until then.
+    pub probe_until: Option<DateTime<Utc>>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl Breaker {
+    /// `closed`, `open` or `half-open` (open, cooled down, so a probe may go through).
+    pub fn state(&self, now: DateTime<Utc>, cooldown: std::time::Duration) -> &'static str {
+        match self.opened_at {
+            None => "closed",
+            Some(at)
+                if !self.manual
+                    && at + chrono::Duration::from_std(cooldown).unwrap_or(chrono::Duration::MAX) <= now =>
+            {
+                "half-open"
+            }
+            Some(_) => "open",
+        }
+    }
 }
 
 /// An event whose lease expired and that was handed back to PENDING.
@@ -105,6 +142,45 @@ pub trait Store: std::fmt::Debug + Send + Sync {
 
     /// One stored event, if it exists.
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError>;
+
+    /// Every stored circuit breaker, ordered by route.
+    async fn breakers(&self) -> Result<Vec<Breaker>, StoreError>;
+
+    /// Records how one delivery call of `route` went: `failures` transient failures, or none (it
+    /// succeeded). Success resets the count and closes the breaker unless an operator opened it.
+    /// Failures add to the count and open the breaker, with `reason`, when the count reaches
+    /// `threshold`, or at once when it was open already (a failed probe). Returns the new state.
+    async fn record_breaker(
+        &self,
+        route: &str,
+        failures: u32,
+        reason: &str,
+        threshold: u32,
+        now: DateTime<Utc>,
+    ) -> Result<Breaker, StoreError>;
+
+    /// Takes the half-open probe of `route`: succeeds for exactly one caller when the breaker was
+    /// opened automatically at or before `cooled` and no probe holds it; the probe holds it until
+    /// `until`.
+    async fn take_probe(
+        &self,
+        route: &str,
+        cooled: DateTime<Utc>,
+        now: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<bool, StoreError>;
+
+    /// Gives a probe back without a verdict (there was no event to probe with).
+    async fn release_probe(&self, route: &str) -> Result<(), StoreError>;
+
+    /// Opens a route's breaker by hand, with `reason`, or closes it (resetting the count).
+    async fn set_breaker(
+        &self,
+        route: &str,
+        open: bool,
+        reason: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Breaker, StoreError>;
 }
 
 /// Opens the store named by `url` (`sqlite://…` or `postgres://…`). SQLite files are created when
@@ -161,6 +237,25 @@ where
         event_time: required(time(row, "event_time")?, "event_time")?,
         created_at: required(time(row, "created_at")?, "created_at")?,
         defect,
+    })
+}
+
+/// Decodes a `ferry_breakers` row, on either backend (`manual` read by the caller's `flag`).
+fn breaker<R>(row: &R, time: &TimeReader<R>, manual: bool) -> Result<Breaker, sqlx::Error>
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(Breaker {
+        route: row.try_get("route")?,
+        consecutive_failures: count(row.try_get("consecutive_failures")?),
+        opened_at: time(row, "opened_at")?,
+        reason: row.try_get("reason")?,
+        manual,
+        probe_until: time(row, "probe_until")?,
+        updated_at: required(time(row, "updated_at")?, "updated_at")?,
     })
 }
 

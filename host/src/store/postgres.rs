@@ -14,7 +14,9 @@ use sqlx::{PgPool, Row};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::{Claim, Recovered, Store, StoreError, claimed_event, counts_by_status, event_record, partition};
+use super::{
+    Breaker, Claim, Recovered, Store, StoreError, breaker, claimed_event, counts_by_status, event_record, partition,
+};
 use crate::emit::Outbox;
 use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
@@ -77,6 +79,7 @@ impl Store for PostgresStore {
             "WITH picked AS (
                  SELECT e.id FROM ferry_events e
                  WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1
+                   AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)
                    AND (e.ordering_key IS NULL OR NOT (e.route = ANY($6)) OR NOT EXISTS (
                         SELECT 1 FROM ferry_events p
                         WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
@@ -101,6 +104,8 @@ impl Store for PostgresStore {
         .bind(claim.lease_until)
         .bind(&claim.ordered_routes)
         .bind(&claim.blocking_routes)
+        .bind(&claim.paused_routes)
+        .bind(&claim.only_route)
         .fetch_all(&self.pool)
         .await?;
         let mut claimed: Vec<(DateTime<Utc>, ClaimedEvent)> = rows
@@ -285,6 +290,104 @@ impl Store for PostgresStore {
             .await?;
         Ok(row.as_ref().map(|row| event_record(row, &read_time)).transpose()?)
     }
+
+    async fn breakers(&self) -> Result<Vec<Breaker>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(read_breaker).collect::<Result<_, _>>()?)
+    }
+
+    async fn record_breaker(
+        &self,
+        route: &str,
+        failures: u32,
+        reason: &str,
+        threshold: u32,
+        now: DateTime<Utc>,
+    ) -> Result<Breaker, StoreError> {
+        // $6: the failures trip (or re-trip) the breaker.
+        let row = sqlx::query(
+            "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
+             VALUES ($1, $2, CASE WHEN $2 > 0 AND $2 >= $4 THEN $5 END, CASE WHEN $2 > 0 AND $2 >= $4 THEN $3 END, $5)
+             ON CONFLICT (route) DO UPDATE SET
+                 consecutive_failures = CASE WHEN $2 = 0 THEN 0 ELSE b.consecutive_failures + $2 END,
+                 opened_at = CASE WHEN b.manual THEN b.opened_at
+                                  WHEN $2 = 0 THEN NULL
+                                  WHEN b.opened_at IS NOT NULL OR b.consecutive_failures + $2 >= $4 THEN $5
+                             END,
+                 reason = CASE WHEN b.manual THEN b.reason
+                               WHEN $2 = 0 THEN NULL
+                               WHEN b.opened_at IS NOT NULL OR b.consecutive_failures + $2 >= $4 THEN $3
+                          END,
+                 probe_until = CASE WHEN b.manual THEN b.probe_until END,
+                 updated_at = $5
+             RETURNING *",
+        )
+        .bind(route)
+        .bind(i32::try_from(failures).unwrap_or(i32::MAX))
+        .bind(reason)
+        .bind(i32::try_from(threshold).unwrap_or(i32::MAX))
+        .bind(now)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(read_breaker(&row)?)
+    }
+
+    async fn take_probe(
+        &self,
+        route: &str,
+        cooled: DateTime<Utc>,
+        now: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE ferry_breakers SET probe_until = $4, updated_at = $3
+             WHERE route = $1 AND opened_at <= $2 AND NOT manual AND (probe_until IS NULL OR probe_until <= $3)",
+        )
+        .bind(route)
+        .bind(cooled)
+        .bind(now)
+        .bind(until)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release_probe(&self, route: &str) -> Result<(), StoreError> {
+        sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = $1")
+            .bind(route)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn set_breaker(
+        &self,
+        route: &str,
+        open: bool,
+        reason: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Breaker, StoreError> {
+        let sql = if open {
+            "INSERT INTO ferry_breakers (route, opened_at, reason, manual, updated_at) VALUES ($1, $2, $3, true, $2)
+             ON CONFLICT (route) DO UPDATE
+             SET opened_at = $2, reason = $3, manual = true, probe_until = NULL, updated_at = $2
+             RETURNING *"
+        } else {
+            "INSERT INTO ferry_breakers (route, updated_at) VALUES ($1, $2)
+             ON CONFLICT (route) DO UPDATE
+             SET consecutive_failures = 0, opened_at = NULL, reason = NULL, manual = false, probe_until = NULL,
+                 updated_at = $2
+             RETURNING *"
+        };
+        let query = sqlx::query(sql).bind(route).bind(now);
+        let query = if open { query.bind(reason) } else { query };
+        let row = query.fetch_one(&self.pool).await?;
+        Ok(read_breaker(&row)?)
+    }
+}
+
+fn read_breaker(row: &PgRow) -> Result<Breaker, sqlx::Error> {
+    breaker(row, &read_time, row.try_get("manual")?)
 }
 
 /// The channel the `ferry_events_notify` trigger signals.

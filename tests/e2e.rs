@@ -285,3 +285,66 @@ async fn operators_switch_breakers_from_the_cli() {
     assert_eq!(code, Some(2), "clap's usage error");
     assert!(stderr.contains("<ROUTE>"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_count_list_show_resend_and_purge_failed_events() {
+    let db = TestDb::new(crate::common::Backend::Sqlite).await;
+    let ids = crate::store::failed_fixture(&db).await;
+    let config_path = db.dir.path().join("ferry.toml");
+    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n", db.url)).unwrap();
+    let ferry = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+            .arg("--config")
+            .arg(&config_path)
+            .args(args)
+            .env_remove("FERRY_DATABASE_URL")
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+
+    assert_eq!(ferry(&["failed", "count"]).1.trim(), "6");
+    let (_, json, _) = ferry(&["failed", "count", "--route", "a", "--type", "x", "--json"]);
+    assert_eq!(serde_json::from_str::<Value>(&json).unwrap()["failed"], 2);
+    let (_, json, _) =
+        ferry(&["failed", "count", "--from", "2026-03-01T12:01:00Z", "--before", "2026-03-01T12:04:00Z", "--json"]);
+    assert_eq!(serde_json::from_str::<Value>(&json).unwrap()["failed"], 3);
+
+    // A page of two, then the next.
+    let (_, json, _) = ferry(&["failed", "list", "--limit", "2", "--json"]);
+    let page: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(page["events"].as_array().unwrap().len(), 2);
+    assert_eq!(page["next_after"], ids[1]);
+    let (_, table, _) = ferry(&["failed", "list", "--after", &ids[1].to_string(), "--limit", "2"]);
+    assert!(table.contains(&ids[2].to_string()) && table.contains("rejected"), "{table}");
+    assert!(table.contains(&format!("more: --after {}", ids[3])), "{table}");
+
+    let (code, text, _) = ferry(&["show", &ids[0].to_string()]);
+    assert_eq!(code, Some(0));
+    assert!(text.contains("status        FAILED") && text.contains("last error    rejected"), "{text}");
+    let (code, _, stderr) = ferry(&["show", "999999"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("no event with id 999999"), "{stderr}");
+
+    // Bulk operations need a filter or --all; bad input is named.
+    let (code, _, stderr) = ferry(&["failed", "resend"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("no filter given") && stderr.contains("--all"), "{stderr}");
+    let (code, _, stderr) = ferry(&["failed", "count", "--from", "yesterday"]);
+    assert_eq!(code, Some(2));
+    assert!(stderr.contains("expected an RFC 3339 time") && stderr.contains("yesterday"), "{stderr}");
+    let (code, _, stderr) = ferry(&["failed", "list", "--limit", "0"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    let (code, _, stderr) =
+        ferry(&["failed", "count", "--from", "2026-03-02T00:00:00Z", "--before", "2026-03-01T00:00:00Z"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("must be earlier than --before"), "{stderr}");
+
+    let (code, out, _) = ferry(&["failed", "resend", "--route", "a"]);
+    assert_eq!((code, out.trim()), (Some(0), "3 events resent"));
+    assert_eq!(db.store.get(ids[0]).await.unwrap().unwrap().status, Status::Pending);
+    let (code, out, _) = ferry(&["failed", "purge", "--all"]);
+    assert_eq!((code, out.trim()), (Some(0), "3 events purged"));
+    assert_eq!(ferry(&["failed", "count"]).1.trim(), "0");
+}

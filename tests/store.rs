@@ -253,6 +253,62 @@ async fn resend_makes_failed_events_pending_again(db: TestDb) {
     assert_eq!((again[0].id, again[0].attempt), (failed, 1));
 }
 
+/// Six FAILED events — routes a/b, types x/y, created a minute apart — and one PENDING event.
+pub(crate) async fn failed_fixture(db: &TestDb) -> Vec<i64> {
+    let s = &db.store;
+    let mut ids = Vec::new();
+    for (i, (route, kind)) in
+        [("a", "x"), ("a", "y"), ("b", "x"), ("b", "y"), ("a", "x"), ("b", "x")].iter().enumerate()
+    {
+        ids.push(s.insert(&NewEvent::new(*route, *kind, "{}"), t0() + secs(60 * i as i64)).await.unwrap());
+    }
+    s.insert(&NewEvent::new("a", "x", "{}").not_before(t0() + secs(86_400)), t0()).await.unwrap();
+    let claimed = s.claim(&claim(t0() + secs(3600), 10, "tok")).await.unwrap();
+    let reason = FailureReason::Permanent;
+    let items: Vec<Completion> =
+        claimed.iter().map(|e| done(e.id, Disposition::Failed { reason, error: "rejected".into() })).collect();
+    s.complete("tok", t0() + secs(3600), &items).await.unwrap();
+    ids
+}
+
+async fn failed_events_are_counted_listed_resent_and_purged_by_filter(db: TestDb) {
+    use ferry::store::FailedFilter;
+    let s = &db.store;
+    let ids = failed_fixture(&db).await;
+    let all = FailedFilter::default();
+    let route_a = FailedFilter { route: Some("a".into()), ..all.clone() };
+    let type_x = FailedFilter { event_type: Some("x".into()), ..all.clone() };
+    // Created in [t0+1m, t0+4m): events 1, 2, 3.
+    let window = FailedFilter { from: Some(t0() + secs(60)), before: Some(t0() + secs(240)), ..all.clone() };
+    assert_eq!(s.count_failed(&all).await.unwrap(), 6, "the PENDING event is not counted");
+    assert_eq!(s.count_failed(&route_a).await.unwrap(), 3);
+    assert_eq!(s.count_failed(&FailedFilter { event_type: Some("x".into()), ..route_a.clone() }).await.unwrap(), 2);
+    assert_eq!(s.count_failed(&window).await.unwrap(), 3);
+    let listed = |events: Vec<ferry::event::EventRecord>| events.iter().map(|e| e.id).collect::<Vec<_>>();
+    assert_eq!(listed(s.list_failed(&window, 10).await.unwrap()), ids[1..4].to_vec());
+
+    // Paging through type x: 2 per page.
+    let page1 = listed(s.list_failed(&type_x, 2).await.unwrap());
+    assert_eq!(page1, vec![ids[0], ids[2]]);
+    let next = FailedFilter { after_id: Some(page1[1]), ..type_x.clone() };
+    assert_eq!(listed(s.list_failed(&next, 2).await.unwrap()), vec![ids[4], ids[5]]);
+
+    // Resend route a in steps of 2: 2, then 1, then nothing left.
+    let later = t0() + secs(7200);
+    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap(), 2);
+    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap(), 1);
+    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap(), 0);
+    let row = s.get(ids[0]).await.unwrap().unwrap();
+    assert_eq!((row.status, row.attempts, row.last_error, row.next_attempt_at), (Status::Pending, 0, None, later));
+
+    // Purge type y (only b's is still FAILED), then everything else.
+    assert_eq!(s.purge_failed(&FailedFilter { event_type: Some("y".into()), ..all.clone() }, 100).await.unwrap(), 1);
+    assert!(s.get(ids[3]).await.unwrap().is_none());
+    assert_eq!(s.purge_failed(&all, 100).await.unwrap(), 2);
+    assert_eq!(s.count_failed(&all).await.unwrap(), 0);
+    assert_eq!(s.counts().await.unwrap()[&Status::Pending], 4, "resent and never-failed events stay");
+}
+
 async fn purge_deletes_only_old_sent_events(db: TestDb) {
     let s = &db.store;
     for _ in 0..3 {
@@ -324,6 +380,7 @@ async fn breakers_count_open_probe_and_close(db: TestDb) {
 
 crate::both_backends!(
     breakers_count_open_probe_and_close,
+    failed_events_are_counted_listed_resent_and_purged_by_filter,
     resend_makes_failed_events_pending_again,
     purge_deletes_only_old_sent_events,
     claim_returns_due_events_in_order,

@@ -10,9 +10,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, parse_duration};
-use crate::event::NewEvent;
+use crate::event::{EventRecord, NewEvent};
 use crate::plugins::{Registry, Runtime};
 use crate::service;
+use crate::store::{FailedFilter, Store};
 
 /// Delivers events from a transactional outbox through WebAssembly transport plugins.
 #[derive(Debug, Parser)]
@@ -45,6 +46,16 @@ pub enum Command {
     /// Inspect transport plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
+    /// Count, list, resend or purge FAILED events, narrowed by route, type and creation time.
+    #[command(subcommand)]
+    Failed(FailedCommand),
+    /// Show one event: its fields, last error and payload.
+    Show {
+        id: i64,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Show, open or close the per-route circuit breakers.
     #[command(subcommand)]
     Breaker(BreakerCommand),
@@ -53,6 +64,88 @@ pub enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+    },
+}
+
+/// Which FAILED events a command applies to.
+#[derive(Debug, clap::Args)]
+pub struct FilterArgs {
+    /// Only events of this route.
+    #[arg(long)]
+    route: Option<String>,
+    /// Only events of this type.
+    #[arg(long = "type", value_name = "TYPE")]
+    event_type: Option<String>,
+    /// Only events created at or after this time (RFC 3339, e.g. 2026-11-26T08:00:00Z).
+    #[arg(long, value_parser = parse_time)]
+    from: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only events created before this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    before: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl FilterArgs {
+    fn filter(self) -> anyhow::Result<FailedFilter> {
+        if let (Some(from), Some(before)) = (self.from, self.before)
+            && from >= before
+        {
+            bail!("--from ({from}) must be earlier than --before ({before})");
+        }
+        Ok(FailedFilter {
+            route: self.route,
+            event_type: self.event_type,
+            from: self.from,
+            before: self.before,
+            after_id: None,
+        })
+    }
+}
+
+fn parse_time(text: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|e| format!("expected an RFC 3339 time such as 2026-11-26T08:00:00Z, got {text:?} ({e})"))
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FailedCommand {
+    /// How many FAILED events match.
+    Count {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// FAILED events in id order, a page at a time.
+    List {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Start after this id (the last id of the previous page).
+        #[arg(long)]
+        after: Option<i64>,
+        /// Events per page.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        limit: u32,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make the matching FAILED events PENDING again (attempts and error reset).
+    Resend {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Required to resend every FAILED event when no filter is given.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Delete the matching FAILED events for good.
+    Purge {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Required to purge every FAILED event when no filter is given.
+        #[arg(long)]
+        all: bool,
     },
 }
 
@@ -170,6 +263,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Breaker(command) => breaker(&config, command).await,
+        Command::Failed(command) => failed(&config, command).await,
+        Command::Show { id, json } => {
+            let store = service::open_store(&config).await?;
+            let Some(event) = store.get(id).await? else { bail!("no event with id {id}") };
+            show(&event, json);
+            Ok(())
+        }
         Command::Status { json } => {
             let store = service::open_store(&config).await?;
             let counts = store.counts().await?;
@@ -185,6 +285,173 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+/// Rows changed per statement in bulk operations, so none holds locks for long.
+const BULK_STEP: u32 = 1000;
+
+async fn failed(config: &Config, command: FailedCommand) -> anyhow::Result<()> {
+    let store = service::open_store(config).await?;
+    match command {
+        FailedCommand::Count { filter, json } => {
+            let n = store.count_failed(&filter.filter()?).await?;
+            if json { println!("{}", serde_json::json!({ "failed": n })) } else { println!("{n}") }
+        }
+        FailedCommand::List { filter, after, limit, json } => {
+            let filter = FailedFilter { after_id: after, ..filter.filter()? };
+            let events = store.list_failed(&filter, limit).await?;
+            if json {
+                let next = (events.len() == limit as usize).then(|| events.last().map(|e| e.id)).flatten();
+                println!("{}", serde_json::json!({ "events": events, "next_after": next }));
+            } else {
+                println!(
+                    "{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} LAST ERROR",
+                    "ID", "ROUTE", "TYPE", "CREATED", "ATTEMPTS", "REASON"
+                );
+                for e in &events {
+                    println!(
+                        "{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} {}",
+                        e.id,
+                        e.route,
+                        e.event_type,
+                        e.created_at.to_rfc3339(),
+                        e.attempts,
+                        e.failure_reason.as_deref().unwrap_or("-"),
+                        e.last_error.as_deref().unwrap_or("-").lines().next().unwrap_or("")
+                    );
+                }
+                if events.len() == limit as usize
+                    && let Some(last) = events.last()
+                {
+                    println!("more: --after {}", last.id);
+                }
+            }
+        }
+        FailedCommand::Resend { filter, all } => bulk(store.as_ref(), filter.filter()?, all, Bulk::Resend).await?,
+        FailedCommand::Purge { filter, all } => bulk(store.as_ref(), filter.filter()?, all, Bulk::Purge).await?,
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Bulk {
+    Resend,
+    Purge,
+}
+
+/// Resends or purges every match in steps of [`BULK_STEP`], with a progress bar on a terminal.
+async fn bulk(store: &dyn Store, filter: FailedFilter, all: bool, op: Bulk) -> anyhow::Result<()> {
+    let verb = match op {
+        Bulk::Resend => "resent",
+        Bulk::Purge => "purged",
+    };
+    if filter.is_everything() && !all {
+        bail!(
+            "no filter given: this would affect every FAILED event; narrow it with --route, --type, --from or --before, or add --all"
+        );
+    }
+    let total = store.count_failed(&filter).await?;
+    let mut progress = Progress::new(total, verb);
+    let mut done = 0;
+    loop {
+        let step = match op {
+            Bulk::Resend => store.resend_failed(&filter, SystemClock.now(), BULK_STEP).await?,
+            Bulk::Purge => store.purge_failed(&filter, BULK_STEP).await?,
+        };
+        if step == 0 {
+            break;
+        }
+        done += step;
+        progress.show(done);
+    }
+    progress.finish();
+    println!("{done} events {verb}");
+    Ok(())
+}
+
+/// A one-line progress bar on standard error, drawn only when it is a terminal.
+struct Progress {
+    total: u64,
+    verb: &'static str,
+    terminal: bool,
+}
+
+impl Progress {
+    fn new(total: u64, verb: &'static str) -> Progress {
+        use std::io::IsTerminal as _;
+        Progress { total, verb, terminal: std::io::stderr().is_terminal() && total > u64::from(BULK_STEP) }
+    }
+
+    fn show(&mut self, done: u64) {
+        if self.terminal {
+            let width = 30;
+            let filled = (done.min(self.total) * width / self.total.max(1)) as usize;
+            eprint!(
+                "\r{} [{}{}] {done}/{}",
+                self.verb,
+                "#".repeat(filled),
+                " ".repeat(width as usize - filled),
+                self.total
+            );
+        }
+    }
+
+    fn finish(&self) {
+        if self.terminal {
+            eprintln!();
+        }
+    }
+}
+
+/// One event for `ferry show`: every field, and the payload as text when it is UTF-8.
+fn show(event: &EventRecord, json: bool) {
+    let text = std::str::from_utf8(&event.payload).ok();
+    if json {
+        let mut value = serde_json::to_value(event).expect("events serialize");
+        match text {
+            Some(text) => value["payload"] = text.into(),
+            None => value["payload_bytes"] = event.payload.len().into(),
+        }
+        println!("{value}");
+        return;
+    }
+    let time = |t: Option<chrono::DateTime<chrono::Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
+    let fields = [
+        ("id", event.id.to_string()),
+        ("status", event.status.to_string()),
+        ("route", event.route.clone()),
+        ("type", event.event_type.clone()),
+        ("key", event.ordering_key.clone().unwrap_or_else(|| "-".into())),
+        (
+            "attempts",
+            format!(
+                "{} of {}",
+                event.attempts,
+                event.max_attempts.map_or("the route's limit".into(), |m| if m == 0 {
+                    "unlimited".into()
+                } else {
+                    m.to_string()
+                })
+            ),
+        ),
+        ("event time", time(Some(event.event_time))),
+        ("created", time(Some(event.created_at))),
+        ("status since", time(Some(event.last_status_at))),
+        ("next attempt", time(Some(event.next_attempt_at))),
+        ("processed", time(event.processed_at)),
+        ("failure", event.failure_reason.clone().unwrap_or_else(|| "-".into())),
+        ("last error", event.last_error.clone().unwrap_or_else(|| "-".into())),
+        ("claimed by", event.claimed_by.clone().unwrap_or_else(|| "-".into())),
+        ("content type", event.content_type.clone()),
+        ("headers", event.headers.clone()),
+    ];
+    for (name, value) in fields {
+        println!("{name:<13} {value}");
+    }
+    match text {
+        Some(text) => println!("payload\n{text}"),
+        None => println!("payload       {} bytes, not UTF-8 text", event.payload.len()),
     }
 }
 

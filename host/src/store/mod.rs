@@ -54,6 +54,27 @@ pub struct Claim {
     pub only_route: Option<String>,
 }
 
+/// Which FAILED events an operation applies to. Every field narrows the selection; the default
+/// selects them all.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FailedFilter {
+    pub route: Option<String>,
+    pub event_type: Option<String>,
+    /// Created at or after this time.
+    pub from: Option<DateTime<Utc>>,
+    /// Created before this time.
+    pub before: Option<DateTime<Utc>>,
+    /// Only events with a greater id (paging through a list).
+    pub after_id: Option<i64>,
+}
+
+impl FailedFilter {
+    /// Whether the filter narrows anything (bulk operations on every failed event need saying so).
+    pub fn is_everything(&self) -> bool {
+        *self == FailedFilter::default()
+    }
+}
+
 /// A route's circuit breaker, shared by every instance through the database.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Breaker {
@@ -142,6 +163,19 @@ pub trait Store: std::fmt::Debug + Send + Sync {
 
     /// One stored event, if it exists.
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError>;
+
+    /// How many FAILED events match `filter`.
+    async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError>;
+
+    /// Up to `limit` FAILED events matching `filter`, in id order.
+    async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError>;
+
+    /// Resends up to `limit` FAILED events matching `filter` (as [`Store::resend`] does) and
+    /// returns how many; call again until it returns 0 to resend them all in bounded steps.
+    async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError>;
+
+    /// Deletes up to `limit` FAILED events matching `filter`; returns how many went.
+    async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<u64, StoreError>;
 
     /// Every stored circuit breaker, ordered by route.
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError>;

@@ -14,7 +14,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Row, SqlitePool};
 
 use super::{
-    Breaker, Claim, Recovered, Store, StoreError, breaker, claimed_event, counts_by_status, event_record, partition,
+    Breaker, Claim, FailedFilter, Recovered, Store, StoreError, breaker, claimed_event, counts_by_status, event_record,
+    partition,
 };
 use crate::emit::Outbox;
 use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
@@ -295,6 +296,38 @@ impl Store for SqliteStore {
         Ok(row.as_ref().map(|row| event_record(row, &read_time)).transpose()?)
     }
 
+    async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
+        let sql = format!("SELECT COUNT(*) FROM ferry_events WHERE {FAILED_WHERE}");
+        let row = bind_filter(sqlx::query(&sql), filter).fetch_one(&self.pool).await?;
+        Ok(u64::try_from(row.try_get::<i64, _>(0)?).unwrap_or(0))
+    }
+
+    async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
+        let sql = format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6");
+        let rows = bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(|row| event_record(row, &read_time)).collect::<Result<_, _>>()?)
+    }
+
+    async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
+        let sql = format!(
+            "UPDATE ferry_events
+             SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
+                 processed_at = NULL, next_attempt_at = ?7, last_status_at = ?7
+             WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6)"
+        );
+        let done =
+            bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).bind(ms(now)).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<u64, StoreError> {
+        let sql = format!(
+            "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6)"
+        );
+        let done = bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError> {
         let rows = sqlx::query("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
         Ok(rows.iter().map(read_breaker).collect::<Result<_, _>>()?)
@@ -390,6 +423,22 @@ impl Store for SqliteStore {
 }
 
 /// Timestamps are stored as integer milliseconds.
+/// The FAILED rows a [`FailedFilter`] selects; its values are bound as ?1..?5 by [`bind_filter`].
+const FAILED_WHERE: &str = "status = 'FAILED' AND (?1 IS NULL OR route = ?1) AND (?2 IS NULL OR event_type = ?2)
+     AND (?3 IS NULL OR created_at >= ?3) AND (?4 IS NULL OR created_at < ?4) AND (?5 IS NULL OR id > ?5)";
+
+type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>;
+
+/// Binds a [`FailedFilter`] as ?1..?5 to a query built on [`FAILED_WHERE`].
+fn bind_filter<'q>(query: SqliteQuery<'q>, filter: &'q FailedFilter) -> SqliteQuery<'q> {
+    query
+        .bind(&filter.route)
+        .bind(&filter.event_type)
+        .bind(filter.from.map(ms))
+        .bind(filter.before.map(ms))
+        .bind(filter.after_id)
+}
+
 fn read_breaker(row: &SqliteRow) -> Result<Breaker, sqlx::Error> {
     breaker(row, &read_time, row.try_get::<i64, _>("manual")? != 0)
 }

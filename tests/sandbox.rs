@@ -131,6 +131,21 @@ async fn a_plugin_reaches_only_its_tcp_allowlist() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_without_an_allowlist_reaches_nothing_and_the_attempt_is_logged() {
+    let target = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = target.local_addr().unwrap();
+    let s = setup("").await;
+    let log = Captured::default();
+    let denied = s
+        .deliver_beside_a_healthy_route(NewEvent::new("s", "connect", "{}").with_header("addr", target.to_string()))
+        .with_subscriber(log.subscriber())
+        .await;
+    assert_eq!(denied.status, Status::Failed);
+    let log = log.text();
+    assert!(log.contains("not on its tcp allowlist") && log.contains(&target.to_string()), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_sees_only_its_own_directories() {
     let db_dir = tempfile::tempdir().unwrap();
     let data = db_dir.path().join("data");

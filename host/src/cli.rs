@@ -176,7 +176,8 @@ pub enum PluginsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Check that FILE is a transport ferry can load, and init it for the routes that would use it.
+    /// Check that FILE is a transport ferry can load: a component of the transport world, with imports
+    /// ferry provides, built for a compatible contract version.
     Check {
         /// The component to check.
         file: PathBuf,

@@ -394,7 +394,11 @@ impl Config {
             let env_origin = format!("environment variable {name}");
             let (table, key) =
                 env_key(&defaults, &name).ok_or_else(|| invalid(&env_origin, unknown_env(&defaults, &name)))?;
-            let value = env_value(&raw);
+            // Text settings take the value as it is (an instance id of `42` stays text).
+            let value = match defaults.get(&table).and_then(|t| t.get(&key)) {
+                Some(toml::Value::String(_)) => toml::Value::String(raw),
+                _ => env_value(&raw),
+            };
             // Check the value on its own first, so a bad one is blamed on its variable.
             let mut alone = defaults.clone();
             merge(
@@ -701,6 +705,7 @@ mod tests {
                 ("FERRY_RETRY_MAX_ATTEMPTS", "unlimited"),
                 ("FERRY_RETRY_SCHEDULE", "[\"1s\", \"1m\"]"),
                 ("FERRY_PLUGINS_WATCH", "false"),
+                ("FERRY_RELAY_INSTANCE_ID", "42"),
                 // Read elsewhere, not config keys; and variables of other programs.
                 ("FERRY_LOG", "debug"),
                 ("FERRY_DATABASE_URL", "postgres://elsewhere"),
@@ -713,6 +718,7 @@ mod tests {
         assert_eq!(c.retry.max_attempts.0, 0, "unlimited");
         assert_eq!(c.retry.schedule.len(), 2);
         assert!(!c.plugins.watch);
+        assert_eq!(c.relay.instance_id, "42", "text settings stay text");
         assert_eq!(c.database.url, "sqlite://ferry.db", "FERRY_DATABASE_URL is the CLI's business");
     }
 

@@ -107,7 +107,7 @@ pub struct NewEvent {
     pub event_time: Option<DateTime<Utc>>,
     /// Do not deliver before this time (deferred delivery). Deferral is not an attempt.
     pub not_before: Option<DateTime<Utc>>,
-    /// Attempt limit fixed at emit time; when absent, the route's limit is pinned on first claim.
+    /// Attempt limit fixed at emit time; when absent, the route's limit is pinned when the first outcome is recorded.
     /// `Some(0)` means retry transient failures without limit.
     pub max_attempts: Option<u32>,
 }

@@ -330,22 +330,22 @@ impl Runtime {
                 .with_context(|| format!("granting {} to plugin {plugin} as {guest}", host.display()))?;
         }
         wasi.allow_ip_name_lookup(sandbox.dns);
-        if !tcp.is_empty() {
-            let allowed: Arc<HashSet<SocketAddr>> = Arc::new(tcp.iter().copied().collect());
-            let name = plugin.clone();
-            wasi.allow_tcp(true).socket_addr_check(move |addr, use_| {
-                let ok = match use_ {
-                    // Connecting binds the socket to an ephemeral local port first.
-                    SocketAddrUse::TcpBind => addr.port() == 0,
-                    SocketAddrUse::TcpConnect => allowed.contains(&addr),
-                    _ => false,
-                };
-                if !ok {
-                    tracing::warn!(plugin = %name, %addr, usage = ?use_, "plugin denied network access to an address not on its tcp allowlist");
-                }
-                Box::pin(async move { ok })
-            });
-        }
+        // Every socket use goes through this check, even with an empty allowlist, so that each
+        // refusal is logged with the plugin's name.
+        let allowed: Arc<HashSet<SocketAddr>> = Arc::new(tcp.iter().copied().collect());
+        let name = plugin.clone();
+        wasi.allow_tcp(true).socket_addr_check(move |addr, use_| {
+            let ok = match use_ {
+                // Connecting binds the socket to an ephemeral local port first.
+                SocketAddrUse::TcpBind => addr.port() == 0,
+                SocketAddrUse::TcpConnect => allowed.contains(&addr),
+                _ => false,
+            };
+            if !ok {
+                tracing::warn!(plugin = %name, %addr, usage = ?use_, "plugin denied network access to an address not on its tcp allowlist");
+            }
+            Box::pin(async move { ok })
+        });
         let origins = sandbox.http.iter().filter_map(|o| crate::config::normalize_origin(o).ok()).collect();
         let state = HostState {
             wasi: wasi.build(),

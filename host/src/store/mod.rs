@@ -136,8 +136,8 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// claimed again elsewhere) are left alone. Returns how many rows were updated.
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError>;
 
-    /// Hands events of claim `token` back to PENDING without counting the attempt (used when a
-    /// claim is abandoned before delivery, e.g. at shutdown).
+    /// Hands events of claim `token` back to PENDING without counting the attempt (used at shutdown
+    /// for a batch whose delivery did not finish within the grace period).
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
 
     /// Moves PROCESSING events whose lease expired before `now` back to PENDING.

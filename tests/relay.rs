@@ -321,6 +321,25 @@ async fn a_failed_probe_opens_the_breaker_again_at_once(db: TestDb) {
     assert_eq!(s.cycle().await.claimed, 0, "a new cooldown started with the failed probe");
 }
 
+async fn a_probe_that_fails_permanently_is_given_back_at_once(db: TestDb) {
+    let s = setup_breaker(db).await;
+    let t0 = s.clock.now();
+    let x1 = s.emit("s", "transient").await;
+    s.emit("s", "transient").await;
+    s.cycle().await;
+    // Due before the retries, so it is the first probe; a bad event says nothing about the endpoint.
+    let bad =
+        s.emit_event(NewEvent::new("s", "permanent", "{}").not_before(t0 + chrono::Duration::milliseconds(500))).await;
+    s.clock.advance(Duration::from_secs(60));
+    assert_eq!(s.cycle().await.failed, 1);
+    assert_eq!(s.status(bad).await, Status::Failed);
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.opened_at, b.probe_until), (Some(t0), None), "still open, probe given back");
+    // So the next cycle probes again at once, with the next event.
+    assert_eq!(s.cycle().await.claimed, 1);
+    assert_eq!(s.row(x1).await.attempts, 2);
+}
+
 async fn operators_open_and_close_breakers_by_hand(db: TestDb) {
     let s = setup_breaker(db).await;
     s.db.store.set_breaker("s", true, "receiver maintenance", s.clock.now()).await.unwrap();
@@ -345,6 +364,7 @@ async fn permanent_failures_do_not_trip_the_breaker(db: TestDb) {
 crate::both_backends!(
     an_open_breaker_pauses_its_route_until_a_probe_succeeds,
     a_failed_probe_opens_the_breaker_again_at_once,
+    a_probe_that_fails_permanently_is_given_back_at_once,
     operators_open_and_close_breakers_by_hand,
     permanent_failures_do_not_trip_the_breaker,
     an_ordered_key_waits_for_its_head,

@@ -218,7 +218,9 @@ impl Relay {
             only_route: None,
         };
         let mut events = self.store.claim(&claim).await?;
-        events.extend(self.probes(&claim, &breakers).await?);
+        let probes = self.probes(&claim, &breakers).await?;
+        let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
+        events.extend(probes);
         if events.is_empty() {
             return Ok(CycleStats::default());
         }
@@ -247,7 +249,7 @@ impl Relay {
             }
         }
         let written = self.store.complete(&token, self.clock.now(), &completions).await?;
-        self.record_breakers(&events, &completions, &breakers).await?;
+        self.record_breakers(&events, &completions, &breakers, &probed).await?;
         stats.fenced_off = completions.len().saturating_sub(written as usize);
         if stats.fenced_off > 0 {
             tracing::warn!(
@@ -284,17 +286,16 @@ impl Relay {
     }
 
     /// Feeds each route's results into its circuit breaker: a success resets it (and closes it),
-    /// transient failures count towards opening it. Permanent failures say nothing about the
-    /// endpoint and are left out.
+    /// transient failures count towards opening it (or reopen it after a probe). Permanent
+    /// failures say nothing about the endpoint and are left out; a probe that ended that way is
+    /// given back at once, so the next cycle probes again.
     async fn record_breakers(
         &self,
         events: &[ClaimedEvent],
         completions: &[Completion],
         breakers: &[Breaker],
+        probed: &[String],
     ) -> Result<(), StoreError> {
-        if self.breaker_threshold == 0 {
-            return Ok(());
-        }
         let route_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.route.as_str())).collect();
         let mut tally: BTreeMap<&str, (u32, u32, &str)> = BTreeMap::new();
         for completion in completions {
@@ -314,6 +315,11 @@ impl Relay {
             }
         }
         let now = self.clock.now();
+        for route in probed {
+            if tally.get(route.as_str()).is_none_or(|(successes, failures, _)| *successes == 0 && *failures == 0) {
+                self.store.release_probe(route).await?;
+            }
+        }
         for (route, (successes, failures, last_error)) in tally {
             let before = breakers.iter().find(|b| b.route == route);
             if successes > 0 {
@@ -323,7 +329,7 @@ impl Relay {
                         tracing::info!(route, "circuit breaker closed: the route delivers again");
                     }
                 }
-            } else if failures > 0 {
+            } else if failures > 0 && (self.breaker_threshold > 0 || probed.iter().any(|p| p == route)) {
                 let reason = format!("last failure: {last_error}");
                 let after = self.store.record_breaker(route, failures, &reason, self.breaker_threshold, now).await?;
                 if after.opened_at == Some(now) && !after.manual {

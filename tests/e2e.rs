@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::common::{TestDb, emit_in_transaction, eventually, plugins_dir};
 
-/// Config for the log plugin writing to `<dir>/out/orders.jsonl`.
+/// Config for the log plugin writing to `<dir>/out/orders.jsonl`, on an ordered route.
 fn log_config(db: &TestDb) -> String {
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
     let out = db.dir.path().join("out");
@@ -30,6 +30,8 @@ fn log_config(db: &TestDb) -> String {
         [route.orders]
         plugin = "log"
         config = {{ output = "/out/orders.jsonl" }}
+        # The tests check emit order per key, which ferry promises on ordered routes only.
+        ordered = true
         "#
     )
 }
@@ -247,21 +249,7 @@ async fn operators_switch_breakers_from_the_cli() {
     let db = TestDb::new(crate::common::Backend::Sqlite).await;
     let config_path = db.dir.path().join("ferry.toml");
     std::fs::write(&config_path, format!("[database]\nurl = {:?}\n[route.r]\nplugin = \"log\"\n", db.url)).unwrap();
-    let ferry = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .arg("--config")
-            .arg(&config_path)
-            .args(["breaker"])
-            .args(args)
-            .env_remove("FERRY_DATABASE_URL")
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let ferry = |args: &[&str]| run_ferry(&config_path, &[&["breaker"], args].concat());
     let (code, stdout, stderr) = ferry(&["open", "r", "--reason", "receiver maintenance"]);
     assert_eq!(code, Some(0), "{stderr}");
     assert_eq!(stdout.trim(), "breaker of route r: open until closed by hand");
@@ -292,17 +280,7 @@ async fn operators_count_list_show_resend_and_purge_failed_events() {
     let ids = crate::store::failed_fixture(&db).await;
     let config_path = db.dir.path().join("ferry.toml");
     std::fs::write(&config_path, format!("[database]\nurl = {:?}\n", db.url)).unwrap();
-    let ferry = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-            .arg("--config")
-            .arg(&config_path)
-            .args(args)
-            .env_remove("FERRY_DATABASE_URL")
-            .output()
-            .unwrap();
-        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        (out.status.code(), text(&out.stdout), text(&out.stderr))
-    };
+    let ferry = |args: &[&str]| run_ferry(&config_path, args);
 
     assert_eq!(ferry(&["failed", "count"]).1.trim(), "6");
     let (_, json, _) = ferry(&["failed", "count", "--route", "a", "--type", "x", "--json"]);
@@ -347,4 +325,17 @@ async fn operators_count_list_show_resend_and_purge_failed_events() {
     let (code, out, _) = ferry(&["failed", "purge", "--all"]);
     assert_eq!((code, out.trim()), (Some(0), "3 events purged"));
     assert_eq!(ferry(&["failed", "count"]).1.trim(), "0");
+}
+
+/// Runs the binary with `--config config` and `args`; returns its exit code, stdout and stderr.
+fn run_ferry(config: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env_remove("FERRY_DATABASE_URL")
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
 }

@@ -205,6 +205,7 @@ async fn the_cli_emits_from_files_and_stdin_defers_and_resends() {
             error: "x".into(),
         },
         max_attempts: 6,
+        attempt: Default::default(),
     };
     db.store.complete("tok", SystemClock.now(), &[failed]).await.unwrap();
     let resent = ferry(&["resend", &claimed[0].id.to_string()]).output().unwrap();
@@ -338,4 +339,110 @@ fn run_ferry(config: &Path, args: &[&str]) -> (Option<i32>, String, String) {
         .unwrap();
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
+/// A port nothing listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_reaches_a_running_ferry_and_reports_history_and_stats() {
+    let db = TestDb::new(crate::common::Backend::Sqlite).await;
+    let port = free_port();
+    let config_path = db.dir.path().join("ferry.toml");
+    let admin = format!("[admin]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"e2e-admin-token-0123456789\"\n");
+    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n{admin}{}", db.url, log_config(&db))).unwrap();
+
+    let (code, _, stderr) = run_ferry(&config_path, &["health"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("cannot reach the admin API"), "{stderr}");
+
+    let log_path = db.dir.path().join("serve.log");
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .arg("--config")
+        .arg(&config_path)
+        .arg("serve")
+        .env_remove("FERRY_DATABASE_URL")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .expect("ferry serve starts");
+    let ready = eventually(Duration::from_secs(30), "ferry serve to be ready", || async {
+        let (code, stdout, _) = run_ferry(&config_path, &["health", "--json"]);
+        (code == Some(0)).then_some(stdout)
+    })
+    .await;
+    assert_eq!(serde_json::from_str::<Value>(&ready).unwrap()["status"], "ready");
+
+    let (code, stdout, stderr) = run_ferry(&config_path, &["emit", "orders", "order.created", "{}", "--json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let id = serde_json::from_str::<Value>(&stdout).unwrap()["id"].as_i64().expect("emit --json prints the id");
+    let out = db.dir.path().join("out/orders.jsonl");
+    eventually(Duration::from_secs(30), "the event delivered", || async { (!lines(&out).is_empty()).then_some(()) })
+        .await;
+    // The outcome is written just after the plugin returns.
+    eventually(Duration::from_secs(10), "the event SENT", || async {
+        (db.store.get(id).await.unwrap().unwrap().status == Status::Sent).then_some(())
+    })
+    .await;
+
+    let (code, stdout, _) = run_ferry(&config_path, &["show", &id.to_string()]);
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("history       1 attempts recorded"), "{stdout}");
+    assert!(stdout.contains("sent") && stdout.contains("log@"), "the attempt names the plugin version: {stdout}");
+    let (_, stdout, _) = run_ferry(&config_path, &["show", &id.to_string(), "--json"]);
+    let shown: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(shown["attempts_history"][0]["outcome"], "sent");
+
+    let (code, stdout, _) = run_ferry(&config_path, &["stats", "--json"]);
+    assert_eq!(code, Some(0));
+    let stats: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(stats["routes"]["orders"]["SENT"], 1, "{stats}");
+    assert_eq!(stats["latency"]["samples"], 1, "{stats}");
+    let (code, stdout, _) = run_ferry(&config_path, &["stats"]);
+    assert_eq!(code, Some(0));
+    assert!(stdout.contains("orders") && stdout.contains("p50"), "{stdout}");
+
+    let (code, stdout, stderr) = run_ferry(&config_path, &["plugins", "reload"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("unchanged") && stdout.contains("log.wasm"), "{stdout}");
+    let (code, stdout, _) = run_ferry(&config_path, &["breaker", "open", "orders", "--json"]);
+    assert_eq!(code, Some(0));
+    assert_eq!(serde_json::from_str::<Value>(&stdout).unwrap()["state"], "open");
+
+    let metrics = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .bearer_auth("e2e-admin-token-0123456789")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains(r#"ferry_events_delivered_total{route="orders",plugin="log"} 1"#), "{metrics}");
+    assert!(metrics.contains(r#"ferry_breaker_state{route="orders"} 1"#), "{metrics}");
+
+    assert!(Command::new("kill").args(["-TERM", &serve.id().to_string()]).status().unwrap().success());
+    let exit = eventually(Duration::from_secs(20), "ferry serve to exit", || {
+        let status = serve.try_wait().unwrap();
+        async move { status }
+    })
+    .await;
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(exit.success(), "{log}");
+    assert!(log.contains("admin API listening"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_stops_with_a_clear_error_when_the_admin_address_is_taken() {
+    let db = TestDb::new(crate::common::Backend::Sqlite).await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let config_path = db.dir.path().join("ferry.toml");
+    let admin = format!("[admin]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"e2e-admin-token-0123456789\"\n");
+    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n{admin}{}", db.url, log_config(&db))).unwrap();
+    let (code, _, stderr) = run_ferry(&config_path, &["serve"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains(&format!("admin.listen: cannot listen on 127.0.0.1:{port}")), "{stderr}");
 }

@@ -1,6 +1,7 @@
 //! Integration tests: the store suite on both backends, and ferry end to end with real plugins
 //! compiled from `plugins/` and `tests/plugins/`. One test binary, so wasmtime is linked once.
 
+mod admin;
 mod common;
 mod e2e;
 mod engine;

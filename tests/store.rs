@@ -5,8 +5,8 @@ use std::collections::HashSet;
 
 use chrono::{DateTime, TimeZone, Utc};
 use ferry::NewEvent;
-use ferry::event::{Completion, Disposition, FailureReason, Status};
-use ferry::store::Claim;
+use ferry::event::{AttemptLog, Completion, Disposition, FailureReason, Status};
+use ferry::store::{Claim, FailedFilter};
 
 use crate::common::{Backend, TestDb, emit_in_transaction};
 
@@ -33,7 +33,7 @@ fn claim(now: DateTime<Utc>, limit: u32, token: &str) -> Claim {
 }
 
 fn done(id: i64, disposition: Disposition) -> Completion {
-    Completion { id, disposition, max_attempts: 6 }
+    Completion { id, disposition, max_attempts: 6, attempt: Default::default() }
 }
 
 async fn claim_returns_due_events_in_order(db: TestDb) {
@@ -272,7 +272,6 @@ pub(crate) async fn failed_fixture(db: &TestDb) -> Vec<i64> {
 }
 
 async fn failed_events_are_counted_listed_resent_and_purged_by_filter(db: TestDb) {
-    use ferry::store::FailedFilter;
     let s = &db.store;
     let ids = failed_fixture(&db).await;
     let all = FailedFilter::default();
@@ -378,7 +377,109 @@ async fn breakers_count_open_probe_and_close(db: TestDb) {
     assert_eq!(b.consecutive_failures, 0, "a route without history can be opened too");
 }
 
+/// A completion carrying the history fields the relay fills in.
+fn logged(id: i64, number: u32, disposition: Disposition) -> Completion {
+    let attempt = AttemptLog {
+        number,
+        started_at: t0() + secs(1),
+        duration: std::time::Duration::from_millis(250),
+        plugin: Some("p".into()),
+        plugin_hash: Some("ab".repeat(32)),
+        instance: "relay-1".into(),
+    };
+    Completion { id, disposition, max_attempts: 2, attempt }
+}
+
+async fn history_is_written_with_outcomes_and_kept_across_resends(db: TestDb) {
+    let s = &db.store;
+    let id = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    let fenced = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    s.claim(&claim(t0(), 10, "tok")).await.unwrap();
+    let retry = Disposition::Retry { at: t0() + secs(5), error: "busy".into() };
+    let written = s.complete("tok", t0() + secs(2), &[logged(id, 1, retry.clone())]).await.unwrap();
+    assert_eq!(written, 1);
+    assert_eq!(s.complete("other-token", t0() + secs(2), &[logged(fenced, 1, retry)]).await.unwrap(), 0);
+    assert!(s.attempts(fenced).await.unwrap().is_empty(), "an outcome fenced off leaves no history");
+
+    s.claim(&claim(t0() + secs(5), 10, "tok2")).await.unwrap();
+    let failed = Disposition::Failed { reason: FailureReason::AttemptsExhausted, error: "still busy".into() };
+    s.complete("tok2", t0() + secs(6), &[logged(id, 2, failed)]).await.unwrap();
+    s.resend(&[id], t0() + secs(7)).await.unwrap();
+    s.claim(&claim(t0() + secs(7), 10, "tok3")).await.unwrap();
+    s.complete("tok3", t0() + secs(8), &[logged(id, 1, Disposition::Sent)]).await.unwrap();
+
+    let history = s.attempts(id).await.unwrap();
+    let summary: Vec<(u32, &str, Option<&str>)> =
+        history.iter().map(|a| (a.attempt, a.outcome.as_str(), a.reason.as_deref())).collect();
+    assert_eq!(summary, [(1, "retry", None), (2, "failed", Some("attempts_exhausted")), (1, "sent", None)]);
+    let first = &history[0];
+    assert_eq!(first.started_at, t0() + secs(1));
+    assert_eq!(first.duration_ms, 250);
+    assert_eq!(first.error.as_deref(), Some("busy"));
+    assert_eq!((first.plugin.as_deref(), first.instance.as_deref()), (Some("p"), Some("relay-1")));
+    assert_eq!(first.plugin_hash.as_deref().map(str::len), Some(64));
+    assert_eq!(history[2].error, None);
+
+    // Purging an event takes its history with it.
+    let gone = s.insert(&NewEvent::new("r", "gone", "{}"), t0()).await.unwrap();
+    s.claim(&claim(t0() + secs(8), 10, "tok4")).await.unwrap();
+    let permanent = Disposition::Failed { reason: FailureReason::Permanent, error: "no".into() };
+    s.complete("tok4", t0() + secs(9), &[logged(gone, 1, permanent)]).await.unwrap();
+    assert_eq!(s.attempts(gone).await.unwrap().len(), 1);
+    let filter = FailedFilter { event_type: Some("gone".into()), ..FailedFilter::default() };
+    assert_eq!(s.purge_failed(&filter, 10).await.unwrap(), 1);
+    assert!(s.attempts(gone).await.unwrap().is_empty());
+}
+
+async fn stats_describe_the_outbox(db: TestDb) {
+    let s = &db.store;
+    let now = t0() + secs(400);
+    let empty = s.stats(now, Some(t0())).await.unwrap();
+    assert!(empty.routes.is_empty());
+    assert_eq!((empty.oldest_pending_created_at, empty.oldest_due_at, empty.latency), (None, None, None));
+
+    // Two SENT on route a: 2s and 4s after creation; the event times 10s earlier still.
+    for (n, after) in [(0, 2), (1, 4)] {
+        let mut event = NewEvent::new("a", "sent", "{}");
+        event.event_time = Some(t0() - secs(10));
+        let id = s.insert(&event, t0() + secs(n)).await.unwrap();
+        s.claim(&claim(t0() + secs(n), 1, "t")).await.unwrap();
+        s.complete("t", t0() + secs(n + after), &[done(id, Disposition::Sent)]).await.unwrap();
+    }
+    // Stuck: claimed with a 300s lease that ran out at t0+300.
+    s.insert(&NewEvent::new("b", "stuck", "{}"), t0() + secs(10)).await.unwrap();
+    s.claim(&claim(t0() + secs(10), 1, "stuck")).await.unwrap();
+    // On its last attempt: limit 2, one used, retrying at t0+30 (due, so it is the claim lag).
+    let mut last = NewEvent::new("b", "last", "{}");
+    last.max_attempts = Some(2);
+    let last = s.insert(&last, t0() + secs(20)).await.unwrap();
+    s.claim(&claim(t0() + secs(20), 1, "l")).await.unwrap();
+    let retry = Disposition::Retry { at: t0() + secs(30), error: "busy".into() };
+    s.complete("l", t0() + secs(21), &[done(last, retry)]).await.unwrap();
+    // Deferred past `now`: PENDING, the oldest by creation, but not due.
+    s.insert(&NewEvent::new("b", "later", "{}").not_before(t0() + secs(1000)), t0() - secs(50)).await.unwrap();
+
+    let stats = s.stats(now, Some(t0())).await.unwrap();
+    assert_eq!(stats.at, now);
+    assert_eq!(stats.routes["a"][&Status::Sent], 2);
+    assert_eq!(stats.routes["b"][&Status::Processing], 1);
+    assert_eq!(stats.routes["b"][&Status::Pending], 2);
+    assert_eq!(stats.total(Status::Pending), 2);
+    assert_eq!(stats.oldest_pending_created_at, Some(t0() - secs(50)));
+    assert_eq!(stats.oldest_due_at, Some(t0() + secs(30)));
+    assert_eq!((stats.stuck, stats.last_attempt), (1, 1));
+    let latency = stats.latency.expect("two events were SENT in the window");
+    assert_eq!(latency.samples, 2);
+    assert_eq!((latency.from_created.p50_ms, latency.from_created.p95_ms), (2000, 4000));
+    assert_eq!((latency.from_event_time.p50_ms, latency.from_event_time.max_ms), (12_000, 15_000));
+    let later = s.stats(now, Some(t0() + secs(5))).await.unwrap();
+    assert_eq!(later.latency.map(|l| l.samples), Some(1), "only SENT at or after the window start");
+    assert_eq!(s.stats(now, None).await.unwrap().latency, None);
+}
+
 crate::both_backends!(
+    history_is_written_with_outcomes_and_kept_across_resends,
+    stats_describe_the_outbox,
     breakers_count_open_probe_and_close,
     failed_events_are_counted_listed_resent_and_purged_by_filter,
     resend_makes_failed_events_pending_again,

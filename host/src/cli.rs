@@ -10,10 +10,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, parse_duration};
+use crate::event::{AttemptRecord, Status};
 use crate::event::{EventRecord, NewEvent};
 use crate::plugins::{Registry, Runtime};
+use crate::report;
 use crate::service;
-use crate::store::{FailedFilter, Store};
+use crate::store::{self, BulkOp, FailedFilter, Stats, Store};
 
 /// Delivers events from a transactional outbox through WebAssembly transport plugins.
 #[derive(Debug, Parser)]
@@ -25,6 +27,9 @@ pub struct Cli {
     /// Overrides database.url from the configuration file.
     #[arg(long, global = true, env = "FERRY_DATABASE_URL")]
     pub database_url: Option<String>,
+    /// Print JSON instead of text (the shapes the admin API answers with).
+    #[arg(long, global = true)]
+    pub json: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -50,20 +55,25 @@ pub enum Command {
     #[command(subcommand)]
     Failed(FailedCommand),
     /// Show one event: its fields, last error and payload.
-    Show {
-        id: i64,
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    Show { id: i64 },
     /// Show, open or close the per-route circuit breakers.
     #[command(subcommand)]
     Breaker(BreakerCommand),
     /// Show how many events are in each status.
-    Status {
-        /// Print JSON instead of a table.
+    Status,
+    /// Ask the running ferry (through its admin API, `admin.listen`) whether it is ready: exit 0
+    /// if it is, 1 otherwise. For container health checks.
+    Health {
+        /// Only check that the process answers (liveness), not the database and plugins.
         #[arg(long)]
-        json: bool,
+        live: bool,
+    },
+    /// Monitoring figures: events per route and status, oldest pending event, claim lag, stuck
+    /// claims, events on their last attempt, and delivery latency percentiles.
+    Stats {
+        /// Measure latency over events delivered this long ago or less.
+        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        window: std::time::Duration,
     },
 }
 
@@ -113,9 +123,6 @@ pub enum FailedCommand {
     Count {
         #[command(flatten)]
         filter: FilterArgs,
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
     },
     /// FAILED events in id order, a page at a time.
     List {
@@ -127,9 +134,6 @@ pub enum FailedCommand {
         /// Events per page.
         #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
         limit: u32,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
     },
     /// Make the matching FAILED events PENDING again (attempts and error reset).
     Resend {
@@ -152,11 +156,7 @@ pub enum FailedCommand {
 #[derive(Debug, Subcommand)]
 pub enum BreakerCommand {
     /// Every route whose breaker has a history: state, consecutive failures, since when, why.
-    List {
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    List,
     /// Open a route's breaker by hand: its events wait until it is closed by hand.
     Open {
         route: String,
@@ -171,11 +171,9 @@ pub enum BreakerCommand {
 #[derive(Debug, Subcommand)]
 pub enum PluginsCommand {
     /// Load every plugin in the plugins directory and show what each is and which routes use it.
-    List {
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    List,
+    /// Make the running ferry (through its admin API, `admin.listen`) reload every plugin file now.
+    Reload,
     /// Check that FILE is a transport ferry can load: a component of the transport world, with imports
     /// ferry provides, built for a compatible contract version.
     Check {
@@ -233,6 +231,7 @@ impl Cli {
 /// Runs the parsed command.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let config = cli.load_config()?;
+    let json = cli.json;
     match cli.command {
         Command::Serve => {
             let shutdown = CancellationToken::new();
@@ -241,7 +240,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Migrate => {
             service::open_store(&config).await?;
-            println!("database is up to date");
+            say(json, serde_json::json!({ "migrated": true }), || "database is up to date".into());
             Ok(())
         }
         Command::Emit(args) => {
@@ -249,29 +248,37 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let event = args.into_event(now)?;
             let store = service::open_store(&config).await?;
             let id = store.insert(&event, now).await?;
-            println!("{id}");
+            say(json, serde_json::json!({ "id": id }), || id.to_string());
             Ok(())
         }
-        Command::Plugins(PluginsCommand::List { json }) => plugins_list(&config, json).await,
-        Command::Plugins(PluginsCommand::Check { file }) => plugins_check(&config, &file).await,
+        Command::Plugins(PluginsCommand::List) => plugins_list(&config, json).await,
+        Command::Plugins(PluginsCommand::Check { file }) => plugins_check(&config, &file, json).await,
+        Command::Plugins(PluginsCommand::Reload) => plugins_reload(&config, json).await,
         Command::Resend { ids } => {
             let store = service::open_store(&config).await?;
             let resent = store.resend(&ids, SystemClock.now()).await?;
-            println!("{resent} of {} events resent", ids.len());
+            say(json, serde_json::json!({ "resent": resent, "requested": ids.len() }), || {
+                format!("{resent} of {} events resent", ids.len())
+            });
             if resent < ids.len() as u64 {
                 bail!("{} of the given events do not exist or are not FAILED", ids.len() as u64 - resent);
             }
             Ok(())
         }
-        Command::Breaker(command) => breaker(&config, command).await,
-        Command::Failed(command) => failed(&config, command).await,
-        Command::Show { id, json } => {
+        Command::Breaker(command) => breaker(&config, command, json).await,
+        Command::Failed(command) => failed(&config, command, json).await,
+        Command::Show { id } => {
             let store = service::open_store(&config).await?;
             let Some(event) = store.get(id).await? else { bail!("no event with id {id}") };
-            show(&event, json);
+            let attempts = store.attempts(id).await?;
+            if json {
+                println!("{}", report::event(&event, Some(&attempts)));
+            } else {
+                show(&event, &attempts);
+            }
             Ok(())
         }
-        Command::Status { json } => {
+        Command::Status => {
             let store = service::open_store(&config).await?;
             let counts = store.counts().await?;
             if json {
@@ -286,25 +293,75 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Health { live } => health(&config, live, json).await,
+        Command::Stats { window } => {
+            let store = service::open_store(&config).await?;
+            let now = SystemClock.now();
+            let since = now - chrono::Duration::from_std(window).context("--window is too long")?;
+            let stats = store.stats(now, Some(since)).await?;
+            if json {
+                println!("{}", report::stats(&stats));
+            } else {
+                print_stats(&stats, window);
+            }
+            Ok(())
+        }
     }
 }
 
-/// Rows changed per statement in bulk operations, so none holds locks for long.
-const BULK_STEP: u32 = 1000;
+/// Prints `value` as JSON, or the text `human` makes.
+fn say(json: bool, value: serde_json::Value, human: impl FnOnce() -> String) {
+    if json {
+        println!("{value}");
+    } else {
+        println!("{}", human());
+    }
+}
 
-async fn failed(config: &Config, command: FailedCommand) -> anyhow::Result<()> {
+fn print_stats(stats: &Stats, window: std::time::Duration) {
+    let report = report::stats(stats);
+    println!("{:<20} {:>10} {:>10} {:>10} {:>10}", "ROUTE", "PENDING", "PROCESSING", "SENT", "FAILED");
+    for (route, counts) in &stats.routes {
+        let n = |s: Status| counts.get(&s).copied().unwrap_or(0);
+        println!(
+            "{route:<20} {:>10} {:>10} {:>10} {:>10}",
+            n(Status::Pending),
+            n(Status::Processing),
+            n(Status::Sent),
+            n(Status::Failed)
+        );
+    }
+    let seconds = |key: &str| report[key].as_f64().map_or("-".to_string(), |s| format!("{s:.1}s"));
+    println!();
+    println!("oldest pending event   {}", seconds("oldest_pending_age_seconds"));
+    println!("claim lag              {}", seconds("claim_lag_seconds"));
+    println!("stuck in PROCESSING    {}", stats.stuck);
+    println!("on their last attempt  {}", stats.last_attempt);
+    match &stats.latency {
+        Some(l) => {
+            let line = |p: &crate::store::Percentiles| {
+                format!("p50 {} ms  p95 {} ms  p99 {} ms  max {} ms", p.p50_ms, p.p95_ms, p.p99_ms, p.max_ms)
+            };
+            println!("latency over the last {window:?} ({} events delivered):", l.samples);
+            println!("  from event time      {}", line(&l.from_event_time));
+            println!("  from creation        {}", line(&l.from_created));
+        }
+        None => println!("latency                no events delivered in the last {window:?}"),
+    }
+}
+
+async fn failed(config: &Config, command: FailedCommand, json: bool) -> anyhow::Result<()> {
     let store = service::open_store(config).await?;
     match command {
-        FailedCommand::Count { filter, json } => {
+        FailedCommand::Count { filter } => {
             let n = store.count_failed(&filter.filter()?).await?;
-            if json { println!("{}", serde_json::json!({ "failed": n })) } else { println!("{n}") }
+            say(json, serde_json::json!({ "failed": n }), || n.to_string());
         }
-        FailedCommand::List { filter, after, limit, json } => {
+        FailedCommand::List { filter, after, limit } => {
             let filter = FailedFilter { after_id: after, ..filter.filter()? };
             let events = store.list_failed(&filter, limit).await?;
             if json {
-                let next = (events.len() == limit as usize).then(|| events.last().map(|e| e.id)).flatten();
-                println!("{}", serde_json::json!({ "events": events, "next_after": next }));
+                println!("{}", report::failed_page(&events, limit));
             } else {
                 println!(
                     "{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} LAST ERROR",
@@ -329,45 +386,28 @@ async fn failed(config: &Config, command: FailedCommand) -> anyhow::Result<()> {
                 }
             }
         }
-        FailedCommand::Resend { filter, all } => bulk(store.as_ref(), filter.filter()?, all, Bulk::Resend).await?,
-        FailedCommand::Purge { filter, all } => bulk(store.as_ref(), filter.filter()?, all, Bulk::Purge).await?,
+        FailedCommand::Resend { filter, all } => {
+            bulk(store.as_ref(), filter.filter()?, all, BulkOp::Resend, json).await?
+        }
+        FailedCommand::Purge { filter, all } => {
+            bulk(store.as_ref(), filter.filter()?, all, BulkOp::Purge, json).await?
+        }
     }
     Ok(())
 }
 
-#[derive(Debug, Clone, Copy)]
-enum Bulk {
-    Resend,
-    Purge,
-}
-
-/// Resends or purges every match in steps of [`BULK_STEP`], with a progress bar on a terminal.
-async fn bulk(store: &dyn Store, filter: FailedFilter, all: bool, op: Bulk) -> anyhow::Result<()> {
-    let verb = match op {
-        Bulk::Resend => "resent",
-        Bulk::Purge => "purged",
-    };
+/// Resends or purges every match, with a progress bar on a terminal.
+async fn bulk(store: &dyn Store, filter: FailedFilter, all: bool, op: BulkOp, json: bool) -> anyhow::Result<()> {
     if filter.is_everything() && !all {
         bail!(
             "no filter given: this would affect every FAILED event; narrow it with --route, --type, --from or --before, or add --all"
         );
     }
     let total = store.count_failed(&filter).await?;
-    let mut progress = Progress::new(total, verb);
-    let mut done = 0;
-    loop {
-        let step = match op {
-            Bulk::Resend => store.resend_failed(&filter, SystemClock.now(), BULK_STEP).await?,
-            Bulk::Purge => store.purge_failed(&filter, BULK_STEP).await?,
-        };
-        if step == 0 {
-            break;
-        }
-        done += step;
-        progress.show(done);
-    }
+    let mut progress = Progress::new(total, op.past_tense());
+    let done = store::bulk(store, &filter, op, || SystemClock.now(), |done| progress.show(done)).await?;
     progress.finish();
-    println!("{done} events {verb}");
+    say(json, serde_json::json!({ op.past_tense(): done }), || format!("{done} events {}", op.past_tense()));
     Ok(())
 }
 
@@ -381,7 +421,7 @@ struct Progress {
 impl Progress {
     fn new(total: u64, verb: &'static str) -> Progress {
         use std::io::IsTerminal as _;
-        Progress { total, verb, terminal: std::io::stderr().is_terminal() && total > u64::from(BULK_STEP) }
+        Progress { total, verb, terminal: std::io::stderr().is_terminal() && total > u64::from(store::BULK_STEP) }
     }
 
     fn show(&mut self, done: u64) {
@@ -405,18 +445,9 @@ impl Progress {
     }
 }
 
-/// One event for `ferry show`: every field, and the payload as text when it is UTF-8.
-fn show(event: &EventRecord, json: bool) {
-    let text = std::str::from_utf8(&event.payload).ok();
-    if json {
-        let mut value = serde_json::to_value(event).expect("events serialize");
-        match text {
-            Some(text) => value["payload"] = text.into(),
-            None => value["payload_bytes"] = event.payload.len().into(),
-        }
-        println!("{value}");
-        return;
-    }
+/// One event for `ferry show`: every field, the payload as text when it is UTF-8, and the
+/// delivery history.
+fn show(event: &EventRecord, attempts: &[AttemptRecord]) {
     let time = |t: Option<chrono::DateTime<chrono::Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
     let fields = [
         ("id", event.id.to_string()),
@@ -450,28 +481,40 @@ fn show(event: &EventRecord, json: bool) {
     for (name, value) in fields {
         println!("{name:<13} {value}");
     }
-    match text {
-        Some(text) => println!("payload\n{text}"),
-        None => println!("payload       {} bytes, not UTF-8 text", event.payload.len()),
+    println!("history       {} attempts recorded", attempts.len());
+    for a in attempts {
+        let plugin = match (&a.plugin, &a.plugin_hash) {
+            (Some(name), Some(hash)) => format!("{name}@{}", &hash[..hash.len().min(12)]),
+            (Some(name), None) => name.clone(),
+            _ => "-".into(),
+        };
+        let outcome = match &a.reason {
+            Some(reason) => format!("{} ({reason})", a.outcome),
+            None => a.outcome.clone(),
+        };
+        let error = a.error.as_deref().unwrap_or("").lines().next().unwrap_or("");
+        println!(
+            "  #{:<3} {}  {:>6} ms  {outcome:<28} {plugin:<26} {error}",
+            a.attempt,
+            a.started_at.to_rfc3339(),
+            a.duration_ms
+        );
+    }
+    match std::str::from_utf8(&event.payload) {
+        Ok(text) => println!("payload\n{text}"),
+        Err(_) => println!("payload       {} bytes, not UTF-8 text", event.payload.len()),
     }
 }
 
-async fn breaker(config: &Config, command: BreakerCommand) -> anyhow::Result<()> {
+async fn breaker(config: &Config, command: BreakerCommand, json: bool) -> anyhow::Result<()> {
     let store = service::open_store(config).await?;
     let now = SystemClock.now();
     let cooldown = config.breaker.cooldown.0;
     let changed = match command {
-        BreakerCommand::List { json } => {
+        BreakerCommand::List => {
             let breakers = store.breakers().await?;
             if json {
-                let rows: Vec<serde_json::Value> = breakers
-                    .iter()
-                    .map(|b| {
-                        let mut row = serde_json::to_value(b).expect("breakers serialize");
-                        row["state"] = b.state(now, cooldown).into();
-                        row
-                    })
-                    .collect();
+                let rows: Vec<serde_json::Value> = breakers.iter().map(|b| report::breaker(b, now, cooldown)).collect();
                 println!("{}", serde_json::Value::Array(rows));
             } else {
                 println!("{:<20} {:<10} {:>8}  {:<25} REASON", "ROUTE", "STATE", "FAILURES", "OPENED AT");
@@ -494,19 +537,17 @@ async fn breaker(config: &Config, command: BreakerCommand) -> anyhow::Result<()>
         tracing::warn!(route = %changed.route, "no [route.{}] is configured; the breaker is stored anyway", changed.route);
     }
     let state = if changed.opened_at.is_some() { "open until closed by hand" } else { "closed" };
-    println!("breaker of route {}: {state}", changed.route);
+    say(json, report::breaker(&changed, now, cooldown), || format!("breaker of route {}: {state}", changed.route));
     Ok(())
 }
 
 async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {
     let runtime = Arc::new(Runtime::new(config)?);
-    let registry = Registry::new(runtime, Arc::new(config.clone()));
+    let registry = Registry::new(runtime, Arc::new(config.clone()), Arc::default());
     registry.load_dir().await?;
     let (plugins, errors) = registry.status();
     if json {
-        let errors: serde_json::Map<String, serde_json::Value> =
-            errors.iter().map(|(path, e)| (path.display().to_string(), e.clone().into())).collect();
-        println!("{}", serde_json::json!({ "plugins": plugins, "errors": errors }));
+        println!("{}", report::plugins(&plugins, &errors));
         return Ok(());
     }
     println!("{:<16} {:<10} {:<14} {:<24} FILE", "NAME", "VERSION", "HASH", "ROUTES");
@@ -520,16 +561,72 @@ async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn plugins_check(config: &Config, file: &std::path::Path) -> anyhow::Result<()> {
+async fn plugins_check(config: &Config, file: &std::path::Path, json: bool) -> anyhow::Result<()> {
     let runtime = Runtime::new(config)?;
     let plugin = runtime.load(file).await?;
-    println!(
-        "ok: {} is the transport plugin {:?}, version {}, for ferry:transport (sha256 {})",
-        file.display(),
-        plugin.info.name,
-        plugin.info.version,
-        &plugin.hash[..12]
-    );
+    let value = serde_json::json!({
+        "file": file.display().to_string(),
+        "name": plugin.info.name,
+        "version": plugin.info.version,
+        "hash": plugin.hash,
+    });
+    say(json, value, || {
+        format!(
+            "ok: {} is the transport plugin {:?}, version {}, for ferry:transport (sha256 {})",
+            file.display(),
+            plugin.info.name,
+            plugin.info.version,
+            &plugin.hash[..12]
+        )
+    });
+    Ok(())
+}
+
+/// Asks the running ferry whether it is live or ready, through the admin API.
+async fn health(config: &Config, live: bool, json: bool) -> anyhow::Result<()> {
+    let Some(address) = config.admin.address() else {
+        bail!("admin.listen is not set: `health` asks a running ferry through its admin API");
+    };
+    let path = if live { "/health/live" } else { "/health/ready" };
+    let (status, body) = crate::admin::client::request("GET", address, path, None).await?;
+    if json {
+        println!("{}", body.trim());
+    } else {
+        println!("{status} {}", body.trim());
+    }
+    if status != 200 {
+        bail!("ferry at {address} is not {}", if live { "live" } else { "ready" });
+    }
+    Ok(())
+}
+
+/// Asks the running ferry to reload its plugins, through the admin API.
+async fn plugins_reload(config: &Config, json: bool) -> anyhow::Result<()> {
+    let Some(address) = config.admin.address() else {
+        bail!("admin.listen is not set: `plugins reload` asks a running ferry through its admin API");
+    };
+    let token = config.admin.bearer_token().map_err(anyhow::Error::msg)?;
+    let (status, body) = crate::admin::client::request("POST", address, "/v1/plugins/reload", Some(&token)).await?;
+    let value: serde_json::Value = serde_json::from_str(&body)
+        .with_context(|| format!("the admin API at {address} answered {status} with something that is not JSON"))?;
+    if status != 200 {
+        bail!("the admin API at {address} answered {status}: {}", value["error"]["message"].as_str().unwrap_or(&body));
+    }
+    if json {
+        println!("{value}");
+        return Ok(());
+    }
+    let files = value["files"].as_array().cloned().unwrap_or_default();
+    let mut failed = 0;
+    for file in &files {
+        let result = file["result"].as_str().unwrap_or("?");
+        failed += usize::from(result == "failed");
+        let detail = file["error"].as_str().or(file["plugin"].as_str()).unwrap_or("");
+        println!("{:<10} {} {detail}", result, file["file"].as_str().unwrap_or("?"));
+    }
+    if failed > 0 {
+        bail!("{failed} plugin files failed to load; the versions already active stay in use");
+    }
     Ok(())
 }
 

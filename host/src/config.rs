@@ -30,6 +30,7 @@ pub struct Config {
     pub relay: RelayConfig,
     pub retry: RetryConfig,
     pub breaker: BreakerConfig,
+    pub admin: AdminConfig,
     pub plugins: PluginsConfig,
     /// Per-plugin sandbox grants, keyed by plugin name.
     #[serde(default)]
@@ -47,6 +48,53 @@ pub struct BreakerConfig {
     pub threshold: u32,
     /// How long an open breaker waits before letting one probe delivery through.
     pub cooldown: Dur,
+}
+
+/// The admin HTTP API.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// `HOST:PORT` to serve on; empty: no API.
+    pub listen: String,
+    /// The bearer token; see [`AdminConfig::bearer_token`].
+    pub token: String,
+    pub token_file: PathBuf,
+}
+
+impl fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdminConfig")
+            .field("listen", &self.listen)
+            .field("token", &if self.token.is_empty() { "" } else { "<redacted>" })
+            .field("token_file", &self.token_file)
+            .finish()
+    }
+}
+
+/// Shortest admin token accepted.
+const MIN_TOKEN_LEN: usize = 16;
+
+impl AdminConfig {
+    /// The address to serve on, if the API is enabled.
+    pub fn address(&self) -> Option<std::net::SocketAddr> {
+        self.listen.parse().ok()
+    }
+
+    /// The token from `token`, or else read from `token_file`. Errors name the key and the file.
+    pub fn bearer_token(&self) -> Result<String, String> {
+        let token = if self.token.is_empty() {
+            let text = std::fs::read_to_string(&self.token_file)
+                .map_err(|e| format!("admin.token_file: cannot read {}: {e}", self.token_file.display()))?;
+            text.trim().to_string()
+        } else {
+            self.token.clone()
+        };
+        if token.chars().count() < MIN_TOKEN_LEN {
+            let key = if self.token.is_empty() { "admin.token_file" } else { "admin.token" };
+            return Err(format!("{key}: the admin token must be at least {MIN_TOKEN_LEN} characters long"));
+        }
+        Ok(token)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -370,7 +418,7 @@ impl Config {
     }
 
     /// Parses `text` over the defaults, then applies environment overrides: `FERRY_RELAY_BATCH_SIZE=500`
-    /// sets `relay.batch_size`, for every key of the `database`, `relay`, `retry`, `breaker` and `plugins`
+    /// sets `relay.batch_size`, for every key of the `database`, `relay`, `retry`, `breaker`, `admin` and `plugins`
     /// tables. A value is read as TOML when it parses as such (`500`, `true`, `["a"]`) and as a
     /// string otherwise (`5m`, `unlimited`). An unknown `FERRY_` variable, or a bad value, is an
     /// error naming the variable. Variables read elsewhere (`FERRY_CONFIG`, `FERRY_LOG`,
@@ -473,6 +521,20 @@ impl Config {
             }
             if limits.max_calls == 0 {
                 return Err(format!("{table}.max_calls must be at least 1"));
+            }
+        }
+        if !self.admin.listen.is_empty() {
+            if self.admin.address().is_none() {
+                return Err(format!(
+                    "admin.listen must be an address such as \"127.0.0.1:9464\", got {:?}",
+                    self.admin.listen
+                ));
+            }
+            if self.admin.token.is_empty() && self.admin.token_file.as_os_str().is_empty() {
+                return Err("admin.token (or admin.token_file) must be set when admin.listen is set".into());
+            }
+            if !self.admin.token.is_empty() && self.admin.token.chars().count() < MIN_TOKEN_LEN {
+                return Err(format!("admin.token must be at least {MIN_TOKEN_LEN} characters long"));
             }
         }
         self.retry_policy_for(None).map_err(|e| format!("retry.{e}"))?;
@@ -586,6 +648,9 @@ impl Config {
     fn resolve_paths(&mut self, base: &Path) {
         let join = |p: &Path| if p.is_relative() { base.join(p) } else { p.to_path_buf() };
         self.plugins.dir = join(&self.plugins.dir);
+        if !self.admin.token_file.as_os_str().is_empty() {
+            self.admin.token_file = join(&self.admin.token_file);
+        }
         if !self.plugins.cache_dir.as_os_str().is_empty() {
             self.plugins.cache_dir = join(&self.plugins.cache_dir);
         }
@@ -886,5 +951,52 @@ mod tests {
         assert_eq!(c.sandbox["log"].dirs["/out"], dir.path().join("out"));
         let missing = Config::load(&dir.path().join("nope.toml")).unwrap_err().to_string();
         assert!(missing.contains("nope.toml"), "{missing}");
+    }
+
+    #[test]
+    fn the_admin_api_needs_an_address_and_a_long_token() {
+        assert!(Config::defaults().admin.address().is_none(), "off by default");
+        let missing = err("[admin]\nlisten = \"127.0.0.1:9464\"");
+        assert!(missing.contains("admin.token") && missing.contains("test.toml"), "{missing}");
+        let short = err("[admin]\nlisten = \"127.0.0.1:9464\"\ntoken = \"secret\"");
+        assert!(short.contains("admin.token must be at least 16 characters"), "{short}");
+        let bad = err("[admin]\nlisten = \"localhost\"\ntoken = \"0123456789abcdef\"");
+        assert!(bad.contains("admin.listen") && bad.contains("localhost"), "{bad}");
+        let env = [("FERRY_ADMIN_TOKEN".to_string(), "0123456789abcdef".to_string())];
+        let c = Config::from_sources("[admin]\nlisten = \"127.0.0.1:0\"", "t", env).unwrap();
+        assert_eq!(c.admin.bearer_token().unwrap(), "0123456789abcdef");
+        assert!(!format!("{c:?}").contains("0123456789abcdef"), "Debug output hides the token");
+    }
+
+    #[test]
+    fn the_admin_token_can_come_from_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("ferry.toml");
+        std::fs::write(&file, "[admin]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"token\"").unwrap();
+        let c = Config::load(&file).unwrap();
+        let unreadable = c.admin.bearer_token().unwrap_err();
+        assert!(unreadable.contains("admin.token_file") && unreadable.contains("token"), "{unreadable}");
+        std::fs::write(dir.path().join("token"), "short\n").unwrap();
+        assert!(c.admin.bearer_token().unwrap_err().contains("at least 16"));
+        std::fs::write(dir.path().join("token"), "  0123456789abcdefXYZ\n").unwrap();
+        assert_eq!(c.admin.bearer_token().unwrap(), "0123456789abcdefXYZ");
+    }
+
+    #[test]
+    fn the_container_config_is_valid_with_a_token_from_the_environment() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/container.toml");
+        let no_token = Config::load(&path).unwrap_err().to_string();
+        assert!(no_token.contains("admin.token"), "{no_token}");
+        let env = [("FERRY_ADMIN_TOKEN".to_string(), "0123456789abcdef".to_string())];
+        let c = Config::load_with_env(&path, env).unwrap();
+        assert_eq!(c.admin.address(), Some("0.0.0.0:9464".parse().unwrap()));
+        assert_eq!(c.plugins.dir, Path::new("/var/lib/ferry/plugins"));
+        // Every file the image copies from the build context exists.
+        let containerfile = std::fs::read_to_string(path.with_file_name("Containerfile")).unwrap();
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        for line in containerfile.lines().filter(|l| l.starts_with("COPY ") && !l.contains("--from")) {
+            let source = line.split_whitespace().nth(1).unwrap();
+            assert!(source == "." || root.join(source).exists(), "{line}: {source} is missing");
+        }
     }
 }

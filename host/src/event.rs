@@ -229,6 +229,65 @@ pub struct Completion {
     pub disposition: Disposition,
     /// The attempt limit to pin on the row when it had none yet.
     pub max_attempts: u32,
+    /// The attempt that led here, for the event's history.
+    pub attempt: AttemptLog,
+}
+
+/// How one delivery attempt was made, written to the history with its outcome.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AttemptLog {
+    /// The event's attempt number (1 = first delivery).
+    pub number: u32,
+    pub started_at: DateTime<Utc>,
+    /// How long the plugin call took (zero when none was made).
+    pub duration: std::time::Duration,
+    /// The plugin that was called and the SHA-256 of its file; `None` when no plugin ran.
+    pub plugin: Option<String>,
+    pub plugin_hash: Option<String>,
+    /// The ferry instance that made the attempt.
+    pub instance: String,
+}
+
+impl Disposition {
+    /// The history's name for it: `sent`, `retry` or `failed`.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Disposition::Sent => "sent",
+            Disposition::Retry { .. } => "retry",
+            Disposition::Failed { .. } => "failed",
+        }
+    }
+
+    /// The failure reason, for `failed`.
+    pub fn reason(&self) -> Option<&'static str> {
+        match self {
+            Disposition::Failed { reason, .. } => Some(reason.as_str()),
+            _ => None,
+        }
+    }
+
+    /// The error text, for `retry` and `failed`.
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            Disposition::Sent => None,
+            Disposition::Retry { error, .. } | Disposition::Failed { error, .. } => Some(error),
+        }
+    }
+}
+
+/// One row of an event's delivery history.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AttemptRecord {
+    pub attempt: u32,
+    pub started_at: DateTime<Utc>,
+    pub duration_ms: u64,
+    /// `sent`, `retry` or `failed`.
+    pub outcome: String,
+    pub reason: Option<String>,
+    pub error: Option<String>,
+    pub plugin: Option<String>,
+    pub plugin_hash: Option<String>,
+    pub instance: Option<String>,
 }
 
 /// A full stored row, for inspection (`ferry show`, tests).

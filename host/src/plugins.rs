@@ -30,6 +30,7 @@ use wasmtime_wasi_http::{
 
 use crate::config::{Config, PluginLimits, SandboxConfig};
 use crate::event::ClaimedEvent;
+use crate::metrics::{FaultLabels, Metrics, PluginLabels, ReloadLabels};
 
 mod bindings {
     //! Host-side bindings for the `ferry:transport` world in `wit/`.
@@ -486,6 +487,7 @@ pub enum Reloaded {
 pub struct Registry {
     runtime: Arc<Runtime>,
     config: Arc<Config>,
+    metrics: Arc<Metrics>,
     plugins: RwLock<BTreeMap<String, Arc<Plugin>>>,
     /// Load errors by file, kept until that file loads successfully.
     errors: Mutex<BTreeMap<PathBuf, String>>,
@@ -501,10 +503,11 @@ impl std::fmt::Debug for Registry {
 
 impl Registry {
     /// An empty registry; call [`Registry::load_dir`] to fill it.
-    pub fn new(runtime: Arc<Runtime>, config: Arc<Config>) -> Self {
+    pub fn new(runtime: Arc<Runtime>, config: Arc<Config>, metrics: Arc<Metrics>) -> Self {
         Self {
             runtime,
             config,
+            metrics,
             plugins: RwLock::new(BTreeMap::new()),
             errors: Mutex::new(BTreeMap::new()),
             reloading: tokio::sync::Mutex::new(()),
@@ -514,6 +517,11 @@ impl Registry {
     /// The runtime the plugins live in.
     pub fn runtime(&self) -> &Arc<Runtime> {
         &self.runtime
+    }
+
+    /// Where plugin calls and reloads are counted.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// The directory plugins are loaded from.
@@ -531,6 +539,21 @@ impl Registry {
             }
         }
         Ok(())
+    }
+
+    /// Reloads every plugin file in the directory, and drops plugins whose file is gone: what the
+    /// watcher does file by file, all at once. Returns each file's result.
+    pub async fn reload_all(&self) -> anyhow::Result<Vec<(PathBuf, anyhow::Result<Reloaded>)>> {
+        let mut files = wasm_files(&self.config.plugins.dir)?;
+        let loaded: Vec<PathBuf> =
+            self.plugins.read().unwrap_or_else(|e| e.into_inner()).values().map(|p| p.path.clone()).collect();
+        files.extend(loaded.into_iter().filter(|path| !path.exists()));
+        let mut results = Vec::with_capacity(files.len());
+        for path in files {
+            let result = self.reload(&path).await;
+            results.push((path, result));
+        }
+        Ok(results)
     }
 
     /// The active version of plugin `name`.
@@ -573,6 +596,15 @@ impl Registry {
     pub async fn reload(&self, path: &Path) -> anyhow::Result<Reloaded> {
         let _one_at_a_time = self.reloading.lock().await;
         let result = self.reload_locked(path).await;
+        let counted = match &result {
+            Ok(Reloaded::Loaded { name, .. }) => Some((name.clone(), "loaded")),
+            Ok(Reloaded::Removed { name }) => Some((name.clone(), "removed")),
+            Ok(Reloaded::Unchanged { .. } | Reloaded::Ignored) => None,
+            Err(_) => Some((path.file_stem().unwrap_or_default().to_string_lossy().into_owned(), "failed")),
+        };
+        if let Some((plugin, result)) = counted {
+            self.metrics.plugin_reloads.get_or_create(&ReloadLabels { plugin, result: result.to_string() }).inc();
+        }
         let mut errors = self.errors.lock().unwrap_or_else(|e| e.into_inner());
         match &result {
             Ok(_) => {
@@ -776,10 +808,32 @@ impl RouteTransport {
         }
     }
 
-    /// Hands `events` to the plugin and returns one outcome per event, in order.
-    pub async fn deliver(&self, events: &[&ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
+    /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
+    pub async fn deliver(&self, events: &[&ClaimedEvent]) -> Delivery {
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
-        let mut instance = self.instance().await.map_err(DeliverError::NoTransport)?;
+        let instance = match self.instance().await {
+            Ok(instance) => instance,
+            Err(why) => return Delivery { plugin_hash: None, result: Err(DeliverError::NoTransport(why)) },
+        };
+        let plugin_hash = Some(instance.hash.clone());
+        let started = std::time::Instant::now();
+        let result = self.call(instance, events).await;
+        let labels = PluginLabels { plugin: self.plugin.clone() };
+        self.registry.metrics.plugin_call_duration.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+        if let Err(DeliverError::Fault(fault)) = &result {
+            let kind = match fault {
+                PluginFault::Trapped(_) => "trap",
+                PluginFault::TimedOut(_) => "timeout",
+                PluginFault::OutOfMemory(_) => "out_of_memory",
+                PluginFault::WrongOutcomeCount { .. } => "wrong_outcome_count",
+            };
+            let labels = FaultLabels { plugin: self.plugin.clone(), kind: kind.to_string() };
+            self.registry.metrics.plugin_faults.get_or_create(&labels).inc();
+        }
+        Delivery { plugin_hash, result }
+    }
+
+    async fn call(&self, mut instance: Instance, events: &[&ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
         let wit_events: Vec<types::Event> = events.iter().map(|e| to_wit(e)).collect();
         instance.store.set_epoch_deadline(ticks(self.limits.timeout));
         let call = instance.bindings.ferry_transport_transport().call_deliver_batch(&mut instance.store, &wit_events);
@@ -805,6 +859,14 @@ impl RouteTransport {
         tracing::warn!(plugin = %self.plugin, route = %self.route, "{fault}; instance discarded");
         Err(fault.into())
     }
+}
+
+/// What a plugin call came to.
+#[derive(Debug)]
+pub struct Delivery {
+    /// The SHA-256 of the plugin version that was called; `None` when none could be.
+    pub plugin_hash: Option<String>,
+    pub result: Result<Vec<Outcome>, DeliverError>,
 }
 
 /// One transport per configured route.

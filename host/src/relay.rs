@@ -15,8 +15,9 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::{RetryDecision, RetryPolicy};
 use crate::clock::Clock;
 use crate::config::Config;
-use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
-use crate::plugins::{DeliverError, Outcome, RouteTransport};
+use crate::event::{AttemptLog, ClaimedEvent, Completion, Disposition, FailureReason};
+use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
+use crate::plugins::{DeliverError, Delivery, Outcome, RouteTransport};
 use crate::store::{Breaker, Claim, Store, StoreError};
 
 /// What one relay cycle did.
@@ -79,10 +80,17 @@ pub struct Relay {
     breaker_cooldown: Duration,
     /// Cuts an idle wait short: notified by the database listener or by in-process emitters.
     wake: Arc<Notify>,
+    metrics: Arc<Metrics>,
 }
 
 impl Relay {
-    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, config: &Config, routes: Routes) -> Self {
+    pub fn new(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        config: &Config,
+        routes: Routes,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let (ordered_routes, blocking_routes) = config.ordered_routes();
         Self {
             store,
@@ -103,12 +111,18 @@ impl Relay {
             breaker_threshold: config.breaker.threshold,
             breaker_cooldown: config.breaker.cooldown.0,
             wake: Arc::new(Notify::new()),
+            metrics,
         }
     }
 
     /// Wakes the relay if it is waiting idle; for code in this process that has just emitted.
     pub fn wake(&self) {
         self.wake.notify_one();
+    }
+
+    /// A handle that wakes the relay, for code that outlives a borrow of it.
+    pub fn waker(&self) -> Arc<Notify> {
+        self.wake.clone()
     }
 
     /// Runs until `shutdown` is cancelled, with `relay.workers` batches in flight at most.
@@ -217,13 +231,16 @@ impl Relay {
             paused_routes: breakers.iter().filter(|b| b.opened_at.is_some()).map(|b| b.route.clone()).collect(),
             only_route: None,
         };
+        let claiming = std::time::Instant::now();
         let mut events = self.store.claim(&claim).await?;
+        self.metrics.claim_duration.observe(claiming.elapsed().as_secs_f64());
         let probes = self.probes(&claim, &breakers).await?;
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
         if events.is_empty() {
             return Ok(CycleStats::default());
         }
+        self.metrics.batch_size.observe(events.len() as f64);
         let delivery = self.deliver_all(&events);
         tokio::pin!(delivery);
         let completions = tokio::select! {
@@ -248,7 +265,9 @@ impl Relay {
                 Disposition::Failed { .. } => stats.failed += 1,
             }
         }
-        let written = self.store.complete(&token, self.clock.now(), &completions).await?;
+        let done_at = self.clock.now();
+        let written = self.store.complete(&token, done_at, &completions).await?;
+        self.count(&events, &completions, done_at);
         self.record_breakers(&events, &completions, &breakers, &probed).await?;
         stats.fenced_off = completions.len().saturating_sub(written as usize);
         if stats.fenced_off > 0 {
@@ -345,6 +364,30 @@ impl Relay {
         Ok(())
     }
 
+    /// Counts a batch's outcomes in the metrics.
+    fn count(&self, events: &[ClaimedEvent], completions: &[Completion], done_at: DateTime<Utc>) {
+        let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
+        for completion in completions {
+            let Some(event) = by_id.get(&completion.id) else { continue };
+            let route = event.route.clone();
+            let plugin = completion.attempt.plugin.clone().unwrap_or_default();
+            match &completion.disposition {
+                Disposition::Sent => {
+                    self.metrics.delivered.get_or_create(&RouteLabels { route: route.clone(), plugin }).inc();
+                    let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
+                    self.metrics.delivery_latency.get_or_create(&RouteOnly { route }).observe(latency);
+                }
+                Disposition::Retry { .. } => {
+                    self.metrics.retried.get_or_create(&RouteLabels { route, plugin }).inc();
+                }
+                Disposition::Failed { reason, .. } => {
+                    let labels = FailedLabels { route, plugin, reason: reason.to_string() };
+                    self.metrics.failed.get_or_create(&labels).inc();
+                }
+            }
+        }
+    }
+
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion
     /// per event.
     async fn deliver_all(&self, events: &[ClaimedEvent]) -> Vec<Completion> {
@@ -352,17 +395,27 @@ impl Relay {
         let mut completions = Vec::with_capacity(events.len());
         for event in events {
             if let Some(defect) = &event.defect {
-                completions.push(self.fail(event, FailureReason::InvalidEvent, defect.clone()));
+                let log = self.attempt_log(event, self.clock.now(), Duration::ZERO, None, None);
+                completions.push(self.fail(event, log, FailureReason::InvalidEvent, defect.clone()));
             } else {
                 by_route.entry(&event.route).or_default().push(event);
             }
         }
         let deliveries = by_route.into_iter().map(|(route, batch)| async move {
-            let result = match self.routes.transports.get(route) {
-                Some(transport) => transport.deliver(&batch).await,
-                None => Err(DeliverError::NoTransport(format!("no route {route:?} is configured"))),
+            let started_at = self.clock.now();
+            let started = std::time::Instant::now();
+            let (plugin, delivery) = match self.routes.transports.get(route) {
+                Some(transport) => (Some(transport.plugin_name().to_string()), transport.deliver(&batch).await),
+                None => {
+                    let why = format!("no route {route:?} is configured");
+                    (None, Delivery { plugin_hash: None, result: Err(DeliverError::NoTransport(why)) })
+                }
             };
-            self.judge(&batch, result)
+            let elapsed = started.elapsed();
+            let logs = batch.iter().map(|event| {
+                self.attempt_log(event, started_at, elapsed, plugin.clone(), delivery.plugin_hash.clone())
+            });
+            self.judge(&batch, logs.collect(), delivery.result)
         });
         for done in futures::future::join_all(deliveries).await {
             completions.extend(done);
@@ -370,28 +423,45 @@ impl Relay {
         completions
     }
 
-    /// Turns a plugin's answer for `batch` into completions.
-    fn judge(&self, batch: &[&ClaimedEvent], result: Result<Vec<Outcome>, DeliverError>) -> Vec<Completion> {
+    fn attempt_log(
+        &self,
+        event: &ClaimedEvent,
+        started_at: DateTime<Utc>,
+        duration: Duration,
+        plugin: Option<String>,
+        plugin_hash: Option<String>,
+    ) -> AttemptLog {
+        AttemptLog { number: event.attempt, started_at, duration, plugin, plugin_hash, instance: self.instance.clone() }
+    }
+
+    /// Turns a plugin's answer for `batch` into completions (`logs` holds one entry per event).
+    fn judge(
+        &self,
+        batch: &[&ClaimedEvent],
+        logs: Vec<AttemptLog>,
+        result: Result<Vec<Outcome>, DeliverError>,
+    ) -> Vec<Completion> {
         let now = self.clock.now();
+        let each = batch.iter().zip(logs);
         match result {
-            Ok(outcomes) => batch
-                .iter()
+            Ok(outcomes) => each
                 .zip(outcomes)
-                .map(|(event, outcome)| match outcome {
-                    Outcome::Success => self.complete(event, Disposition::Sent),
-                    Outcome::Permanent(f) => self.fail(event, FailureReason::Permanent, f.reason),
+                .map(|((event, log), outcome)| match outcome {
+                    Outcome::Success => self.complete(event, log, Disposition::Sent),
+                    Outcome::Permanent(f) => self.fail(event, log, FailureReason::Permanent, f.reason),
                     Outcome::Transient(f) => {
                         let hint = f.retry_after_ms.map(Duration::from_millis);
-                        self.retry_or_fail(event, now, f.reason, hint, FailureReason::AttemptsExhausted)
+                        self.retry_or_fail(event, log, now, f.reason, hint, FailureReason::AttemptsExhausted)
                     }
                 })
                 .collect(),
-            Err(DeliverError::Fault(fault)) => batch
-                .iter()
-                .map(|event| self.retry_or_fail(event, now, fault.to_string(), None, FailureReason::PluginFault))
+            Err(DeliverError::Fault(fault)) => each
+                .map(|(event, log)| {
+                    self.retry_or_fail(event, log, now, fault.to_string(), None, FailureReason::PluginFault)
+                })
                 .collect(),
             Err(DeliverError::NoTransport(why)) => {
-                batch.iter().map(|event| self.fail(event, FailureReason::NoTransport, why.clone())).collect()
+                each.map(|(event, log)| self.fail(event, log, FailureReason::NoTransport, why.clone())).collect()
             }
         }
     }
@@ -399,6 +469,7 @@ impl Relay {
     fn retry_or_fail(
         &self,
         event: &ClaimedEvent,
+        log: AttemptLog,
         now: DateTime<Utc>,
         error: String,
         hint: Option<Duration>,
@@ -410,19 +481,19 @@ impl Relay {
         match policy.decide(event.attempt, max, hint, unit) {
             RetryDecision::RetryAfter(delay) => {
                 let at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
-                self.complete(event, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
+                self.complete(event, log, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
             }
-            RetryDecision::GiveUp => self.fail(event, exhausted, error),
+            RetryDecision::GiveUp => self.fail(event, log, exhausted, error),
         }
     }
 
-    fn fail(&self, event: &ClaimedEvent, reason: FailureReason, error: String) -> Completion {
-        self.complete(event, Disposition::Failed { reason, error })
+    fn fail(&self, event: &ClaimedEvent, log: AttemptLog, reason: FailureReason, error: String) -> Completion {
+        self.complete(event, log, Disposition::Failed { reason, error })
     }
 
-    fn complete(&self, event: &ClaimedEvent, disposition: Disposition) -> Completion {
+    fn complete(&self, event: &ClaimedEvent, attempt: AttemptLog, disposition: Disposition) -> Completion {
         let max_attempts = event.max_attempts.unwrap_or(self.routes.policy(&event.route).max_attempts);
-        Completion { id: event.id, disposition, max_attempts }
+        Completion { id: event.id, disposition, max_attempts, attempt }
     }
 }
 

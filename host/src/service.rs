@@ -7,8 +7,10 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::Admin;
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, redact_url};
+use crate::metrics::Metrics;
 use crate::plugins::{Registry, Runtime, route_transports};
 use crate::relay::{Relay, Routes};
 use crate::store::{self, Store};
@@ -16,9 +18,12 @@ use crate::store::{self, Store};
 /// A started ferry: everything `serve` runs, exposed so tests can drive single cycles and reloads.
 #[derive(Debug)]
 pub struct Ferry {
+    pub config: Arc<Config>,
     pub store: Arc<dyn Store>,
     pub relay: Relay,
     pub registry: Arc<Registry>,
+    pub metrics: Arc<Metrics>,
+    pub clock: Arc<dyn Clock>,
 }
 
 impl Ferry {
@@ -29,7 +34,8 @@ impl Ferry {
         let store = open_store(config).await?;
         let config = Arc::new(config.clone());
         let runtime = Arc::new(Runtime::new(&config)?);
-        let registry = Arc::new(Registry::new(runtime, config.clone()));
+        let metrics = Arc::new(Metrics::new());
+        let registry = Arc::new(Registry::new(runtime, config.clone(), metrics.clone()));
         registry.load_dir().await?;
         let transports = route_transports(&registry, &config);
         for (route, transport) in &transports {
@@ -38,8 +44,21 @@ impl Ferry {
                 Err(why) => tracing::error!(route = %route, "route has no transport: {why}"),
             }
         }
-        let relay = Relay::new(store.clone(), clock, &config, Routes::new(&config, transports));
-        Ok(Ferry { store, relay, registry })
+        let routes = Routes::new(&config, transports);
+        let relay = Relay::new(store.clone(), clock.clone(), &config, routes, metrics.clone());
+        Ok(Ferry { config, store, relay, registry, metrics, clock })
+    }
+
+    /// The admin API over this ferry (not yet serving).
+    pub fn admin(&self) -> anyhow::Result<Admin> {
+        Admin::new(
+            self.config.clone(),
+            self.store.clone(),
+            self.registry.clone(),
+            self.metrics.clone(),
+            self.clock.clone(),
+            self.relay.waker(),
+        )
     }
 }
 
@@ -57,6 +76,13 @@ pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Resu
     if config.plugins.watch {
         crate::watch::spawn(ferry.registry.clone(), config.plugins.debounce.0, shutdown.child_token())?;
     }
+    let admin = match config.admin.address() {
+        Some(_) => Some(ferry.admin()?.serve(shutdown.child_token()).await?),
+        None => None,
+    };
     ferry.relay.run(shutdown).await;
+    if let Some((_, admin)) = admin {
+        let _ = admin.await;
+    }
     Ok(())
 }

@@ -16,7 +16,7 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 
 pub use self::postgres::PostgresStore;
 pub use self::sqlite::SqliteStore;
-use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
 /// A store failure. Callers branch on it: a bad event is the caller's fault, the rest are not.
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +108,213 @@ impl Breaker {
     }
 }
 
+/// What an operator watches: where the events are, and how late delivery runs.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Stats {
+    /// When the figures were taken.
+    pub at: DateTime<Utc>,
+    /// Events per route and status (statuses a route has no events in are left out).
+    pub routes: BTreeMap<String, BTreeMap<Status, u64>>,
+    /// Creation time of the oldest PENDING event, deferred and retrying ones included.
+    pub oldest_pending_created_at: Option<DateTime<Utc>>,
+    /// The earliest due time of a PENDING event that is due: how far claiming lags behind.
+    pub oldest_due_at: Option<DateTime<Utc>>,
+    /// PROCESSING events whose lease has expired: their relay died or hung; recovery hands
+    /// them back.
+    pub stuck: u64,
+    /// PENDING events with one attempt left before they fail.
+    pub last_attempt: u64,
+    /// Delivery latency of events SENT since a point in time, if asked for.
+    pub latency: Option<Latency>,
+}
+
+impl Stats {
+    /// Events in `status`, over all routes.
+    pub fn total(&self, status: Status) -> u64 {
+        self.routes.values().filter_map(|counts| counts.get(&status)).sum()
+    }
+}
+
+/// Latency percentiles of recently delivered events.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Latency {
+    /// Events SENT at or after this time were measured.
+    pub since: DateTime<Utc>,
+    /// How many were measured (the most recent [`LATENCY_SAMPLES`] at most).
+    pub samples: usize,
+    /// From the event's own time to SENT.
+    pub from_event_time: Percentiles,
+    /// From the row's creation (the commit, near enough) to SENT.
+    pub from_created: Percentiles,
+}
+
+/// Percentiles of a set of durations, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Percentiles {
+    pub p50_ms: i64,
+    pub p95_ms: i64,
+    pub p99_ms: i64,
+    pub max_ms: i64,
+}
+
+/// The most recent deliveries that latency figures are computed from.
+pub const LATENCY_SAMPLES: u32 = 10_000;
+
+impl Percentiles {
+    /// Nearest-rank percentiles of `values` (sorted here); `None` when there are none.
+    pub fn of(mut values: Vec<i64>) -> Option<Percentiles> {
+        if values.is_empty() {
+            return None;
+        }
+        values.sort_unstable();
+        let rank = |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
+        Some(Percentiles {
+            p50_ms: rank(0.50),
+            p95_ms: rank(0.95),
+            p99_ms: rank(0.99),
+            max_ms: values[values.len() - 1],
+        })
+    }
+}
+
+/// Builds [`Latency`] from `(event_time, created_at, processed_at)` of SENT events.
+fn latency(since: DateTime<Utc>, rows: &[(DateTime<Utc>, DateTime<Utc>, DateTime<Utc>)]) -> Option<Latency> {
+    let from_event_time = Percentiles::of(rows.iter().map(|(e, _, p)| (*p - *e).num_milliseconds()).collect())?;
+    let from_created = Percentiles::of(rows.iter().map(|(_, c, p)| (*p - *c).num_milliseconds()).collect())?;
+    Some(Latency { since, samples: rows.len(), from_event_time, from_created })
+}
+
+/// The figures of [`Stats`] besides the counts and latency, in one pass over the unfinished rows.
+/// The same text serves both backends; only the time type of the parameter differs.
+const WATCH_SQL: &str = "SELECT MIN(created_at) FILTER (WHERE status = 'PENDING') AS oldest_pending,
+            MIN(next_attempt_at) FILTER (WHERE status = 'PENDING' AND next_attempt_at <= $1) AS oldest_due,
+            COUNT(*) FILTER (WHERE status = 'PROCESSING' AND lease_until < $1) AS stuck,
+            COUNT(*) FILTER (WHERE status = 'PENDING' AND max_attempts > 0 AND attempts >= max_attempts - 1)
+                AS last_attempt
+     FROM ferry_events WHERE status IN ('PENDING', 'PROCESSING')";
+
+const ROUTE_COUNTS_SQL: &str = "SELECT route, status, COUNT(*) AS n FROM ferry_events GROUP BY route, status";
+
+const LATENCY_SQL: &str = "SELECT event_time, created_at, processed_at FROM ferry_events
+     WHERE status = 'SENT' AND processed_at >= $1 ORDER BY processed_at DESC LIMIT $2";
+
+const ATTEMPTS_SQL: &str =
+    "SELECT attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance
+     FROM ferry_attempts WHERE event_id = $1 ORDER BY id";
+
+/// Assembles [`Stats`] from the rows of the queries above, on either backend.
+fn stats_from<R>(
+    at: DateTime<Utc>,
+    counts: &[R],
+    watch: &R,
+    latency_rows: Option<(DateTime<Utc>, Vec<R>)>,
+    time: &TimeReader<R>,
+) -> Result<Stats, sqlx::Error>
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let mut routes: BTreeMap<String, BTreeMap<Status, u64>> = BTreeMap::new();
+    for row in counts {
+        let status: String = row.try_get("status")?;
+        let status: Status = status.parse().map_err(|e: String| sqlx::Error::Decode(e.into()))?;
+        let n: i64 = row.try_get("n")?;
+        routes.entry(row.try_get("route")?).or_default().insert(status, u64::try_from(n).unwrap_or(0));
+    }
+    let latency = match latency_rows {
+        None => None,
+        Some((since, rows)) => {
+            let times = rows
+                .iter()
+                .map(|row| {
+                    Ok((
+                        required(time(row, "event_time")?, "event_time")?,
+                        required(time(row, "created_at")?, "created_at")?,
+                        required(time(row, "processed_at")?, "processed_at")?,
+                    ))
+                })
+                .collect::<Result<Vec<_>, sqlx::Error>>()?;
+            latency(since, &times)
+        }
+    };
+    Ok(Stats {
+        at,
+        routes,
+        oldest_pending_created_at: time(watch, "oldest_pending")?,
+        oldest_due_at: time(watch, "oldest_due")?,
+        stuck: u64::try_from(watch.try_get::<i64, _>("stuck")?).unwrap_or(0),
+        last_attempt: u64::try_from(watch.try_get::<i64, _>("last_attempt")?).unwrap_or(0),
+        latency,
+    })
+}
+
+/// Decodes a `ferry_attempts` row (`ATTEMPTS_SQL`), on either backend.
+fn attempt_record<R>(row: &R, time: &TimeReader<R>) -> Result<AttemptRecord, sqlx::Error>
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(AttemptRecord {
+        attempt: count(row.try_get("attempt")?),
+        started_at: required(time(row, "started_at")?, "started_at")?,
+        duration_ms: u64::try_from(row.try_get::<i64, _>("duration_ms")?).unwrap_or(0),
+        outcome: row.try_get("outcome")?,
+        reason: row.try_get("reason")?,
+        error: row.try_get("error")?,
+        plugin: row.try_get("plugin")?,
+        plugin_hash: row.try_get("plugin_hash")?,
+        instance: row.try_get("instance")?,
+    })
+}
+
+/// A bulk operation on FAILED events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BulkOp {
+    Resend,
+    Purge,
+}
+
+impl BulkOp {
+    /// `resent` or `purged`.
+    pub fn past_tense(self) -> &'static str {
+        match self {
+            BulkOp::Resend => "resent",
+            BulkOp::Purge => "purged",
+        }
+    }
+}
+
+/// Rows changed per statement in bulk operations, so none holds locks for long.
+pub const BULK_STEP: u32 = 1000;
+
+/// Resends or purges every FAILED event matching `filter`, [`BULK_STEP`] rows per statement,
+/// calling `progress` with the running total after each step. Returns how many were changed.
+pub async fn bulk(
+    store: &dyn Store,
+    filter: &FailedFilter,
+    op: BulkOp,
+    now: impl Fn() -> DateTime<Utc>,
+    mut progress: impl FnMut(u64),
+) -> Result<u64, StoreError> {
+    let mut done = 0;
+    loop {
+        let step = match op {
+            BulkOp::Resend => store.resend_failed(filter, now(), BULK_STEP).await?,
+            BulkOp::Purge => store.purge_failed(filter, BULK_STEP).await?,
+        };
+        if step == 0 {
+            return Ok(done);
+        }
+        done += step;
+        progress(done);
+    }
+}
+
 /// An event whose lease expired and that was handed back to PENDING.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recovered {
@@ -157,6 +364,16 @@ pub trait Store: std::fmt::Debug + Send + Sync {
         let _ = (wake, stop);
         false
     }
+
+    /// Checks that the database answers (readiness).
+    async fn ping(&self) -> Result<(), StoreError>;
+
+    /// The monitoring figures at `now`; with `latency_since`, also the latency of events SENT
+    /// since then (the most recent [`LATENCY_SAMPLES`] of them).
+    async fn stats(&self, now: DateTime<Utc>, latency_since: Option<DateTime<Utc>>) -> Result<Stats, StoreError>;
+
+    /// The delivery history of event `id`, oldest first.
+    async fn attempts(&self, id: i64) -> Result<Vec<AttemptRecord>, StoreError>;
 
     /// Number of events per status (statuses with no events are included as zero).
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError>;
@@ -359,5 +576,19 @@ fn decode_headers(id: i64, json: &str) -> (Vec<(String, String)>, Option<String>
     match crate::event::parse_headers(json) {
         Ok(headers) => (headers, None),
         Err(e) => (Vec::new(), Some(format!("event {id}: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let p = Percentiles::of((1..=100).rev().collect()).unwrap();
+        assert_eq!((p.p50_ms, p.p95_ms, p.p99_ms, p.max_ms), (50, 95, 99, 100));
+        let one = Percentiles::of(vec![7]).unwrap();
+        assert_eq!((one.p50_ms, one.p99_ms, one.max_ms), (7, 7, 7));
+        assert_eq!(Percentiles::of(Vec::new()), None);
     }
 }

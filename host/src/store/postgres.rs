@@ -15,11 +15,12 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Breaker, Claim, FailedFilter, Recovered, Store, StoreError, breaker, claimed_event, counts_by_status, event_record,
-    partition,
+    ATTEMPTS_SQL, Breaker, Claim, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered, Stats,
+    Store, StoreError, WATCH_SQL, attempt_record, breaker, claimed_event, counts_by_status, event_record, partition,
+    stats_from,
 };
 use crate::emit::Outbox;
-use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+use crate::event::{AttemptLog, AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
 /// The outbox in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -121,72 +122,103 @@ impl Store for PostgresStore {
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
         let parts = partition(items);
         let mut tx = self.pool.begin().await?;
-        let mut updated = 0;
+        let mut updated: Vec<i64> = Vec::with_capacity(items.len());
         if !parts.sent.is_empty() {
             let ids: Vec<i64> = parts.sent.iter().map(|c| c.id).collect();
             let max: Vec<i32> = parts.sent.iter().map(|c| pin(c.max_attempts)).collect();
-            updated += sqlx::query(
-                "UPDATE ferry_events e
-                 SET status = 'SENT', processed_at = $3, last_status_at = $3, claim_token = NULL,
-                     lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
-                 FROM UNNEST($1::bigint[], $2::int[]) AS u(id, max_attempts)
-                 WHERE e.id = u.id AND e.claim_token = $4 AND e.status = 'PROCESSING'",
-            )
-            .bind(&ids)
-            .bind(&max)
-            .bind(now)
-            .bind(token)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+            updated.extend(
+                sqlx::query_scalar::<_, i64>(
+                    "UPDATE ferry_events e
+                     SET status = 'SENT', processed_at = $3, last_status_at = $3, claim_token = NULL,
+                         lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                     FROM UNNEST($1::bigint[], $2::int[]) AS u(id, max_attempts)
+                     WHERE e.id = u.id AND e.claim_token = $4 AND e.status = 'PROCESSING'
+                     RETURNING e.id",
+                )
+                .bind(&ids)
+                .bind(&max)
+                .bind(now)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?,
+            );
         }
         if !parts.retry.is_empty() {
             let ids: Vec<i64> = parts.retry.iter().map(|(c, _, _)| c.id).collect();
             let at: Vec<DateTime<Utc>> = parts.retry.iter().map(|(_, at, _)| *at).collect();
             let errors: Vec<&str> = parts.retry.iter().map(|(_, _, e)| *e).collect();
             let max: Vec<i32> = parts.retry.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
-            updated += sqlx::query(
-                "UPDATE ferry_events e
-                 SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = $5,
-                     claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
-                 FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS u(id, at, error, max_attempts)
-                 WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'",
-            )
-            .bind(&ids)
-            .bind(&at)
-            .bind(&errors)
-            .bind(&max)
-            .bind(now)
-            .bind(token)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+            updated.extend(
+                sqlx::query_scalar::<_, i64>(
+                    "UPDATE ferry_events e
+                     SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = $5,
+                         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                     FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS u(id, at, error, max_attempts)
+                     WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'
+                     RETURNING e.id",
+                )
+                .bind(&ids)
+                .bind(&at)
+                .bind(&errors)
+                .bind(&max)
+                .bind(now)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?,
+            );
         }
         if !parts.failed.is_empty() {
             let ids: Vec<i64> = parts.failed.iter().map(|(c, _, _)| c.id).collect();
             let reasons: Vec<&str> = parts.failed.iter().map(|(_, r, _)| *r).collect();
             let errors: Vec<&str> = parts.failed.iter().map(|(_, _, e)| *e).collect();
             let max: Vec<i32> = parts.failed.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
-            updated += sqlx::query(
-                "UPDATE ferry_events e
-                 SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = $5,
-                     last_status_at = $5, claim_token = NULL, lease_until = NULL,
-                     max_attempts = COALESCE(e.max_attempts, u.max_attempts)
-                 FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::int[]) AS u(id, reason, error, max_attempts)
-                 WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'",
+            updated.extend(
+                sqlx::query_scalar::<_, i64>(
+                    "UPDATE ferry_events e
+                     SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = $5,
+                         last_status_at = $5, claim_token = NULL, lease_until = NULL,
+                         max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                     FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::int[]) AS u(id, reason, error, max_attempts)
+                     WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'
+                     RETURNING e.id",
+                )
+                .bind(&ids)
+                .bind(&reasons)
+                .bind(&errors)
+                .bind(&max)
+                .bind(now)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?,
+            );
+        }
+        // The history gets the attempts whose outcome was written (not those fenced off).
+        let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
+        let items: Vec<&Completion> = items.iter().filter(|c| written.contains(&c.id)).collect();
+        let a: Vec<_> = items.iter().map(|c| &c.attempt).collect();
+        if !items.is_empty() {
+            let duration = |a: &&AttemptLog| i64::try_from(a.duration.as_millis()).unwrap_or(i64::MAX);
+            sqlx::query(
+                "INSERT INTO ferry_attempts
+                     (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance)
+                 SELECT * FROM UNNEST($1::bigint[], $2::int[], $3::timestamptz[], $4::bigint[], $5::text[],
+                                      $6::text[], $7::text[], $8::text[], $9::text[], $10::text[])",
             )
-            .bind(&ids)
-            .bind(&reasons)
-            .bind(&errors)
-            .bind(&max)
-            .bind(now)
-            .bind(token)
+            .bind(items.iter().map(|c| c.id).collect::<Vec<i64>>())
+            .bind(a.iter().map(|a| pin(a.number)).collect::<Vec<i32>>())
+            .bind(a.iter().map(|a| a.started_at).collect::<Vec<DateTime<Utc>>>())
+            .bind(a.iter().map(duration).collect::<Vec<i64>>())
+            .bind(items.iter().map(|c| c.disposition.outcome()).collect::<Vec<&str>>())
+            .bind(items.iter().map(|c| c.disposition.reason()).collect::<Vec<Option<&str>>>())
+            .bind(items.iter().map(|c| c.disposition.error()).collect::<Vec<Option<&str>>>())
+            .bind(a.iter().map(|a| a.plugin.as_deref()).collect::<Vec<Option<&str>>>())
+            .bind(a.iter().map(|a| a.plugin_hash.as_deref()).collect::<Vec<Option<&str>>>())
+            .bind(a.iter().map(|a| a.instance.as_str()).collect::<Vec<&str>>())
             .execute(&mut *tx)
-            .await?
-            .rows_affected();
+            .await?;
         }
         tx.commit().await?;
-        Ok(updated)
+        Ok(updated.len() as u64)
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -276,6 +308,29 @@ impl Store for PostgresStore {
             }
         });
         true
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn stats(&self, now: DateTime<Utc>, latency_since: Option<DateTime<Utc>>) -> Result<Stats, StoreError> {
+        let counts = sqlx::query(ROUTE_COUNTS_SQL).fetch_all(&self.pool).await?;
+        let watch = sqlx::query(WATCH_SQL).bind(now).fetch_one(&self.pool).await?;
+        let latency = match latency_since {
+            Some(since) => Some((
+                since,
+                sqlx::query(LATENCY_SQL).bind(since).bind(i64::from(LATENCY_SAMPLES)).fetch_all(&self.pool).await?,
+            )),
+            None => None,
+        };
+        Ok(stats_from(now, &counts, &watch, latency, &read_time)?)
+    }
+
+    async fn attempts(&self, id: i64) -> Result<Vec<AttemptRecord>, StoreError> {
+        let rows = sqlx::query(ATTEMPTS_SQL).bind(id).fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(|row| attempt_record(row, &read_time)).collect::<Result<_, _>>()?)
     }
 
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {

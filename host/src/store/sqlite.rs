@@ -14,11 +14,12 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{Row, SqlitePool};
 
 use super::{
-    Breaker, Claim, FailedFilter, Recovered, Store, StoreError, breaker, claimed_event, counts_by_status, event_record,
-    partition,
+    ATTEMPTS_SQL, Breaker, Claim, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered, Stats,
+    Store, StoreError, WATCH_SQL, attempt_record, breaker, claimed_event, counts_by_status, event_record, partition,
+    stats_from,
 };
 use crate::emit::Outbox;
-use crate::event::{ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
 /// The outbox in a SQLite database file.
 #[derive(Debug, Clone)]
@@ -85,6 +86,32 @@ fn time(ms: i64) -> Result<DateTime<Utc>, sqlx::Error> {
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
      processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until";
+
+/// Records one outcome kind for the rows of the JSON array ?1 still held by claim ?3, at ?2;
+/// returns the ids written.
+const COMPLETE_SENT: &str = "UPDATE ferry_events
+     SET status = 'SENT', processed_at = ?2, last_status_at = ?2, claim_token = NULL,
+         lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
+     FROM (SELECT value->>'id' AS id, value->>'max' AS max FROM json_each(?1)) AS u
+     WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
+     RETURNING ferry_events.id";
+
+const COMPLETE_RETRY: &str = "UPDATE ferry_events
+     SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = ?2,
+         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
+     FROM (SELECT value->>'id' AS id, value->>'at' AS at, value->>'error' AS error,
+                  value->>'max' AS max FROM json_each(?1)) AS u
+     WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
+     RETURNING ferry_events.id";
+
+const COMPLETE_FAILED: &str = "UPDATE ferry_events
+     SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = ?2,
+         last_status_at = ?2, claim_token = NULL, lease_until = NULL,
+         max_attempts = COALESCE(ferry_events.max_attempts, u.max)
+     FROM (SELECT value->>'id' AS id, value->>'reason' AS reason, value->>'error' AS error,
+                  value->>'max' AS max FROM json_each(?1)) AS u
+     WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
+     RETURNING ferry_events.id";
 
 #[async_trait]
 impl Store for SqliteStore {
@@ -158,68 +185,66 @@ impl Store for SqliteStore {
         let parts = partition(items);
         let now = ms(now);
         let mut tx = self.pool.begin().await?;
-        let mut updated = 0;
-        if !parts.sent.is_empty() {
-            let rows: Vec<Value> = parts.sent.iter().map(|c| json!({"id": c.id, "max": c.max_attempts})).collect();
-            updated += sqlx::query(
-                "UPDATE ferry_events
-                 SET status = 'SENT', processed_at = ?2, last_status_at = ?2, claim_token = NULL,
-                     lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
-                 FROM (SELECT value->>'id' AS id, value->>'max' AS max FROM json_each(?1)) AS u
-                 WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'",
-            )
-            .bind(Value::Array(rows).to_string())
-            .bind(now)
-            .bind(token)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+        let sent: Vec<Value> = parts.sent.iter().map(|c| json!({"id": c.id, "max": c.max_attempts})).collect();
+        let retry: Vec<Value> = parts
+            .retry
+            .iter()
+            .map(|(c, at, error)| json!({"id": c.id, "at": ms(*at), "error": error, "max": c.max_attempts}))
+            .collect();
+        let failed: Vec<Value> = parts
+            .failed
+            .iter()
+            .map(|(c, reason, error)| json!({"id": c.id, "reason": reason, "error": error, "max": c.max_attempts}))
+            .collect();
+        let mut updated: Vec<i64> = Vec::with_capacity(items.len());
+        for (rows, statement) in [(sent, COMPLETE_SENT), (retry, COMPLETE_RETRY), (failed, COMPLETE_FAILED)] {
+            if rows.is_empty() {
+                continue;
+            }
+            let ids = sqlx::query_scalar::<_, i64>(statement)
+                .bind(Value::Array(rows).to_string())
+                .bind(now)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?;
+            updated.extend(ids);
         }
-        if !parts.retry.is_empty() {
-            let rows: Vec<Value> = parts
-                .retry
-                .iter()
-                .map(|(c, at, error)| json!({"id": c.id, "at": ms(*at), "error": error, "max": c.max_attempts}))
-                .collect();
-            updated += sqlx::query(
-                "UPDATE ferry_events
-                 SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = ?2,
-                     claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
-                 FROM (SELECT value->>'id' AS id, value->>'at' AS at, value->>'error' AS error,
-                              value->>'max' AS max FROM json_each(?1)) AS u
-                 WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'",
+        // The history gets the attempts whose outcome was written (not those fenced off).
+        let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
+        let attempts: Vec<Value> = items
+            .iter()
+            .filter(|c| written.contains(&c.id))
+            .map(|c| {
+                let a = &c.attempt;
+                json!({
+                    "id": c.id,
+                    "attempt": a.number,
+                    "started_at": ms(a.started_at),
+                    "duration_ms": u64::try_from(a.duration.as_millis()).unwrap_or(u64::MAX),
+                    "outcome": c.disposition.outcome(),
+                    "reason": c.disposition.reason(),
+                    "error": c.disposition.error(),
+                    "plugin": a.plugin,
+                    "plugin_hash": a.plugin_hash,
+                    "instance": a.instance,
+                })
+            })
+            .collect();
+        if !attempts.is_empty() {
+            sqlx::query(
+                "INSERT INTO ferry_attempts
+                     (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance)
+                 SELECT value->>'id', value->>'attempt', value->>'started_at', value->>'duration_ms',
+                        value->>'outcome', value->>'reason', value->>'error', value->>'plugin', value->>'plugin_hash',
+                        value->>'instance'
+                 FROM json_each(?1)",
             )
-            .bind(Value::Array(rows).to_string())
-            .bind(now)
-            .bind(token)
+            .bind(Value::Array(attempts).to_string())
             .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        }
-        if !parts.failed.is_empty() {
-            let rows: Vec<Value> = parts
-                .failed
-                .iter()
-                .map(|(c, reason, error)| json!({"id": c.id, "reason": reason, "error": error, "max": c.max_attempts}))
-                .collect();
-            updated += sqlx::query(
-                "UPDATE ferry_events
-                 SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = ?2,
-                     last_status_at = ?2, claim_token = NULL, lease_until = NULL,
-                     max_attempts = COALESCE(ferry_events.max_attempts, u.max)
-                 FROM (SELECT value->>'id' AS id, value->>'reason' AS reason, value->>'error' AS error,
-                              value->>'max' AS max FROM json_each(?1)) AS u
-                 WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'",
-            )
-            .bind(Value::Array(rows).to_string())
-            .bind(now)
-            .bind(token)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+            .await?;
         }
         tx.commit().await?;
-        Ok(updated)
+        Ok(updated.len() as u64)
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -280,6 +305,29 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn stats(&self, now: DateTime<Utc>, latency_since: Option<DateTime<Utc>>) -> Result<Stats, StoreError> {
+        let counts = sqlx::query(ROUTE_COUNTS_SQL).fetch_all(&self.pool).await?;
+        let watch = sqlx::query(WATCH_SQL).bind(ms(now)).fetch_one(&self.pool).await?;
+        let latency = match latency_since {
+            Some(since) => Some((
+                since,
+                sqlx::query(LATENCY_SQL).bind(ms(since)).bind(i64::from(LATENCY_SAMPLES)).fetch_all(&self.pool).await?,
+            )),
+            None => None,
+        };
+        Ok(stats_from(now, &counts, &watch, latency, &read_time)?)
+    }
+
+    async fn attempts(&self, id: i64) -> Result<Vec<AttemptRecord>, StoreError> {
+        let rows = sqlx::query(ATTEMPTS_SQL).bind(id).fetch_all(&self.pool).await?;
+        Ok(rows.iter().map(|row| attempt_record(row, &read_time)).collect::<Result<_, _>>()?)
     }
 
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {

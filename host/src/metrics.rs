@@ -1,0 +1,220 @@
+//! Prometheus metrics. Counters and histograms are updated where things happen (the relay, the
+//! plugin calls, the reloads); gauges describing the outbox are refreshed from the database when
+//! the metrics are scraped, so every instance reports the same shared state.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::event::Status;
+use crate::store::{Breaker, Stats};
+
+/// The content type of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub route: String,
+    pub plugin: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailedLabels {
+    pub route: String,
+    pub plugin: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteOnly {
+    pub route: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PluginLabels {
+    pub plugin: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FaultLabels {
+    pub plugin: String,
+    /// `trap`, `timeout`, `out_of_memory` or `wrong_outcome_count`.
+    pub kind: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    pub plugin: String,
+    /// `loaded`, `removed` or `failed`.
+    pub result: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatusLabels {
+    pub route: String,
+    pub status: String,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+fn latency_buckets() -> Histogram {
+    // 1 ms to about 2.5 minutes.
+    Histogram::new(exponential_buckets(0.001, 2.5, 14))
+}
+
+fn call_buckets() -> Histogram {
+    // 0.5 ms to about 16 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// Every metric ferry exports, and the registry that renders them.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub delivered: Family<RouteLabels, Counter>,
+    pub retried: Family<RouteLabels, Counter>,
+    pub failed: Family<FailedLabels, Counter>,
+    pub delivery_latency: Histograms<RouteOnly>,
+    pub batch_size: Histogram,
+    pub claim_duration: Histogram,
+    pub plugin_call_duration: Histograms<PluginLabels>,
+    pub plugin_faults: Family<FaultLabels, Counter>,
+    pub plugin_reloads: Family<ReloadLabels, Counter>,
+    events: Family<StatusLabels, Gauge>,
+    oldest_pending_age: FloatGauge,
+    claim_lag: FloatGauge,
+    stuck: Gauge,
+    last_attempt: Gauge,
+    breaker_state: Family<RouteOnly, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let delivered = Family::<RouteLabels, Counter>::default();
+        registry.register("ferry_events_delivered", "Events delivered (SENT), by route and plugin", delivered.clone());
+        let retried = Family::<RouteLabels, Counter>::default();
+        registry.register("ferry_events_retried", "Transient failures scheduled for a retry", retried.clone());
+        let failed = Family::<FailedLabels, Counter>::default();
+        registry.register("ferry_events_failed", "Events that became FAILED, by failure reason", failed.clone());
+        let delivery_latency: Histograms<RouteOnly> = Family::new_with_constructor(latency_buckets);
+        registry.register(
+            "ferry_delivery_latency_seconds",
+            "Time from an event's creation to its delivery",
+            delivery_latency.clone(),
+        );
+        let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
+        registry.register("ferry_batch_size", "Events per claimed batch", batch_size.clone());
+        let claim_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        registry.register("ferry_claim_duration_seconds", "Time taken by one claim statement", claim_duration.clone());
+        let plugin_call_duration: Histograms<PluginLabels> = Family::new_with_constructor(call_buckets);
+        registry.register(
+            "ferry_plugin_call_duration_seconds",
+            "Time taken by one deliver-batch call into a plugin",
+            plugin_call_duration.clone(),
+        );
+        let plugin_faults = Family::<FaultLabels, Counter>::default();
+        registry.register(
+            "ferry_plugin_faults",
+            "Plugin calls that trapped, timed out, ran out of memory or answered wrongly",
+            plugin_faults.clone(),
+        );
+        let plugin_reloads = Family::<ReloadLabels, Counter>::default();
+        registry.register("ferry_plugin_reloads", "Plugin files loaded, removed or refused", plugin_reloads.clone());
+        let events = Family::<StatusLabels, Gauge>::default();
+        registry.register("ferry_events", "Events in the outbox, by route and status", events.clone());
+        let oldest_pending_age = FloatGauge::default();
+        registry.register(
+            "ferry_oldest_pending_age_seconds",
+            "Age of the oldest PENDING event (deferred and retrying ones included)",
+            oldest_pending_age.clone(),
+        );
+        let claim_lag = FloatGauge::default();
+        registry.register(
+            "ferry_claim_lag_seconds",
+            "How long the longest-waiting due PENDING event has been due",
+            claim_lag.clone(),
+        );
+        let stuck = Gauge::default();
+        registry.register("ferry_events_stuck", "PROCESSING events whose claim lease has expired", stuck.clone());
+        let last_attempt = Gauge::default();
+        registry.register("ferry_events_last_attempt", "PENDING events with one attempt left", last_attempt.clone());
+        let breaker_state = Family::<RouteOnly, Gauge>::default();
+        registry.register(
+            "ferry_breaker_state",
+            "Circuit breaker per route: 0 closed, 1 open, 2 half-open",
+            breaker_state.clone(),
+        );
+        Self {
+            registry,
+            delivered,
+            retried,
+            failed,
+            delivery_latency,
+            batch_size,
+            claim_duration,
+            plugin_call_duration,
+            plugin_faults,
+            plugin_reloads,
+            events,
+            oldest_pending_age,
+            claim_lag,
+            stuck,
+            last_attempt,
+            breaker_state,
+        }
+    }
+
+    /// Sets the outbox gauges from fresh figures and renders every metric in the OpenMetrics text
+    /// format. `routes` are the configured routes: each gets a breaker state, closed by default.
+    pub fn render(&self, stats: &Stats, breakers: &[Breaker], routes: &[String], cooldown: Duration) -> String {
+        self.events.clear();
+        for (route, counts) in &stats.routes {
+            for status in Status::ALL {
+                let n = counts.get(&status).copied().unwrap_or(0);
+                let labels = StatusLabels { route: route.clone(), status: status.to_string() };
+                self.events.get_or_create(&labels).set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        }
+        self.oldest_pending_age.set(age(stats.at, stats.oldest_pending_created_at));
+        self.claim_lag.set(age(stats.at, stats.oldest_due_at));
+        self.stuck.set(i64::try_from(stats.stuck).unwrap_or(i64::MAX));
+        self.last_attempt.set(i64::try_from(stats.last_attempt).unwrap_or(i64::MAX));
+        let mut states: BTreeMap<&str, i64> = routes.iter().map(|r| (r.as_str(), 0)).collect();
+        for b in breakers {
+            let state = match b.state(stats.at, cooldown) {
+                "closed" => 0,
+                "open" => 1,
+                _ => 2,
+            };
+            states.insert(&b.route, state);
+        }
+        self.breaker_state.clear();
+        for (route, state) in states {
+            self.breaker_state.get_or_create(&RouteOnly { route: route.to_string() }).set(state);
+        }
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("writing to a String cannot fail");
+        text
+    }
+}
+
+/// Seconds from `since` to `now`, 0 when there is nothing to measure.
+fn age(now: DateTime<Utc>, since: Option<DateTime<Utc>>) -> f64 {
+    since.map_or(0.0, |t| (now - t).num_milliseconds().max(0) as f64 / 1000.0)
+}

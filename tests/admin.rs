@@ -1,0 +1,456 @@
+//! The admin HTTP API over a real socket: authentication, every operation, the error answers to
+//! bad requests, readiness, metrics, and agreement with the served OpenAPI description. Ferry runs
+//! on a manual clock with the `scripted` test plugin, driven one relay cycle at a time.
+
+use std::time::Duration;
+
+use ferry::clock::Clock as _;
+use ferry::event::Status;
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{Stepped, TestDb, plugins_dir};
+
+const TOKEN: &str = "test-admin-token-0123456789";
+
+struct Api {
+    s: Stepped,
+    base: String,
+    http: reqwest::Client,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+/// Ferry with the admin API on a free port; routes `s` and `t` use the scripted plugin (two
+/// attempts at most, no jitter), `orphan` a plugin that is not installed when `orphan` is set.
+async fn start(db: TestDb, orphan: bool) -> Api {
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let orphan = if orphan { "[route.orphan]\nplugin = \"not-installed\"" } else { "" };
+    let config = format!(
+        r#"
+        [admin]
+        listen = "127.0.0.1:0"
+        token = "{TOKEN}"
+        [relay]
+        lease = "10s"
+        [plugins]
+        dir = {plugins:?}
+        timeout = "300ms"
+        [retry]
+        max_attempts = 2
+        jitter = "none"
+        [route.s]
+        plugin = "scripted"
+        [route.t]
+        plugin = "scripted"
+        {orphan}
+        "#
+    );
+    let s = Stepped::start(db, &config).await;
+    let shutdown = CancellationToken::new();
+    let (address, _task) = s.ferry.admin().expect("admin API").serve(shutdown.clone()).await.expect("binds");
+    Api { s, base: format!("http://{address}"), http: reqwest::Client::new(), shutdown }
+}
+
+impl Api {
+    /// Sends a request with the right token; returns the status and the JSON body.
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        let (status, text) = self.call_text(method, path, body).await;
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
+    }
+
+    /// As [`Api::call`], with the body as text.
+    async fn call_text(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, String) {
+        let mut request = self.http.request(method, format!("{}{path}", self.base)).bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("the API answers");
+        (response.status(), response.text().await.unwrap())
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        self.call(Method::GET, path, None).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
+        self.call(Method::POST, path, Some(body)).await
+    }
+
+    /// Sends a request with a raw body and content type; returns the status and the error message.
+    async fn raw(&self, method: Method, path: &str, content_type: &str, body: &str) -> (StatusCode, String) {
+        let response = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .bearer_auth(TOKEN)
+            .header("content-type", content_type)
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        let status = response.status();
+        let body: Value = response.json().await.expect("errors are JSON");
+        (status, body["error"]["message"].as_str().expect("an error message").to_string())
+    }
+
+    async fn cycle(&self) {
+        self.s.ferry.relay.cycle(&CancellationToken::new()).await.expect("relay cycle");
+    }
+
+    async fn enqueue(&self, route: &str, event_type: &str) -> i64 {
+        let (status, body) =
+            self.post("/v1/events", json!({ "route": route, "type": event_type, "payload": {} })).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        body["id"].as_i64().unwrap()
+    }
+}
+
+/// Asserts an error answer: its status, its code, and that the message mentions `needle`.
+fn assert_error((status, body): (StatusCode, Value), expected: StatusCode, needle: &str) {
+    assert_eq!(status, expected, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(needle), "message {message:?} should mention {needle:?}");
+    assert!(body["error"]["code"].is_string(), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_endpoint_but_health_needs_the_bearer_token() {
+    let api = start(TestDb::sqlite().await, false).await;
+    let url = format!("{}/v1/stats", api.base);
+    let answer = |request: reqwest::RequestBuilder| async move {
+        let response = request.send().await.unwrap();
+        let challenge = response.headers().get("www-authenticate").map(|v| v.to_str().unwrap().to_string());
+        let status = response.status();
+        let body: Value = response.json().await.unwrap();
+        (status, challenge, body["error"]["message"].as_str().unwrap_or_default().to_string())
+    };
+    let (status, challenge, message) = answer(api.http.get(&url)).await;
+    assert_eq!((status, challenge.as_deref()), (StatusCode::UNAUTHORIZED, Some("Bearer")));
+    assert!(message.contains("missing bearer token"), "{message}");
+    let (status, _, message) = answer(api.http.get(&url).bearer_auth("test-admin-token-0123456780")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert!(message.contains("invalid bearer token"), "{message}");
+    let (status, _, message) = answer(api.http.get(&url).basic_auth("admin", Some(TOKEN))).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert!(message.contains("Bearer"), "{message}");
+    for path in ["/metrics", "/v1/openapi.json", "/v1/failed", "/v1/plugins"] {
+        let status = api.http.get(format!("{}{path}", api.base)).send().await.unwrap().status();
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{path} without a token");
+    }
+    let posted = api.http.post(format!("{}/v1/events", api.base)).json(&json!({})).send().await.unwrap();
+    assert_eq!(posted.status(), StatusCode::UNAUTHORIZED, "authentication comes before the body is read");
+
+    for path in ["/health/live", "/health/ready"] {
+        let response = api.http.get(format!("{}{path}", api.base)).send().await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{path} needs no token");
+    }
+    let (status, ready) = api.get("/health/ready").await;
+    assert_eq!(
+        (status, ready["status"].as_str(), ready["database"].as_str()),
+        (StatusCode::OK, Some("ready"), Some("ok"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_while_a_route_has_no_plugin() {
+    let api = start(TestDb::sqlite().await, true).await;
+    let response = api.http.get(format!("{}/health/ready", api.base)).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["status"], "not_ready");
+    assert_eq!(body["routes_without_plugin"], json!({ "orphan": "not-installed" }));
+    assert_eq!(body["database"], "ok");
+}
+
+/// Enqueue, deliver, inspect with history, fail, count, list, resend, purge, breakers, stats and
+/// metrics: the operations an operator uses, on both backends.
+async fn operations_through_the_api(db: TestDb) {
+    let api = start(db, false).await;
+
+    // Enqueue outside a transaction; the relay delivers it; its history names the plugin version.
+    let (status, body) = api
+        .post(
+            "/v1/events",
+            json!({ "route": "s", "type": "order.created", "payload": { "n": 1 }, "key": "k1",
+                    "headers": { "trace": "abc" }, "event_time": "2026-06-30T23:59:00Z" }),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let sent = body["id"].as_i64().unwrap();
+    api.s.clock.advance(Duration::from_millis(40));
+    api.cycle().await;
+    let (status, event) = api.get(&format!("/v1/events/{sent}")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!((event["status"].as_str(), event["payload"].as_str()), (Some("SENT"), Some(r#"{"n":1}"#)));
+    assert_eq!(event["ordering_key"], "k1");
+    assert_eq!(event["event_time"], "2026-06-30T23:59:00Z");
+    let history = event["attempts_history"].as_array().unwrap();
+    assert_eq!(history.len(), 1, "{event}");
+    let hash = api.s.ferry.registry.get("scripted").unwrap().hash.clone();
+    assert_eq!(history[0]["outcome"], "sent");
+    assert_eq!(history[0]["attempt"], 1);
+    assert_eq!(history[0]["plugin"], "scripted");
+    assert_eq!(history[0]["plugin_hash"].as_str(), Some(hash.as_str()));
+    assert!(history[0]["instance"].as_str().is_some_and(|i| !i.is_empty()));
+
+    // A binary payload, deferred by a delay, is not delivered before its time.
+    let (status, body) = api
+        .post("/v1/events", json!({ "route": "s", "type": "blob", "payload_base64": "AAEC/w==", "delay": "1m" }))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let blob = body["id"].as_i64().unwrap();
+    api.cycle().await;
+    let (_, event) = api.get(&format!("/v1/events/{blob}")).await;
+    assert_eq!((event["status"].as_str(), event["payload_base64"].as_str()), (Some("PENDING"), Some("AAEC/w==")));
+    assert_eq!(event["content_type"], "application/octet-stream");
+
+    // A permanent failure and an exhausted transient one; the history keeps both attempts.
+    let permanent = api.enqueue("s", "permanent").await;
+    let transient = api.enqueue("t", "transient").await;
+    api.cycle().await;
+    let (_, stats) = api.get("/v1/stats").await;
+    assert_eq!(stats["last_attempt"], 1, "the transient event has one attempt left: {stats}");
+    api.s.clock.advance(Duration::from_secs(5));
+    api.cycle().await;
+    let (_, event) = api.get(&format!("/v1/events/{transient}")).await;
+    let outcomes: Vec<&str> =
+        event["attempts_history"].as_array().unwrap().iter().map(|a| a["outcome"].as_str().unwrap()).collect();
+    assert_eq!(outcomes, ["retry", "failed"], "{event}");
+    assert_eq!(event["attempts_history"][1]["reason"], "attempts_exhausted");
+    assert!(event["attempts_history"][1]["error"].as_str().unwrap().contains("scripted transient failure"));
+
+    let (_, count) = api.get("/v1/failed/count").await;
+    assert_eq!(count["failed"], 2);
+    let (_, count) = api.get("/v1/failed/count?route=t&type=transient").await;
+    assert_eq!(count["failed"], 1);
+    let (_, page) = api.get("/v1/failed?limit=1").await;
+    assert_eq!(page["events"].as_array().unwrap().len(), 1);
+    assert_eq!(page["events"][0]["id"].as_i64(), Some(permanent));
+    assert_eq!(page["next_after"].as_i64(), Some(permanent));
+    let (_, page) = api.get(&format!("/v1/failed?limit=1&after={permanent}")).await;
+    assert_eq!(page["events"][0]["id"].as_i64(), Some(transient));
+
+    // Resend one: it is delivered again, and its history grows rather than being replaced.
+    let (status, _) = api.post(&format!("/v1/events/{permanent}/resend"), json!(null)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_error(
+        api.post(&format!("/v1/events/{permanent}/resend"), json!(null)).await,
+        StatusCode::CONFLICT,
+        "PENDING",
+    );
+    assert_error(api.post("/v1/events/999999/resend", json!(null)).await, StatusCode::NOT_FOUND, "999999");
+    api.cycle().await;
+    let (_, event) = api.get(&format!("/v1/events/{permanent}")).await;
+    assert_eq!(event["status"], "FAILED");
+    assert_eq!(event["attempts"], 1, "attempts start again after a resend");
+    assert_eq!(event["attempts_history"].as_array().unwrap().len(), 2, "the history is kept");
+
+    // Bulk: resend by route, then purge by type.
+    // (The resent transient event fails once more, later: a second retry of route t.)
+    let (status, body) = api.post("/v1/failed/resend", json!({ "route": "t" })).await;
+    assert_eq!((status, body["resent"].as_u64()), (StatusCode::OK, Some(1)));
+    assert_eq!(api.s.db.store.get(transient).await.unwrap().unwrap().status, Status::Pending);
+    let (status, body) = api.post("/v1/failed/purge", json!({ "type": "permanent" })).await;
+    assert_eq!((status, body["purged"].as_u64()), (StatusCode::OK, Some(1)));
+    assert_error(api.get(&format!("/v1/events/{permanent}")).await, StatusCode::NOT_FOUND, "no event");
+
+    // Breakers: opened by hand, the route's events wait; closed, they flow.
+    let (status, breaker) = api.post("/v1/breakers/s/open", json!({ "reason": "maintenance" })).await;
+    assert_eq!(
+        (status, breaker["state"].as_str(), breaker["reason"].as_str()),
+        (StatusCode::OK, Some("open"), Some("maintenance"))
+    );
+    let waiting = api.enqueue("s", "order.created").await;
+    api.cycle().await;
+    assert_eq!(api.s.db.store.get(waiting).await.unwrap().unwrap().status, Status::Pending);
+    let (_, routes) = api.get("/v1/routes").await;
+    let s = routes.as_array().unwrap().iter().find(|r| r["route"] == "s").unwrap();
+    assert_eq!((s["breaker"]["state"].as_str(), s["plugin_loaded"].as_bool()), (Some("open"), Some(true)));
+    assert_eq!(s["plugin_hash"].as_str(), Some(hash.as_str()));
+    let (_, breakers) = api.get("/v1/breakers").await;
+    assert_eq!(breakers[0]["route"], "s");
+    let (status, breaker) = api.post("/v1/breakers/s/close", json!(null)).await;
+    assert_eq!((status, breaker["state"].as_str()), (StatusCode::OK, Some("closed")));
+    api.cycle().await;
+    assert_eq!(api.s.db.store.get(waiting).await.unwrap().unwrap().status, Status::Sent);
+
+    // Monitoring figures and metrics.
+    let (status, stats) = api.get("/v1/stats?window=1d").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(stats["routes"]["s"]["SENT"], 2, "{stats}");
+    assert_eq!(stats["counts"]["PENDING"], 2, "{stats}");
+    assert_eq!(stats["stuck"], 0);
+    let latency = &stats["latency"];
+    assert_eq!(latency["samples"], 2, "{stats}");
+    assert_eq!(latency["from_created"]["max_ms"], 40, "the first event waited 40ms: {stats}");
+    assert_eq!(
+        latency["from_event_time"]["max_ms"], 60_040,
+        "the first event's own time was a minute before it was enqueued: {stats}"
+    );
+    assert_eq!(stats["oldest_pending_age_seconds"], 5.0, "the deferred blob was enqueued 5s ago: {stats}");
+
+    let response = api.http.get(format!("{}/metrics", api.base)).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers()["content-type"].to_str().unwrap().starts_with("application/openmetrics-text"));
+    let metrics = response.text().await.unwrap();
+    for line in [
+        r#"ferry_events_delivered_total{route="s",plugin="scripted"} 2"#,
+        r#"ferry_events_retried_total{route="t",plugin="scripted"} 2"#,
+        r#"ferry_events_failed_total{route="t",plugin="scripted",reason="attempts_exhausted"} 1"#,
+        r#"ferry_events_failed_total{route="s",plugin="scripted",reason="permanent"} 2"#,
+        r#"ferry_events{route="s",status="SENT"} 2"#,
+        r#"ferry_breaker_state{route="s"} 0"#,
+        r#"ferry_breaker_state{route="t"} 0"#,
+        "ferry_events_stuck 0",
+        r#"ferry_delivery_latency_seconds_count{route="s"} 2"#,
+        r#"ferry_plugin_call_duration_seconds_count{plugin="scripted"}"#,
+        "ferry_batch_size_count",
+        "ferry_claim_duration_seconds_count",
+        "# EOF",
+    ] {
+        assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
+    }
+    assert!(metrics.contains("ferry_oldest_pending_age_seconds 5.0"), "the deferred blob is 5s old:\n{metrics}");
+
+    // Plugins: listed with their routes; a reload of unchanged files changes nothing.
+    let (_, plugins) = api.get("/v1/plugins").await;
+    assert_eq!(plugins["plugins"][0]["name"], "scripted");
+    assert_eq!(plugins["plugins"][0]["routes"], json!(["s", "t"]));
+    let (status, reload) = api.post("/v1/plugins/reload", json!(null)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(reload["files"][0]["result"], "unchanged", "{reload}");
+}
+
+crate::both_backends!(operations_through_the_api);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_errors_that_name_the_input() {
+    use StatusCode as S;
+    let api = start(TestDb::sqlite().await, false).await;
+    let json = "application/json";
+    let post = |body: &'static str| api.raw(Method::POST, "/v1/events", json, body);
+    let expect = |(status, message): (StatusCode, String), want: StatusCode, needle: &str| {
+        assert_eq!(status, want, "{message}");
+        assert!(message.contains(needle), "message {message:?} should mention {needle:?}");
+    };
+    expect(post(r#"{"route": "s", "type": "#).await, S::BAD_REQUEST, "EOF");
+    expect(post(r#"[1, 2]"#).await, S::BAD_REQUEST, "invalid type");
+    expect(post(r#"{"type": "x", "payload": 1}"#).await, S::BAD_REQUEST, "missing field `route`");
+    expect(
+        post(r#"{"route": "s", "type": "x", "payload": 1, "colour": "red"}"#).await,
+        S::BAD_REQUEST,
+        "unknown field `colour`",
+    );
+    expect(post(r#"{"route": 7, "type": "x", "payload": 1}"#).await, S::BAD_REQUEST, "route: invalid type");
+    expect(post(r#"{"route": "s", "type": "x"}"#).await, S::BAD_REQUEST, "missing payload");
+    expect(
+        post(r#"{"route": "s", "type": "x", "payload": 1, "payload_base64": "AA=="}"#).await,
+        S::BAD_REQUEST,
+        "not both",
+    );
+    expect(post(r#"{"route": "s", "type": "x", "payload_base64": "%%%"}"#).await, S::BAD_REQUEST, "payload_base64");
+    expect(
+        post(r#"{"route": "nowhere", "type": "x", "payload": 1}"#).await,
+        S::BAD_REQUEST,
+        "\"nowhere\" is not configured",
+    );
+    expect(post(r#"{"route": "s", "type": " ", "payload": 1}"#).await, S::BAD_REQUEST, "type must not be empty");
+    expect(post(r#"{"route": "s", "type": "x", "payload": 1, "headers": {"": "v"}}"#).await, S::BAD_REQUEST, "header");
+    expect(
+        post(r#"{"route": "s", "type": "x", "payload": 1, "deliver_at": "tomorrow"}"#).await,
+        S::BAD_REQUEST,
+        "deliver_at",
+    );
+    expect(post(r#"{"route": "s", "type": "x", "payload": 1, "delay": "soon"}"#).await, S::BAD_REQUEST, "delay");
+    expect(
+        post(r#"{"route": "s", "type": "x", "payload": 1, "max_attempts": -1}"#).await,
+        S::BAD_REQUEST,
+        "max_attempts",
+    );
+    expect(
+        api.raw(Method::POST, "/v1/events", "text/plain", "route=s").await,
+        S::UNSUPPORTED_MEDIA_TYPE,
+        "application/json",
+    );
+    assert_eq!(api.s.db.store.counts().await.unwrap().values().sum::<u64>(), 0, "nothing was stored");
+
+    assert_error(api.get("/v1/events/abc").await, S::BAD_REQUEST, "positive integer, got \"abc\"");
+    assert_error(api.get("/v1/events/0").await, S::BAD_REQUEST, "positive integer");
+    assert_error(api.get("/v1/events/424242").await, S::NOT_FOUND, "no event with id 424242");
+    assert_error(api.get("/v1/failed?limit=0").await, S::BAD_REQUEST, "limit must be between 1 and 10000, got 0");
+    assert_error(api.get("/v1/failed?limit=10001").await, S::BAD_REQUEST, "got 10001");
+    assert_error(api.get("/v1/failed?limit=ten").await, S::BAD_REQUEST, "limit");
+    assert_error(api.get("/v1/failed?after=-").await, S::BAD_REQUEST, "after");
+    assert_error(api.get("/v1/failed?from=yesterday").await, S::BAD_REQUEST, "from must be an RFC 3339 time");
+    assert_error(
+        api.get("/v1/failed/count?from=2026-07-02T00:00:00Z&before=2026-07-01T00:00:00Z").await,
+        S::BAD_REQUEST,
+        "must be earlier than before",
+    );
+    assert_error(api.get("/v1/failed/count?limit=5").await, S::BAD_REQUEST, "limit is not accepted here");
+    assert_error(api.get("/v1/failed?colour=red").await, S::BAD_REQUEST, "unknown field `colour`");
+    assert_error(api.get("/v1/failed?route=").await, S::BAD_REQUEST, "route must not be empty");
+    assert_error(api.get("/v1/stats?window=0s").await, S::BAD_REQUEST, "window");
+    assert_error(api.get("/v1/stats?window=90d").await, S::BAD_REQUEST, "at most 30d");
+    assert_error(api.get("/v1/stats?window=abc").await, S::BAD_REQUEST, "window");
+    assert_error(api.post("/v1/failed/resend", json!({})).await, S::BAD_REQUEST, "\"all\": true");
+    assert_error(api.call(Method::POST, "/v1/failed/purge", None).await, S::BAD_REQUEST, "all");
+    let (status, body) = api.post("/v1/failed/purge", json!({ "all": true })).await;
+    assert_eq!((status, body["purged"].as_u64()), (S::OK, Some(0)));
+    assert_error(api.post("/v1/failed/resend", json!({ "all": "yes" })).await, S::BAD_REQUEST, "invalid type");
+    assert_error(api.post("/v1/breakers/nowhere/open", json!({})).await, S::NOT_FOUND, "\"nowhere\" is not configured");
+    assert_error(api.post("/v1/breakers/s/open", json!({ "why": "x" })).await, S::BAD_REQUEST, "unknown field `why`");
+    assert_error(api.get("/v1/nothing-here").await, S::NOT_FOUND, "no endpoint GET /v1/nothing-here");
+    assert_error(api.call(Method::DELETE, "/v1/events", None).await, S::METHOD_NOT_ALLOWED, "DELETE is not allowed");
+    let big = format!(r#"{{"route": "s", "type": "x", "payload": "{}"}}"#, "x".repeat(3 << 20));
+    let (status, message) = api.raw(Method::POST, "/v1/events", json, &big).await;
+    assert_eq!(status, S::PAYLOAD_TOO_LARGE, "{message}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_description_matches_the_endpoints() {
+    let api = start(TestDb::sqlite().await, false).await;
+    let (status, doc) = api.get("/v1/openapi.json").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(doc["openapi"], "3.1.0");
+    let paths = doc["paths"].as_object().unwrap();
+    let mut operations = 0;
+    for (path, methods) in paths {
+        for (method, operation) in methods.as_object().unwrap() {
+            operations += 1;
+            assert!(operation["summary"].is_string(), "{method} {path} has a summary");
+            let concrete = path.replace("{id}", "1").replace("{route}", "s");
+            let method: Method = method.to_uppercase().parse().unwrap();
+            let body = (method == Method::POST).then(|| json!({}));
+            let (status, answer) = api.call_text(method.clone(), &concrete, body).await;
+            let fallback = answer.contains("no endpoint") || status == StatusCode::METHOD_NOT_ALLOWED;
+            assert!(!fallback, "{method} {path} is described but not served: {status} {answer}");
+            let documented = operation["responses"].as_object().unwrap();
+            assert!(
+                documented.contains_key(status.as_str()),
+                "{method} {path} answered {status}, not documented: {answer}"
+            );
+        }
+    }
+    // Every served route is described: 16 protected operations and the two health checks.
+    assert_eq!(operations, 18, "update openapi.json when adding or removing an endpoint");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_is_recorded_for_events_no_plugin_could_take() {
+    let api = start(TestDb::sqlite().await, true).await;
+    let id = api.s.db.store.insert(&ferry::NewEvent::new("orphan", "x", "{}"), api.s.clock.now()).await.unwrap();
+    api.cycle().await;
+    let (_, event) = api.get(&format!("/v1/events/{id}")).await;
+    assert_eq!(event["status"], "FAILED");
+    let attempt = &event["attempts_history"][0];
+    assert_eq!((attempt["outcome"].as_str(), attempt["reason"].as_str()), (Some("failed"), Some("no_transport")));
+    assert_eq!(attempt["plugin"], "not-installed");
+    assert!(attempt["plugin_hash"].is_null(), "no version ran: {attempt}");
+}

@@ -112,6 +112,8 @@ pub struct RelayConfig {
     pub workers: u32,
     pub poll_interval: Dur,
     pub idle_poll_max: Dur,
+    /// On PostgreSQL, wake on NOTIFY instead of waiting for the next poll.
+    pub listen: bool,
     pub retain_sent: Retention,
     pub purge_batch: u32,
     pub lease: Dur,

@@ -67,6 +67,7 @@ pub struct Relay {
     workers: u32,
     poll_interval: Duration,
     idle_poll_max: Duration,
+    listen: bool,
     lease: Duration,
     recover_every: u32,
     shutdown_grace: Duration,
@@ -101,6 +102,7 @@ impl Relay {
             workers: config.relay.workers,
             poll_interval: config.relay.poll_interval.0,
             idle_poll_max: config.relay.idle_poll_max.0,
+            listen: config.relay.listen,
             lease: config.relay.lease.0,
             recover_every: config.relay.recover_every,
             shutdown_grace: config.relay.shutdown_grace.0,
@@ -127,7 +129,7 @@ impl Relay {
 
     /// Runs until `shutdown` is cancelled, with `relay.workers` batches in flight at most.
     pub async fn run(&self, shutdown: CancellationToken) {
-        let listening = self.store.spawn_waker(self.wake.clone(), shutdown.child_token());
+        let listening = self.listen && self.store.spawn_waker(self.wake.clone(), shutdown.child_token());
         tracing::info!(instance = %self.instance, batch_size = self.batch_size, workers = self.workers, listening, "relay started");
         futures::future::join_all((0..self.workers).map(|worker| self.work(worker, &shutdown))).await;
         tracing::info!(instance = %self.instance, "relay stopped");

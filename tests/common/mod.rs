@@ -2,6 +2,7 @@
 //! compiled plugins, and polling with a deadline.
 
 pub mod broker;
+pub mod chaos;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,222 @@
+//! Ferry's throughput against its SQL floor, on PostgreSQL and SQLite, at batch sizes 100, 500
+//! and 1000. The plugin accepts everything (the `scripted` test transport), so what is measured is
+//! ferry itself: claim, hand the batch to a wasm component, record the outcomes and history.
+//!
+//! The floor is the same claim and complete statements without ferry, with the same concurrency
+//! (two claimers, as ferry's two workers): on PostgreSQL `benches/sql/floor.pgbench` under
+//! pgbench; on SQLite, which pgbench cannot drive, ferry's own `Store::claim` and
+//! `Store::complete` called in a loop, without the relay or a plugin.
+//!
+//! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite]` (needs PostgreSQL
+//! and pgbench as for the tests, and the plugins from `scripts/build-plugins`). Every figure is N
+//! events divided by the time from the moment they are all committed to the moment the last is
+//! SENT, measured in the same run. Prints a markdown table and writes
+//! `target/bench/throughput.json`.
+
+#[path = "../tests/common/mod.rs"]
+#[allow(dead_code)]
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Backend, Running, TestDb, plugins_dir, repo_root};
+use ferry::event::{AttemptLog, Completion, Disposition, Status};
+use ferry::store::{Claim, Store};
+
+const BATCHES: [u32; 3] = [100, 500, 1000];
+
+struct Options {
+    events: usize,
+    only: Option<String>,
+}
+
+fn options() -> Options {
+    let mut options = Options { events: 50_000, only: None };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
+        match arg.as_str() {
+            "--events" => options.events = value().parse().expect("--events: a number"),
+            "--only" => options.only = Some(value()),
+            // cargo bench passes --bench to every bench binary.
+            "--bench" => {}
+            other => panic!("unknown argument {other:?} (known: --events N, --only postgres|sqlite)"),
+        }
+    }
+    options
+}
+
+/// Fills the outbox with `n` due events of about 220 bytes each.
+async fn fill(db: &TestDb, n: usize) {
+    let payload = format!("{{\"n\":0,\"padding\":\"{}\"}}", "x".repeat(200));
+    match db.backend {
+        Backend::Postgres => {
+            sqlx::query(
+                "INSERT INTO ferry_events (route, event_type, payload)
+                 SELECT 'bench', 'bench.event', convert_to($2, 'UTF8') FROM generate_series(1, $1)",
+            )
+            .bind(n as i64)
+            .bind(&payload)
+            .execute(db.postgres.as_ref().unwrap().pool())
+            .await
+            .expect("fill");
+        }
+        Backend::Sqlite => {
+            sqlx::query(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+                 INSERT INTO ferry_events (route, event_type, payload) SELECT 'bench', 'bench.event', ?2 FROM n",
+            )
+            .bind(n as i64)
+            .bind(payload.into_bytes())
+            .execute(db.sqlite.as_ref().unwrap().pool())
+            .await
+            .expect("fill");
+        }
+    }
+}
+
+async fn all_sent(db: &TestDb, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        let counts = db.store.counts().await.expect("counts");
+        assert_eq!(counts[&Status::Failed], 0, "events failed");
+        if counts[&Status::Sent] as usize == n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not all events SENT within 15 minutes: {counts:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Events per second through ferry (two workers, one plugin instance per worker).
+async fn through_ferry(backend: Backend, batch: u32, events: usize) -> f64 {
+    let db = TestDb::new(backend).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let config = format!(
+        "[relay]\nbatch_size = {batch}\n[plugins]\ndir = {plugins:?}\nwatch = false\n[route.bench]\nplugin = \"scripted\"\n"
+    );
+    let running = Running::start(&db.config(&config)).await;
+    fill(&db, events).await;
+    let started = Instant::now();
+    all_sent(&db, events).await;
+    let rate = events as f64 / started.elapsed().as_secs_f64();
+    running.stop().await;
+    rate
+}
+
+/// Events per second for the same statements without ferry.
+async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
+    let db = TestDb::new(backend).await;
+    fill(&db, events).await;
+    let started = Instant::now();
+    match backend {
+        Backend::Postgres => {
+            let per_client = events.div_ceil(batch as usize).div_ceil(2);
+            let script = repo_root().join("benches/sql/floor.pgbench");
+            let out = Command::new("pgbench")
+                .args([
+                    "-n",
+                    "-c",
+                    "2",
+                    "-j",
+                    "2",
+                    "-t",
+                    &per_client.to_string(),
+                    "-D",
+                    &format!("batch={batch}"),
+                    "-f",
+                ])
+                .arg(&script)
+                .arg(&db.url)
+                .output()
+                .expect("pgbench runs (install PostgreSQL's client programs)");
+            assert!(out.status.success(), "pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Backend::Sqlite => {
+            let claimers = (0..2).map(|worker| {
+                let store = db.store.clone();
+                tokio::spawn(async move { claim_and_complete(store, batch, worker).await })
+            });
+            futures::future::join_all(claimers).await;
+        }
+    }
+    all_sent(&db, events).await;
+    events as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Claims and completes batches until none is left: ferry's statements without the relay.
+async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
+    for round in 0.. {
+        let now = chrono::Utc::now();
+        let token = format!("floor-{worker}-{round}");
+        let claim = Claim {
+            now,
+            limit: batch,
+            lease_until: now + chrono::Duration::minutes(5),
+            instance: "floor".into(),
+            token: token.clone(),
+            ordered_routes: Vec::new(),
+            blocking_routes: Vec::new(),
+            paused_routes: Vec::new(),
+            only_route: None,
+        };
+        let claimed = store.claim(&claim).await.expect("claim");
+        if claimed.is_empty() {
+            return;
+        }
+        let done: Vec<Completion> = claimed
+            .iter()
+            .map(|e| Completion {
+                id: e.id,
+                disposition: Disposition::Sent,
+                max_attempts: 6,
+                attempt: AttemptLog {
+                    number: e.attempt,
+                    started_at: now,
+                    instance: "floor".into(),
+                    ..AttemptLog::default()
+                },
+            })
+            .collect();
+        store.complete(&token, chrono::Utc::now(), &done).await.expect("complete");
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let options = options();
+    let backends: Vec<(Backend, &str)> = [(Backend::Postgres, "postgres"), (Backend::Sqlite, "sqlite")]
+        .into_iter()
+        .filter(|(_, name)| options.only.as_deref().is_none_or(|o| o == *name))
+        .collect();
+    let mut rows = Vec::new();
+    for (backend, name) in backends {
+        for batch in BATCHES {
+            // Floor and ferry alternate within one run, so both see the same machine.
+            let floor_rate = floor(backend, batch, options.events).await;
+            let ferry_rate = through_ferry(backend, batch, options.events).await;
+            eprintln!("{name} batch {batch}: floor {floor_rate:.0}/s, ferry {ferry_rate:.0}/s");
+            rows.push((name, batch, floor_rate, ferry_rate));
+        }
+    }
+    println!("| database | batch size | SQL floor events/s | ferry events/s | ferry / floor |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for (name, batch, floor_rate, ferry_rate) in &rows {
+        println!("| {name} | {batch} | {floor_rate:.0} | {ferry_rate:.0} | {:.0}% |", 100.0 * ferry_rate / floor_rate);
+    }
+    let json = serde_json::json!({
+        "events": options.events,
+        "results": rows.iter().map(|(name, batch, floor_rate, ferry_rate)| serde_json::json!({
+            "database": name,
+            "batch_size": batch,
+            "floor_events_per_second": floor_rate.round(),
+            "ferry_events_per_second": ferry_rate.round(),
+            "ratio": ((ferry_rate / floor_rate) * 1000.0).round() / 1000.0,
+        })).collect::<Vec<_>>(),
+    });
+    let out = repo_root().join("target/bench");
+    std::fs::create_dir_all(&out).expect("create target/bench");
+    std::fs::write(out.join("throughput.json"), serde_json::to_string_pretty(&json).unwrap()).expect("write report");
+}

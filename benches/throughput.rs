@@ -22,7 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Backend, Running, TestDb, plugins_dir, repo_root};
-use ferry::event::{AttemptLog, Completion, Disposition, Status};
+use ferry::event::{AttemptLog, CallLog, Completion, Disposition, Status};
+use ferry::metrics::RouteLabels;
 use ferry::store::{Claim, Store};
 
 const BATCHES: [u32; 3] = [100, 500, 1000];
@@ -99,11 +100,41 @@ async fn through_ferry(backend: Backend, batch: u32, events: usize) -> f64 {
     );
     let running = Running::start(&db.config(&config)).await;
     fill(&db, events).await;
+    let cpu_before = cpu_seconds();
     let started = Instant::now();
-    all_sent(&db, events).await;
+    // Watch ferry's own delivered counter rather than poll the table, which would take database
+    // time from the run being measured.
+    let delivered = running
+        .registry
+        .metrics()
+        .delivered
+        .get_or_create(&RouteLabels { route: "bench".into(), plugin: "scripted".into() })
+        .clone();
+    let deadline = started + Duration::from_secs(900);
+    while (delivered.get() as usize) < events {
+        assert!(Instant::now() < deadline, "not all events delivered within 15 minutes");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let rate = events as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu_before;
+    eprintln!(
+        "  ferry process CPU: {:.1} µs per event ({:.2} cores)",
+        cpu * 1e6 / events as f64,
+        cpu / started.elapsed().as_secs_f64()
+    );
     running.stop().await;
+    all_sent(&db, events).await;
     rate
+}
+
+/// CPU time (user and system) this process has used so far, in seconds.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> =
+        stat.rsplit_once(')').map(|(_, rest)| rest.split_whitespace().collect()).unwrap_or_default();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // After the command name: state is field 0, utime 11 and stime 12 (clock ticks of 1/100 s).
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// Events per second for the same statements without ferry.
@@ -115,7 +146,11 @@ async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
         Backend::Postgres => {
             let per_client = events.div_ceil(batch as usize).div_ceil(2);
             let script = repo_root().join("benches/sql/floor.pgbench");
+            // The session settings of ferry's own connections, so the statements are planned alike.
+            let settings: Vec<String> =
+                ferry::store::postgres_session_settings().iter().map(|(k, v)| format!("-c {k}={v}")).collect();
             let out = Command::new("pgbench")
+                .env("PGOPTIONS", settings.join(" "))
                 .args([
                     "-n",
                     "-c",
@@ -166,18 +201,14 @@ async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
         if claimed.is_empty() {
             return;
         }
+        let call = Arc::new(CallLog { started_at: now, instance: "floor".into(), ..CallLog::default() });
         let done: Vec<Completion> = claimed
             .iter()
             .map(|e| Completion {
                 id: e.id,
                 disposition: Disposition::Sent,
                 max_attempts: 6,
-                attempt: AttemptLog {
-                    number: e.attempt,
-                    started_at: now,
-                    instance: "floor".into(),
-                    ..AttemptLog::default()
-                },
+                attempt: AttemptLog { number: e.attempt, call: call.clone() },
             })
             .collect();
         store.complete(&token, chrono::Utc::now(), &done).await.expect("complete");

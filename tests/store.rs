@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use chrono::{DateTime, TimeZone, Utc};
 use ferry::NewEvent;
-use ferry::event::{AttemptLog, Completion, Disposition, FailureReason, Status};
+use ferry::event::{AttemptLog, CallLog, Completion, Disposition, FailureReason, Status};
 use ferry::store::{Claim, FailedFilter};
 
 use crate::common::{Backend, TestDb, emit_in_transaction};
@@ -379,15 +379,14 @@ async fn breakers_count_open_probe_and_close(db: TestDb) {
 
 /// A completion carrying the history fields the relay fills in.
 fn logged(id: i64, number: u32, disposition: Disposition) -> Completion {
-    let attempt = AttemptLog {
-        number,
+    let call = CallLog {
         started_at: t0() + secs(1),
         duration: std::time::Duration::from_millis(250),
         plugin: Some("p".into()),
         plugin_hash: Some("ab".repeat(32)),
         instance: "relay-1".into(),
     };
-    Completion { id, disposition, max_attempts: 2, attempt }
+    Completion { id, disposition, max_attempts: 2, attempt: AttemptLog { number, call: call.into() } }
 }
 
 async fn history_is_written_with_outcomes_and_kept_across_resends(db: TestDb) {

@@ -238,13 +238,20 @@ pub struct Completion {
 pub struct AttemptLog {
     /// The event's attempt number (1 = first delivery).
     pub number: u32,
+    /// The plugin call the attempt was part of, shared by the events of that call.
+    pub call: std::sync::Arc<CallLog>,
+}
+
+/// One plugin call: what every attempt it made has in common.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CallLog {
     pub started_at: DateTime<Utc>,
     /// How long the plugin call took (zero when none was made).
     pub duration: std::time::Duration,
     /// The plugin that was called and the SHA-256 of its file; `None` when no plugin ran.
     pub plugin: Option<String>,
     pub plugin_hash: Option<String>,
-    /// The ferry instance that made the attempt.
+    /// The ferry instance that made the call.
     pub instance: String,
 }
 

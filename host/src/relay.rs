@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::{RetryDecision, RetryPolicy};
 use crate::clock::Clock;
 use crate::config::Config;
-use crate::event::{AttemptLog, ClaimedEvent, Completion, Disposition, FailureReason};
+use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
 use crate::plugins::{DeliverError, Delivery, Outcome, RouteTransport};
 use crate::store::{Breaker, Claim, Store, StoreError};
@@ -368,25 +368,42 @@ impl Relay {
 
     /// Counts a batch's outcomes in the metrics.
     fn count(&self, events: &[ClaimedEvent], completions: &[Completion], done_at: DateTime<Utc>) {
+        // Tallied first, so each label set is looked up once per batch, not once per event.
         let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
+        let mut tally: HashMap<(&str, &str, Option<FailureReason>), (u64, u64)> = HashMap::new();
+        let mut latencies: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
         for completion in completions {
             let Some(event) = by_id.get(&completion.id) else { continue };
-            let route = event.route.clone();
-            let plugin = completion.attempt.plugin.clone().unwrap_or_default();
+            let plugin = completion.attempt.call.plugin.as_deref().unwrap_or_default();
             match &completion.disposition {
                 Disposition::Sent => {
-                    self.metrics.delivered.get_or_create(&RouteLabels { route: route.clone(), plugin }).inc();
+                    tally.entry((&event.route, plugin, None)).or_default().0 += 1;
                     let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
-                    self.metrics.delivery_latency.get_or_create(&RouteOnly { route }).observe(latency);
+                    latencies.entry(&event.route).or_default().push(latency);
                 }
-                Disposition::Retry { .. } => {
-                    self.metrics.retried.get_or_create(&RouteLabels { route, plugin }).inc();
-                }
+                Disposition::Retry { .. } => tally.entry((&event.route, plugin, None)).or_default().1 += 1,
                 Disposition::Failed { reason, .. } => {
-                    let labels = FailedLabels { route, plugin, reason: reason.to_string() };
-                    self.metrics.failed.get_or_create(&labels).inc();
+                    tally.entry((&event.route, plugin, Some(*reason))).or_default().0 += 1
                 }
             }
+        }
+        for ((route, plugin, reason), (done, retried)) in tally {
+            let labels = RouteLabels { route: route.to_string(), plugin: plugin.to_string() };
+            match reason {
+                None => {
+                    self.metrics.delivered.get_or_create(&labels).inc_by(done);
+                    self.metrics.retried.get_or_create(&labels).inc_by(retried);
+                }
+                Some(reason) => {
+                    let labels =
+                        FailedLabels { route: labels.route, plugin: labels.plugin, reason: reason.to_string() };
+                    self.metrics.failed.get_or_create(&labels).inc_by(done);
+                }
+            }
+        }
+        for (route, values) in latencies {
+            let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: route.to_string() });
+            values.into_iter().for_each(|v| histogram.observe(v));
         }
     }
 
@@ -397,7 +414,8 @@ impl Relay {
         let mut completions = Vec::with_capacity(events.len());
         for event in events {
             if let Some(defect) = &event.defect {
-                let log = self.attempt_log(event, self.clock.now(), Duration::ZERO, None, None);
+                let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
+                let log = AttemptLog { number: event.attempt, call };
                 completions.push(self.fail(event, log, FailureReason::InvalidEvent, defect.clone()));
             } else {
                 by_route.entry(&event.route).or_default().push(event);
@@ -413,10 +431,8 @@ impl Relay {
                     (None, Delivery { plugin_hash: None, result: Err(DeliverError::NoTransport(why)) })
                 }
             };
-            let elapsed = started.elapsed();
-            let logs = batch.iter().map(|event| {
-                self.attempt_log(event, started_at, elapsed, plugin.clone(), delivery.plugin_hash.clone())
-            });
+            let call = self.call_log(started_at, started.elapsed(), plugin, delivery.plugin_hash);
+            let logs = batch.iter().map(|event| AttemptLog { number: event.attempt, call: call.clone() });
             self.judge(&batch, logs.collect(), delivery.result)
         });
         for done in futures::future::join_all(deliveries).await {
@@ -425,15 +441,14 @@ impl Relay {
         completions
     }
 
-    fn attempt_log(
+    fn call_log(
         &self,
-        event: &ClaimedEvent,
         started_at: DateTime<Utc>,
         duration: Duration,
         plugin: Option<String>,
         plugin_hash: Option<String>,
-    ) -> AttemptLog {
-        AttemptLog { number: event.attempt, started_at, duration, plugin, plugin_hash, instance: self.instance.clone() }
+    ) -> Arc<CallLog> {
+        Arc::new(CallLog { started_at, duration, plugin, plugin_hash, instance: self.instance.clone() })
     }
 
     /// Turns a plugin's answer for `batch` into completions (`logs` holds one entry per event).

@@ -15,6 +15,12 @@ use chrono::{DateTime, Utc};
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 pub use self::postgres::PostgresStore;
+
+/// The settings ferry gives its own PostgreSQL sessions (see `postgres.rs`), for tools that should
+/// plan ferry's statements the same way.
+pub fn postgres_session_settings() -> &'static [(&'static str, &'static str)] {
+    &postgres::SESSION_SETTINGS
+}
 pub use self::sqlite::SqliteStore;
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 

@@ -20,7 +20,7 @@ use super::{
     stats_from,
 };
 use crate::emit::Outbox;
-use crate::event::{AttemptLog, AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+use crate::event::{AttemptRecord, CallLog, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
 /// The outbox in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -42,6 +42,7 @@ impl PostgresStore {
 
     /// Connects with explicit options (tests use them to pick a schema).
     pub async fn connect_with(options: PgConnectOptions, max_connections: u32) -> Result<Self, StoreError> {
+        let options = options.options(SESSION_SETTINGS);
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(std::time::Duration::from_secs(10))
@@ -55,6 +56,18 @@ impl PostgresStore {
         &self.pool
     }
 }
+
+/// Settings of ferry's own connections, chosen for the claim, the statement that runs most:
+/// - Its filters on ordered, blocking and paused routes are parameters that are nearly always
+///   empty. A generic plan, which PostgreSQL switches prepared statements to after five runs,
+///   cannot see that; a custom plan can.
+/// - It must walk the pending index in claim order and stop after the batch. When statistics are
+///   stale (a burst of events arrived since the last ANALYZE, the very moment there is a backlog)
+///   the planner estimates a handful of due rows and prefers a bitmap scan that reads *every* due
+///   row and sorts them, making each claim cost as much as the whole backlog. Without bitmap scans
+///   it takes the ordered index scan. Ferry's other statements use plain index scans anyway.
+pub const SESSION_SETTINGS: [(&str, &str); 2] =
+    [("plan_cache_mode", "force_custom_plan"), ("enable_bitmapscan", "off")];
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
@@ -197,23 +210,42 @@ impl Store for PostgresStore {
         let items: Vec<&Completion> = items.iter().filter(|c| written.contains(&c.id)).collect();
         let a: Vec<_> = items.iter().map(|c| &c.attempt).collect();
         if !items.is_empty() {
-            let duration = |a: &&AttemptLog| i64::try_from(a.duration.as_millis()).unwrap_or(i64::MAX);
+            // The calls of a batch are few (one per route), so what describes a call (start,
+            // duration, plugin version, instance) is sent once per call, not once per event.
+            let mut calls: Vec<&CallLog> = Vec::new();
+            let call_of: Vec<i32> = a
+                .iter()
+                .map(|log| {
+                    let n = calls.iter().position(|c| std::ptr::eq(*c, &*log.call)).unwrap_or_else(|| {
+                        calls.push(&log.call);
+                        calls.len() - 1
+                    });
+                    i32::try_from(n + 1).unwrap_or(i32::MAX)
+                })
+                .collect();
+            let duration = |c: &&CallLog| i64::try_from(c.duration.as_millis()).unwrap_or(i64::MAX);
             sqlx::query(
                 "INSERT INTO ferry_attempts
                      (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance)
-                 SELECT * FROM UNNEST($1::bigint[], $2::int[], $3::timestamptz[], $4::bigint[], $5::text[],
-                                      $6::text[], $7::text[], $8::text[], $9::text[], $10::text[])",
+                 SELECT u.id, u.attempt, c.started_at, c.duration_ms, u.outcome, u.reason, u.error, c.plugin,
+                        c.plugin_hash, c.instance
+                 FROM UNNEST($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[], $6::int[])
+                          AS u(id, attempt, outcome, reason, error, call)
+                 JOIN UNNEST($7::timestamptz[], $8::bigint[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+                          AS c(started_at, duration_ms, plugin, plugin_hash, instance, n)
+                      ON c.n = u.call",
             )
             .bind(items.iter().map(|c| c.id).collect::<Vec<i64>>())
             .bind(a.iter().map(|a| pin(a.number)).collect::<Vec<i32>>())
-            .bind(a.iter().map(|a| a.started_at).collect::<Vec<DateTime<Utc>>>())
-            .bind(a.iter().map(duration).collect::<Vec<i64>>())
             .bind(items.iter().map(|c| c.disposition.outcome()).collect::<Vec<&str>>())
             .bind(items.iter().map(|c| c.disposition.reason()).collect::<Vec<Option<&str>>>())
             .bind(items.iter().map(|c| c.disposition.error()).collect::<Vec<Option<&str>>>())
-            .bind(a.iter().map(|a| a.plugin.as_deref()).collect::<Vec<Option<&str>>>())
-            .bind(a.iter().map(|a| a.plugin_hash.as_deref()).collect::<Vec<Option<&str>>>())
-            .bind(a.iter().map(|a| a.instance.as_str()).collect::<Vec<&str>>())
+            .bind(call_of)
+            .bind(calls.iter().map(|a| a.started_at).collect::<Vec<DateTime<Utc>>>())
+            .bind(calls.iter().map(duration).collect::<Vec<i64>>())
+            .bind(calls.iter().map(|a| a.plugin.as_deref()).collect::<Vec<Option<&str>>>())
+            .bind(calls.iter().map(|a| a.plugin_hash.as_deref()).collect::<Vec<Option<&str>>>())
+            .bind(calls.iter().map(|a| a.instance.as_str()).collect::<Vec<&str>>())
             .execute(&mut *tx)
             .await?;
         }

@@ -215,10 +215,10 @@ impl Store for SqliteStore {
             .iter()
             .filter(|c| written.contains(&c.id))
             .map(|c| {
-                let a = &c.attempt;
+                let a = &c.attempt.call;
                 json!({
                     "id": c.id,
-                    "attempt": a.number,
+                    "attempt": c.attempt.number,
                     "started_at": ms(a.started_at),
                     "duration_ms": u64::try_from(a.duration.as_millis()).unwrap_or(u64::MAX),
                     "outcome": c.disposition.outcome(),

@@ -1,6 +1,6 @@
 //! The full chaos run: 100 000 events through the HTTP plugin to a receiver that counts deliveries
 //! per event id; two `ferry serve` processes on one PostgreSQL, one of them killed with SIGKILL
-//! every 1 to 4 seconds and restarted; PostgreSQL restarted once half-way. Stops by itself when
+//! every 0.5 to 2 seconds and restarted; PostgreSQL restarted once half-way. Stops by itself when
 //! every event is SENT (or fails at the deadline), then checks that none was lost or left behind
 //! and reports the duplicates.
 //!
@@ -20,7 +20,7 @@ fn options() -> Options {
     let mut options = Options {
         events: 100_000,
         instances: 2,
-        kill_every: (Duration::from_secs(1), Duration::from_secs(4)),
+        kill_every: (Duration::from_millis(500), Duration::from_secs(2)),
         restart_postgres: true,
         deadline: Duration::from_secs(1800),
     };

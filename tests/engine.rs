@@ -144,6 +144,26 @@ async fn listen_notify_wakes_an_idle_relay_at_once() {
     assert!(latencies.iter().all(|l| *l < Duration::from_secs(5)), "woken by NOTIFY, not by polling: {latencies:?}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_listen_off_the_relay_only_polls() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let relay = "poll_interval = \"2s\"\nidle_poll_max = \"2s\"\nlisten = false";
+    let config = db.config(&instance_config(&db, 0, relay, ""));
+    let running = Running::start(&config).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let start = Instant::now();
+    let id = crate::common::emit_in_transaction(&db, &NewEvent::new("s", "ok", "{}"), true).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let early = db.store.get(id).await.unwrap().unwrap().status;
+    eventually(Duration::from_secs(10), "the event to be SENT", || async {
+        (db.store.get(id).await.unwrap().unwrap().status == Status::Sent).then_some(())
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(early, Status::Pending, "no wake-up: the event waits for the next poll");
+    assert!(start.elapsed() < Duration::from_secs(5), "the next poll delivers it: {:?}", start.elapsed());
+}
+
 async fn shutdown_hands_unfinished_claims_back(db: TestDb) {
     // The plugin takes 5 s per call; shutdown grants 200 ms.
     let slow = "[route.slow]\nplugin = \"scripted\"\nconfig = { delay_ms = \"5000\" }";

@@ -15,12 +15,11 @@
 #[allow(dead_code)]
 mod common;
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::broker::broker;
-use common::{Receiver, TestDb, plugins_dir, repo_root};
+use common::{Receiver, TestDb, plugins_dir, repo_root, spawn_serve};
 use ferry::event::Status;
 
 fn events_option() -> usize {
@@ -34,19 +33,6 @@ fn events_option() -> usize {
         }
     }
     events
-}
-
-fn serve(config: &Path, log: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .arg("--config")
-        .arg(config)
-        .arg("serve")
-        .env_remove("FERRY_DATABASE_URL")
-        .env("FERRY_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).expect("log file"))
-        .spawn()
-        .expect("ferry serve starts")
 }
 
 /// The process's resident set size, in MiB.
@@ -118,7 +104,7 @@ async fn memory() -> (f64, f64) {
     ));
     let config = db.dir.path().join("ferry.toml");
     std::fs::write(&config, text).unwrap();
-    let child = serve(&config, &db.dir.path().join("serve.log"));
+    let child = spawn_serve(&config, &db.dir.path().join("serve.log"));
     let pid = child.id();
     tokio::time::sleep(Duration::from_secs(5)).await;
     let idle = rss_mib(pid);
@@ -146,7 +132,7 @@ async fn scaling(instances: usize, events: usize) -> f64 {
     )
     .unwrap();
     let children: Vec<Child> =
-        (0..instances).map(|n| serve(&config, &db.dir.path().join(format!("serve-{n}.log")))).collect();
+        (0..instances).map(|n| spawn_serve(&config, &db.dir.path().join(format!("serve-{n}.log")))).collect();
     tokio::time::sleep(Duration::from_secs(3)).await;
     fill(&db, "bench", events).await;
     let started = Instant::now();

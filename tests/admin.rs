@@ -406,6 +406,7 @@ async fn bad_requests_get_errors_that_name_the_input() {
     assert_error(api.post("/v1/failed/resend", json!({ "all": "yes" })).await, S::BAD_REQUEST, "invalid type");
     assert_error(api.post("/v1/breakers/nowhere/open", json!({})).await, S::NOT_FOUND, "\"nowhere\" is not configured");
     assert_error(api.post("/v1/breakers/s/open", json!({ "why": "x" })).await, S::BAD_REQUEST, "unknown field `why`");
+    assert_error(api.post("/v1/breakers/%FF/close", json!(null)).await, S::BAD_REQUEST, "route in the path");
     assert_error(api.get("/v1/nothing-here").await, S::NOT_FOUND, "no endpoint GET /v1/nothing-here");
     assert_error(api.call(Method::DELETE, "/v1/events", None).await, S::METHOD_NOT_ALLOWED, "DELETE is not allowed");
     let big = format!(r#"{{"route": "s", "type": "x", "payload": "{}"}}"#, "x".repeat(3 << 20));

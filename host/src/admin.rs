@@ -241,6 +241,20 @@ impl<S: Send + Sync> FromRequestParts<S> for EventId {
     }
 }
 
+/// The `{route}` of a breaker path.
+struct RouteName(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for RouteName {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|Path(route)| RouteName(route))
+            .map_err(|r: PathRejection| ApiError::bad_request(format!("route in the path: {}", r.body_text())))
+    }
+}
+
 /// Checks the bearer token, in constant time.
 async fn authorize(State(admin): State<Admin>, request: Request, next: Next) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
@@ -620,14 +634,14 @@ struct OpenRequest {
 
 async fn breaker_open(
     State(admin): State<Admin>,
-    Path(route): Path<String>,
+    RouteName(route): RouteName,
     Body(body): Body<OpenRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let reason = body.reason.unwrap_or_else(|| "opened by an operator".to_string());
     set_breaker(&admin, &route, true, &reason).await
 }
 
-async fn breaker_close(State(admin): State<Admin>, Path(route): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn breaker_close(State(admin): State<Admin>, RouteName(route): RouteName) -> Result<Json<Value>, ApiError> {
     set_breaker(&admin, &route, false, "").await
 }
 

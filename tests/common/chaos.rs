@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng as _;
 
-use super::{Receiver, plugins_dir, repo_root};
+use super::{Receiver, plugins_dir, repo_root, spawn_serve};
 
 /// How hard to shake.
 #[derive(Debug, Clone)]
@@ -174,20 +174,6 @@ struct Instance {
     starts: usize,
 }
 
-fn spawn(config: &Path, log: &Path) -> Child {
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("instance log");
-    Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .arg("--config")
-        .arg(config)
-        .arg("serve")
-        .env_remove("FERRY_DATABASE_URL")
-        .env("FERRY_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("ferry serve starts")
-}
-
 /// Runs the chaos and reports; panics (with the instances' logs) if events are still not SENT at
 /// the deadline. The caller judges the report.
 pub async fn run_chaos(options: &Options) -> Report {
@@ -243,7 +229,7 @@ pub async fn run_chaos(options: &Options) -> Report {
     let mut instances: Vec<Instance> = (0..options.instances)
         .map(|n| {
             let log = dir.path().join(format!("instance-{n}.log"));
-            Instance { child: spawn(&config, &log), log, starts: 1 }
+            Instance { child: spawn_serve(&config, &log), log, starts: 1 }
         })
         .collect();
     let (mut kills, mut restarts) = (0, 0);
@@ -280,7 +266,7 @@ pub async fn run_chaos(options: &Options) -> Report {
             let instance = &mut instances[victim];
             instance.child.kill().expect("SIGKILL");
             instance.child.wait().expect("reaped");
-            instance.child = spawn(&config, &instance.log);
+            instance.child = spawn_serve(&config, &instance.log);
             instance.starts += 1;
             kills += 1;
             next_kill = Instant::now() + pause(options);
@@ -289,7 +275,7 @@ pub async fn run_chaos(options: &Options) -> Report {
         // started again too.
         for instance in &mut instances {
             if instance.child.try_wait().expect("child status").is_some() {
-                instance.child = spawn(&config, &instance.log);
+                instance.child = spawn_serve(&config, &instance.log);
                 instance.starts += 1;
             }
         }

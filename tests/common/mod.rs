@@ -184,6 +184,22 @@ pub fn install(path: &Path, bytes: &[u8]) {
     std::fs::rename(&tmp, path).expect("rename plugin into place");
 }
 
+/// Starts `ferry serve --config CONFIG` (the binary this package builds), warnings and errors
+/// appended to `log`.
+pub fn spawn_serve(config: &Path, log: &Path) -> std::process::Child {
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("serve log");
+    std::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .arg("--config")
+        .arg(config)
+        .arg("serve")
+        .env_remove("FERRY_DATABASE_URL")
+        .env("FERRY_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("ferry serve starts")
+}
+
 /// Polls `check` until it returns `Some`, failing the test with `what` after `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
 where

@@ -532,9 +532,8 @@ impl Registry {
     /// Loads every `*.wasm` file directly in the plugins directory. A file that fails to load is
     /// logged and skipped; the others still load.
     pub async fn load_dir(&self) -> anyhow::Result<()> {
-        let dir = &self.config.plugins.dir;
-        for path in wasm_files(dir)? {
-            if let Err(e) = self.reload(&path).await {
+        for (path, result) in self.reload_all().await? {
+            if let Err(e) = result {
                 tracing::error!(file = %path.display(), "plugin not loaded: {e:#}");
             }
         }

@@ -415,8 +415,7 @@ impl Relay {
         for event in events {
             if let Some(defect) = &event.defect {
                 let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
-                let log = AttemptLog { number: event.attempt, call };
-                completions.push(self.fail(event, log, FailureReason::InvalidEvent, defect.clone()));
+                completions.push(self.fail(event, &call, FailureReason::InvalidEvent, defect.clone()));
             } else {
                 by_route.entry(&event.route).or_default().push(event);
             }
@@ -432,8 +431,7 @@ impl Relay {
                 }
             };
             let call = self.call_log(started_at, started.elapsed(), plugin, delivery.plugin_hash);
-            let logs = batch.iter().map(|event| AttemptLog { number: event.attempt, call: call.clone() });
-            self.judge(&batch, logs.collect(), delivery.result)
+            self.judge(&batch, &call, delivery.result)
         });
         for done in futures::future::join_all(deliveries).await {
             completions.extend(done);
@@ -451,34 +449,33 @@ impl Relay {
         Arc::new(CallLog { started_at, duration, plugin, plugin_hash, instance: self.instance.clone() })
     }
 
-    /// Turns a plugin's answer for `batch` into completions (`logs` holds one entry per event).
+    /// Turns a plugin's answer for `batch`, given by plugin call `call`, into completions.
     fn judge(
         &self,
         batch: &[&ClaimedEvent],
-        logs: Vec<AttemptLog>,
+        call: &Arc<CallLog>,
         result: Result<Vec<Outcome>, DeliverError>,
     ) -> Vec<Completion> {
         let now = self.clock.now();
-        let each = batch.iter().zip(logs);
         match result {
-            Ok(outcomes) => each
+            Ok(outcomes) => batch
+                .iter()
                 .zip(outcomes)
-                .map(|((event, log), outcome)| match outcome {
-                    Outcome::Success => self.complete(event, log, Disposition::Sent),
-                    Outcome::Permanent(f) => self.fail(event, log, FailureReason::Permanent, f.reason),
+                .map(|(event, outcome)| match outcome {
+                    Outcome::Success => self.complete(event, call, Disposition::Sent),
+                    Outcome::Permanent(f) => self.fail(event, call, FailureReason::Permanent, f.reason),
                     Outcome::Transient(f) => {
                         let hint = f.retry_after_ms.map(Duration::from_millis);
-                        self.retry_or_fail(event, log, now, f.reason, hint, FailureReason::AttemptsExhausted)
+                        self.retry_or_fail(event, call, now, f.reason, hint, FailureReason::AttemptsExhausted)
                     }
                 })
                 .collect(),
-            Err(DeliverError::Fault(fault)) => each
-                .map(|(event, log)| {
-                    self.retry_or_fail(event, log, now, fault.to_string(), None, FailureReason::PluginFault)
-                })
+            Err(DeliverError::Fault(fault)) => batch
+                .iter()
+                .map(|event| self.retry_or_fail(event, call, now, fault.to_string(), None, FailureReason::PluginFault))
                 .collect(),
             Err(DeliverError::NoTransport(why)) => {
-                each.map(|(event, log)| self.fail(event, log, FailureReason::NoTransport, why.clone())).collect()
+                batch.iter().map(|event| self.fail(event, call, FailureReason::NoTransport, why.clone())).collect()
             }
         }
     }
@@ -486,7 +483,7 @@ impl Relay {
     fn retry_or_fail(
         &self,
         event: &ClaimedEvent,
-        log: AttemptLog,
+        call: &Arc<CallLog>,
         now: DateTime<Utc>,
         error: String,
         hint: Option<Duration>,
@@ -498,18 +495,20 @@ impl Relay {
         match policy.decide(event.attempt, max, hint, unit) {
             RetryDecision::RetryAfter(delay) => {
                 let at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
-                self.complete(event, log, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
+                self.complete(event, call, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
             }
-            RetryDecision::GiveUp => self.fail(event, log, exhausted, error),
+            RetryDecision::GiveUp => self.fail(event, call, exhausted, error),
         }
     }
 
-    fn fail(&self, event: &ClaimedEvent, log: AttemptLog, reason: FailureReason, error: String) -> Completion {
-        self.complete(event, log, Disposition::Failed { reason, error })
+    fn fail(&self, event: &ClaimedEvent, call: &Arc<CallLog>, reason: FailureReason, error: String) -> Completion {
+        self.complete(event, call, Disposition::Failed { reason, error })
     }
 
-    fn complete(&self, event: &ClaimedEvent, attempt: AttemptLog, disposition: Disposition) -> Completion {
+    /// The completion of `event`, with its attempt in the history of plugin call `call`.
+    fn complete(&self, event: &ClaimedEvent, call: &Arc<CallLog>, disposition: Disposition) -> Completion {
         let max_attempts = event.max_attempts.unwrap_or(self.routes.policy(&event.route).max_attempts);
+        let attempt = AttemptLog { number: event.attempt, call: call.clone() };
         Completion { id: event.id, disposition, max_attempts, attempt }
     }
 }

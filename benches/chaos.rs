@@ -8,35 +8,37 @@
 //! PostgreSQL server programs for a private cluster, and the plugins from `scripts/build-plugins`).
 //! Prints a markdown row and writes `target/bench/chaos.json`.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
+use ferry_testkit as common;
 
 use std::time::Duration;
 
 use common::chaos::{Options, run_chaos};
 
+/// `cargo bench --bench chaos -- [--events N] [--instances N] [--deadline-secs N]`
+#[derive(clap::Parser)]
+struct Args {
+    #[arg(long, default_value_t = 100_000)]
+    events: usize,
+    /// `ferry serve` processes sharing the outbox.
+    #[arg(long, default_value_t = 2)]
+    instances: usize,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 1800)]
+    deadline_secs: u64,
+    /// Passed by `cargo bench` to every benchmark binary.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn options() -> Options {
-    let mut options = Options {
-        events: 100_000,
-        instances: 2,
+    let args: Args = clap::Parser::parse();
+    Options {
+        events: args.events,
+        instances: args.instances,
         kill_every: (Duration::from_millis(500), Duration::from_secs(2)),
         restart_postgres: true,
-        deadline: Duration::from_secs(1800),
-    };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
-        match arg.as_str() {
-            "--events" => options.events = value().parse().expect("--events: a number"),
-            "--instances" => options.instances = value().parse().expect("--instances: a number"),
-            "--deadline-secs" => options.deadline = Duration::from_secs(value().parse().expect("a number")),
-            // cargo bench passes --bench to every bench binary.
-            "--bench" => {}
-            other => panic!("unknown argument {other:?} (known: --events N, --instances N, --deadline-secs N)"),
-        }
+        deadline: Duration::from_secs(args.deadline_secs),
     }
-    options
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]

@@ -11,9 +11,7 @@
 //! plugins from `scripts/build-plugins`). Prints a markdown table and writes
 //! `target/bench/latency.json`.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
+use ferry_testkit as common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -36,17 +34,19 @@ const LOADS: [Load; 2] = [
     Load { name: "high (2000/s)", per_tick: 20, tick: Duration::from_millis(10) },
 ];
 
+/// `cargo bench --bench latency -- [--seconds N]`
+#[derive(clap::Parser)]
+struct Args {
+    /// Seconds per load.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Passed by `cargo bench` to every benchmark binary.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn seconds_option() -> u64 {
-    let mut seconds = 10;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--seconds" => seconds = args.next().and_then(|v| v.parse().ok()).expect("--seconds: a number"),
-            "--bench" => {}
-            other => panic!("unknown argument {other:?} (known: --seconds N)"),
-        }
-    }
-    seconds
+    <Args as clap::Parser>::parse().seconds
 }
 
 fn nanos_now() -> u128 {

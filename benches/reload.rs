@@ -8,9 +8,7 @@
 //! plugins from `scripts/build-plugins`). Prints a markdown table and writes
 //! `target/bench/reload.json`.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
+use ferry_testkit as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -22,17 +20,19 @@ use ferry::event::Status;
 use sha2::{Digest as _, Sha256};
 use tokio_util::sync::CancellationToken;
 
+/// `cargo bench --bench reload -- [--reloads N]`
+#[derive(clap::Parser)]
+struct Args {
+    /// Plugin swaps under load.
+    #[arg(long, default_value_t = 5)]
+    reloads: usize,
+    /// Passed by `cargo bench` to every benchmark binary.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn reloads_option() -> usize {
-    let mut reloads = 5;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--reloads" => reloads = args.next().and_then(|v| v.parse().ok()).expect("--reloads: a number"),
-            "--bench" => {}
-            other => panic!("unknown argument {other:?} (known: --reloads N)"),
-        }
-    }
-    reloads
+    <Args as clap::Parser>::parse().reloads
 }
 
 fn median(values: &mut [f64]) -> f64 {

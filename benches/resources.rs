@@ -11,9 +11,7 @@
 //! plugins from `scripts/build-plugins` and tansu from `scripts/ensure-tansu`). Prints markdown
 //! tables and writes `target/bench/resources.json`.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
+use ferry_testkit as common;
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -22,17 +20,19 @@ use common::broker::broker;
 use common::{Receiver, TestDb, plugins_dir, repo_root, spawn_serve};
 use ferry::event::Status;
 
+/// `cargo bench --bench resources -- [--events N]`
+#[derive(clap::Parser)]
+struct Args {
+    /// Events of the scaling runs.
+    #[arg(long, default_value_t = 60_000)]
+    events: usize,
+    /// Passed by `cargo bench` to every benchmark binary.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
 fn events_option() -> usize {
-    let mut events = 60_000;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--events" => events = args.next().and_then(|v| v.parse().ok()).expect("--events: a number"),
-            "--bench" => {}
-            other => panic!("unknown argument {other:?} (known: --events N)"),
-        }
-    }
-    events
+    <Args as clap::Parser>::parse().events
 }
 
 /// The process's resident set size, in MiB.

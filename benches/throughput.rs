@@ -13,9 +13,7 @@
 //! SENT, measured in the same run. Prints a markdown table and writes
 //! `target/bench/throughput.json`.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
+use ferry_testkit as common;
 
 use std::process::Command;
 use std::sync::Arc;
@@ -28,25 +26,22 @@ use ferry::store::{Claim, Store};
 
 const BATCHES: [u32; 3] = [100, 500, 1000];
 
+/// `cargo bench --bench throughput -- [--events N] [--only postgres|sqlite]`
+#[derive(clap::Parser)]
 struct Options {
+    /// Events per measurement.
+    #[arg(long, default_value_t = 50_000)]
     events: usize,
+    /// Measure one backend only.
+    #[arg(long, value_parser = ["postgres", "sqlite"])]
     only: Option<String>,
+    /// Passed by `cargo bench` to every benchmark binary.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 fn options() -> Options {
-    let mut options = Options { events: 50_000, only: None };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
-        match arg.as_str() {
-            "--events" => options.events = value().parse().expect("--events: a number"),
-            "--only" => options.only = Some(value()),
-            // cargo bench passes --bench to every bench binary.
-            "--bench" => {}
-            other => panic!("unknown argument {other:?} (known: --events N, --only postgres|sqlite)"),
-        }
-    }
-    options
+    clap::Parser::parse()
 }
 
 /// Fills the outbox with `n` due events of about 220 bytes each.

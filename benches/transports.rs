@@ -8,9 +8,7 @@
 //! the last of them is SENT, with ferry already running and its plugins loaded. Prints a markdown
 //! table and writes `target/bench/transports.json`.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
+use ferry_testkit as common;
 
 use std::time::{Duration, Instant};
 
@@ -19,27 +17,24 @@ use common::{Receiver, Running, TestDb, plugins_dir};
 use ferry::NewEvent;
 use ferry::event::Status;
 
+/// `cargo bench --bench transports -- [--events N] [--batch-size N] [--only PLUGIN]`
+#[derive(clap::Parser)]
 struct Options {
+    /// Events per plugin.
+    #[arg(long, default_value_t = 20_000)]
     events: usize,
+    #[arg(long, default_value_t = 500)]
     batch_size: usize,
+    /// Measure one plugin only.
+    #[arg(long)]
     only: Option<String>,
+    /// Passed by `cargo bench` to every benchmark binary.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 fn options() -> Options {
-    let mut options = Options { events: 20_000, batch_size: 500, only: None };
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().unwrap_or_else(|| panic!("{arg} needs a value"));
-        match arg.as_str() {
-            "--events" => options.events = value().parse().expect("--events: a number"),
-            "--batch-size" => options.batch_size = value().parse().expect("--batch-size: a number"),
-            "--only" => options.only = Some(value()),
-            // cargo bench passes --bench to every bench binary.
-            "--bench" => {}
-            other => panic!("unknown argument {other:?} (known: --events N, --batch-size N, --only PLUGIN)"),
-        }
-    }
-    options
+    clap::Parser::parse()
 }
 
 /// What points `plugin` at its receiver: the plugin's sandbox table, the route's `config` value,

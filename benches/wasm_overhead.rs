@@ -8,9 +8,7 @@
 //! Criterion prints its report; the per-event figures go to standard output and
 //! `target/bench/wasm_overhead.json`.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
-mod common;
+use ferry_testkit as common;
 
 use std::sync::Arc;
 
@@ -59,7 +57,7 @@ fn native(events: &[&ClaimedEvent]) -> Vec<Outcome> {
 
 /// Criterion's mean estimate for one benchmark, in nanoseconds.
 fn mean_ns(group: &str, bench: &str, batch: usize) -> f64 {
-    let path = common::repo_root().join(format!("target/criterion/{group}/{bench}/{batch}/new/estimates.json"));
+    let path = common::target_dir().join(format!("criterion/{group}/{bench}/{batch}/new/estimates.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let value: serde_json::Value = serde_json::from_str(&text).expect("criterion estimates");
     value["mean"]["point_estimate"].as_f64().expect("a mean estimate")
@@ -71,14 +69,14 @@ fn main() {
     let plugins = common::plugins_dir(dir.path(), &["ferry_test_scripted"]);
     let text = format!(
         "[plugins]\ndir = {plugins:?}\ncache_dir = {:?}\n[route.bench]\nplugin = \"scripted\"\n",
-        common::repo_root().join("target/test-plugin-cache")
+        common::target_dir().join("test-plugin-cache")
     );
-    let config = Arc::new(Config::from_toml_str(&text, "bench").unwrap());
+    let settings = Arc::new(Config::from_toml_str(&text, "bench").unwrap().settings().unwrap());
     let transport = runtime.block_on(async {
         let registry =
-            Arc::new(Registry::new(Arc::new(Runtime::new(&config).unwrap()), config.clone(), Arc::default()));
+            Arc::new(Registry::new(Arc::new(Runtime::new(&settings).unwrap()), settings.clone(), Arc::default()));
         registry.load_dir().await.unwrap();
-        let transport = RouteTransport::new(registry, "bench", "scripted");
+        let transport = RouteTransport::new(registry, settings.routes["bench"].clone());
         transport.warm_up().await.expect("the plugin starts");
         transport
     });

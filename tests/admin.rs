@@ -12,11 +12,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::common::{Stepped, TestDb, plugins_dir};
 
-const TOKEN: &str = "test-admin-token-0123456789";
+pub(crate) const TOKEN: &str = "test-admin-token-0123456789";
 
-struct Api {
-    s: Stepped,
-    base: String,
+pub(crate) struct Api {
+    pub(crate) s: Stepped,
+    pub(crate) base: String,
     http: reqwest::Client,
     shutdown: CancellationToken,
 }
@@ -29,7 +29,7 @@ impl Drop for Api {
 
 /// Ferry with the admin API on a free port; routes `s` and `t` use the scripted plugin (two
 /// attempts at most, no jitter), `orphan` a plugin that is not installed when `orphan` is set.
-async fn start(db: TestDb, orphan: bool) -> Api {
+pub(crate) async fn start(db: TestDb, orphan: bool) -> Api {
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let orphan = if orphan { "[route.orphan]\nplugin = \"not-installed\"" } else { "" };
     let config = format!(
@@ -60,13 +60,13 @@ async fn start(db: TestDb, orphan: bool) -> Api {
 
 impl Api {
     /// Sends a request with the right token; returns the status and the JSON body.
-    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+    pub(crate) async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
         let (status, text) = self.call_text(method, path, body).await;
         (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
     }
 
     /// As [`Api::call`], with the body as text.
-    async fn call_text(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, String) {
+    pub(crate) async fn call_text(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, String) {
         let mut request = self.http.request(method, format!("{}{path}", self.base)).bearer_auth(TOKEN);
         if let Some(body) = body {
             request = request.json(&body);
@@ -75,11 +75,11 @@ impl Api {
         (response.status(), response.text().await.unwrap())
     }
 
-    async fn get(&self, path: &str) -> (StatusCode, Value) {
+    pub(crate) async fn get(&self, path: &str) -> (StatusCode, Value) {
         self.call(Method::GET, path, None).await
     }
 
-    async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
+    pub(crate) async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
         self.call(Method::POST, path, Some(body)).await
     }
 
@@ -99,11 +99,11 @@ impl Api {
         (status, body["error"]["message"].as_str().expect("an error message").to_string())
     }
 
-    async fn cycle(&self) {
+    pub(crate) async fn cycle(&self) {
         self.s.ferry.relay.cycle(&CancellationToken::new()).await.expect("relay cycle");
     }
 
-    async fn enqueue(&self, route: &str, event_type: &str) -> i64 {
+    pub(crate) async fn enqueue(&self, route: &str, event_type: &str) -> i64 {
         let (status, body) =
             self.post("/v1/events", json!({ "route": route, "type": event_type, "payload": {} })).await;
         assert_eq!(status, StatusCode::CREATED, "{body}");

@@ -95,7 +95,7 @@ async fn the_binary_serves_emits_reports_and_stops_on_sigterm(db: TestDb) {
     let config_path = db.dir.path().join("ferry.toml");
     std::fs::write(&config_path, format!("[database]\nurl = {:?}\n{}", db.url, log_config(&db))).unwrap();
     let ferry = |args: &[&str]| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        let mut cmd = Command::new(crate::common::ferry_bin());
         cmd.arg("--config").arg(&config_path).args(args).env_remove("FERRY_DATABASE_URL");
         cmd
     };
@@ -149,9 +149,10 @@ async fn the_cli_emits_from_files_and_stdin_defers_and_resends() {
     use std::io::Write as _;
     let db = TestDb::new(crate::common::Backend::Sqlite).await;
     let config_path = db.dir.path().join("ferry.toml");
-    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n", db.url)).unwrap();
+    // Events go to configured routes only.
+    std::fs::write(&config_path, format!("[database]\nurl = {:?}\n[route.r]\nplugin = \"log\"\n", db.url)).unwrap();
     let ferry = |args: &[&str]| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        let mut cmd = Command::new(crate::common::ferry_bin());
         cmd.arg("--config").arg(&config_path).args(args).env_remove("FERRY_DATABASE_URL");
         cmd
     };
@@ -227,7 +228,7 @@ fn environment_overrides_reach_the_binary_and_bad_ones_are_named() {
     std::fs::write(&config_path, "[plugins]\ndir = \"not-here\"\n").unwrap();
     let plugins = crate::common::plugins_dir(dir.path(), &["ferry_transport_log"]);
     let ferry = |env: &[(&str, &str)]| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        let mut cmd = Command::new(crate::common::ferry_bin());
         cmd.arg("--config").arg(&config_path).args(["plugins", "list", "--json"]);
         cmd.envs(env.iter().copied()).output().unwrap()
     };
@@ -329,8 +330,8 @@ async fn operators_count_list_show_resend_and_purge_failed_events() {
 }
 
 /// Runs the binary with `--config config` and `args`; returns its exit code, stdout and stderr.
-fn run_ferry(config: &Path, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+pub(crate) fn run_ferry(config: &Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(crate::common::ferry_bin())
         .arg("--config")
         .arg(config)
         .args(args)
@@ -359,7 +360,7 @@ async fn the_cli_reaches_a_running_ferry_and_reports_history_and_stats() {
     assert!(stderr.contains("cannot reach the admin API"), "{stderr}");
 
     let log_path = db.dir.path().join("serve.log");
-    let mut serve = Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let mut serve = Command::new(crate::common::ferry_bin())
         .arg("--config")
         .arg(&config_path)
         .arg("serve")

@@ -187,7 +187,7 @@ async fn shutdown_hands_unfinished_claims_back(db: TestDb) {
 
 /// `ferry serve` as a child process, for the crash test.
 fn spawn_serve(config: &Path, log: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_ferry"))
+    Command::new(crate::common::ferry_bin())
         .arg("--config")
         .arg(config)
         .arg("serve")

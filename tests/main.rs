@@ -3,7 +3,7 @@
 
 mod admin;
 mod chaos;
-mod common;
+mod contract;
 mod e2e;
 mod engine;
 mod http;
@@ -14,3 +14,7 @@ mod reload;
 mod sandbox;
 mod sdk;
 mod store;
+
+/// The fixtures, shared with the benchmarks as the `ferry-testkit` crate.
+use ferry_testkit as common;
+use ferry_testkit::both_backends;

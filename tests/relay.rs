@@ -114,7 +114,7 @@ async fn transient_retries_with_backoff_then_fails(db: TestDb) {
     assert_eq!(s.cycle().await.failed, 1);
     let row = s.row(id).await;
     assert_eq!((row.status, row.attempts, row.max_attempts), (Status::Failed, 3, Some(3)));
-    assert_eq!(row.failure_reason.as_deref(), Some("attempts_exhausted"));
+    assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("attempts_exhausted"));
     assert_eq!(row.event_time, start, "event time is immutable");
 }
 
@@ -133,7 +133,7 @@ async fn permanent_fails_at_once(db: TestDb) {
     assert_eq!((stats.sent, stats.failed), (1, 1));
     let row = s.row(bad).await;
     assert_eq!((row.status, row.attempts), (Status::Failed, 1));
-    assert_eq!(row.failure_reason.as_deref(), Some("permanent"));
+    assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("permanent"));
     assert!(row.last_error.unwrap().contains("scripted permanent failure"));
     assert_eq!(s.row(ok).await.status, Status::Sent, "one bad event does not fail its batch");
 }
@@ -168,7 +168,7 @@ async fn routes_without_a_transport_fail_with_no_transport(db: TestDb) {
     for (id, needle) in [(unknown, "no route \"nowhere\""), (refused, "told to refuse"), (orphan, "\"not-installed\"")]
     {
         let row = s.row(id).await;
-        assert_eq!((row.status, row.failure_reason.as_deref()), (Status::Failed, Some("no_transport")));
+        assert_eq!((row.status, row.failure_reason.map(|r| r.as_str())), (Status::Failed, Some("no_transport")));
         let error = row.last_error.unwrap();
         assert!(error.contains(needle), "{error:?} should mention {needle}");
     }

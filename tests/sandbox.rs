@@ -86,7 +86,7 @@ async fn traps_loops_and_memory_hogs_become_transient_failures() {
         assert!(error.starts_with(reason), "{kind}: {error:?} should start with {reason:?}");
     }
     let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", "permanent", "{}")).await;
-    assert_eq!((row.status, row.failure_reason.as_deref()), (Status::Failed, Some("permanent")));
+    assert_eq!((row.status, row.failure_reason.map(|r| r.as_str())), (Status::Failed, Some("permanent")));
     // After all that, the same plugin still delivers.
     let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", "ok", "{}")).await;
     assert_eq!(row.status, Status::Sent);
@@ -220,7 +220,7 @@ async fn bad_plugin_files_are_refused_with_a_reason_and_the_rest_load() {
 
     // The same verdicts from the command line, with exit codes.
     let check = |file: &std::path::Path| {
-        Command::new(env!("CARGO_BIN_EXE_ferry")).args(["plugins", "check"]).arg(file).output().unwrap()
+        Command::new(crate::common::ferry_bin()).args(["plugins", "check"]).arg(file).output().unwrap()
     };
     let good = check(&built_plugin("ferry_test_scripted"));
     assert!(good.status.success());
@@ -244,7 +244,7 @@ async fn plugins_list_shows_versions_routes_and_errors() {
     std::fs::write(plugins.join("broken.wasm"), [0, 97, 115, 109]).unwrap();
     let config_path = db.dir.path().join("ferry.toml");
     std::fs::write(&config_path, format!("[plugins]\ndir = {plugins:?}\n[route.a]\nplugin = \"scripted\"")).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+    let out = Command::new(crate::common::ferry_bin())
         .arg("--config")
         .arg(&config_path)
         .args(["plugins", "list", "--json"])

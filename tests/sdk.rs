@@ -100,7 +100,7 @@ fn plugins_of_an_incompatible_contract_version_are_refused_naming_both() {
     let check = |version: &str| {
         let file = dir.path().join(format!("template-{version}.wasm"));
         std::fs::write(&file, template_built_for(version)).unwrap();
-        std::process::Command::new(env!("CARGO_BIN_EXE_ferry")).args(["plugins", "check"]).arg(&file).output().unwrap()
+        std::process::Command::new(crate::common::ferry_bin()).args(["plugins", "check"]).arg(&file).output().unwrap()
     };
     let newer_major = check("0.2.0");
     assert_eq!(newer_major.status.code(), Some(1));

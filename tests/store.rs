@@ -88,7 +88,7 @@ async fn complete_records_each_outcome(db: TestDb) {
 
     let failed = s.get(ids[2]).await.unwrap().unwrap();
     assert_eq!(failed.status, Status::Failed);
-    assert_eq!(failed.failure_reason.as_deref(), Some("permanent"));
+    assert_eq!(failed.failure_reason.map(|r| r.as_str()), Some("permanent"));
     assert_eq!((failed.last_error.as_deref(), failed.processed_at), (Some("rejected"), Some(now)));
 
     // The retried event comes back when due, as attempt 2; the event time never changes.
@@ -409,7 +409,7 @@ async fn history_is_written_with_outcomes_and_kept_across_resends(db: TestDb) {
 
     let history = s.attempts(id).await.unwrap();
     let summary: Vec<(u32, &str, Option<&str>)> =
-        history.iter().map(|a| (a.attempt, a.outcome.as_str(), a.reason.as_deref())).collect();
+        history.iter().map(|a| (a.attempt, a.outcome.as_str(), a.reason.map(|r| r.as_str()))).collect();
     assert_eq!(summary, [(1, "retry", None), (2, "failed", Some("attempts_exhausted")), (1, "sent", None)]);
     let first = &history[0];
     assert_eq!(first.started_at, t0() + secs(1));

@@ -5,10 +5,13 @@ use std::fmt;
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
-use serde::Serialize;
+pub use ferry_outbox::NewEvent;
+use serde::{Deserialize, Serialize};
+
+use crate::store::codec::{Count, DbTime, MaybeCount, MaybeTime};
 
 /// Where an event is in its life. Stored as the upper-case names below.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Status {
     /// Waiting for delivery: new, deferred, or waiting for a retry.
@@ -53,7 +56,7 @@ impl FromStr for Status {
 }
 
 /// Why an event ended up FAILED; stored in `failure_reason` so operators can select by cause.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureReason {
     /// The transport said the event can never be delivered as it stands.
@@ -69,6 +72,15 @@ pub enum FailureReason {
 }
 
 impl FailureReason {
+    /// Every reason.
+    pub const ALL: [FailureReason; 5] = [
+        FailureReason::Permanent,
+        FailureReason::AttemptsExhausted,
+        FailureReason::NoTransport,
+        FailureReason::PluginFault,
+        FailureReason::InvalidEvent,
+    ];
+
     /// The name stored in the `failure_reason` column.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -87,91 +99,52 @@ impl fmt::Display for FailureReason {
     }
 }
 
-/// An event an application wants delivered. Only `route`, `event_type` and `payload` are
-/// required; everything else has a default.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NewEvent {
-    /// Selects the transport plugin and its configuration (a `[route.NAME]` table).
-    pub route: String,
-    /// The application's name for what happened, e.g. `order.created`.
-    pub event_type: String,
-    /// The body, passed to the transport untouched.
-    pub payload: Vec<u8>,
-    /// MIME type of the payload; `application/json` when not given.
-    pub content_type: Option<String>,
-    /// Metadata passed on as message or HTTP headers.
-    pub headers: Vec<(String, String)>,
-    /// Events of one route sharing a key are delivered in order when the route asks for it.
-    pub ordering_key: Option<String>,
-    /// When the business event happened; the emit time when not given.
-    pub event_time: Option<DateTime<Utc>>,
-    /// Do not deliver before this time (deferred delivery). Deferral is not an attempt.
-    pub not_before: Option<DateTime<Utc>>,
-    /// Attempt limit fixed at emit time; when absent, the route's limit is pinned when the first outcome is recorded.
-    /// `Some(0)` means retry transient failures without limit.
-    pub max_attempts: Option<u32>,
+impl FromStr for FailureReason {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        FailureReason::ALL
+            .into_iter()
+            .find(|reason| reason.as_str() == s)
+            .ok_or_else(|| format!("unknown failure reason {s:?}"))
+    }
 }
 
-impl NewEvent {
-    /// An event with default content type, no headers, no key, delivered as soon as possible.
-    pub fn new(route: impl Into<String>, event_type: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
-        Self {
-            route: route.into(),
-            event_type: event_type.into(),
-            payload: payload.into(),
-            content_type: None,
-            headers: Vec::new(),
-            ordering_key: None,
-            event_time: None,
-            not_before: None,
-            max_attempts: None,
+/// What one attempt led to, as the history records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptOutcome {
+    /// Delivered: the event became SENT.
+    Sent,
+    /// A transient failure; the event waits for another attempt.
+    Retry,
+    /// The event became FAILED.
+    Failed,
+}
+
+impl AttemptOutcome {
+    /// The name stored in `ferry_attempts.outcome`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Sent => "sent",
+            AttemptOutcome::Retry => "retry",
+            AttemptOutcome::Failed => "failed",
         }
     }
+}
 
-    /// Sets the ordering key.
-    pub fn with_key(mut self, key: impl Into<String>) -> Self {
-        self.ordering_key = Some(key.into());
-        self
+impl fmt::Display for AttemptOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
+}
 
-    /// Adds one header.
-    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.push((name.into(), value.into()));
-        self
-    }
-
-    /// Sets the content type.
-    pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
-        self.content_type = Some(content_type.into());
-        self
-    }
-
-    /// Defers delivery until `at`.
-    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
-        self.not_before = Some(at);
-        self
-    }
-
-    /// Checks what the database cannot: names that must not be empty. Returns a message naming the
-    /// offending field.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.route.trim().is_empty() {
-            return Err("event route must not be empty".into());
-        }
-        if self.event_type.trim().is_empty() {
-            return Err("event type must not be empty".into());
-        }
-        if let Some((name, _)) = self.headers.iter().find(|(name, _)| name.trim().is_empty()) {
-            return Err(format!("event header name {name:?} must not be empty"));
-        }
-        Ok(())
-    }
-
-    /// The headers as the JSON object stored in the `headers` column.
-    pub fn headers_json(&self) -> String {
-        let map: serde_json::Map<String, serde_json::Value> =
-            self.headers.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
-        serde_json::Value::Object(map).to_string()
+impl FromStr for AttemptOutcome {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [AttemptOutcome::Sent, AttemptOutcome::Retry, AttemptOutcome::Failed]
+            .into_iter()
+            .find(|outcome| outcome.as_str() == s)
+            .ok_or_else(|| format!("unknown attempt outcome {s:?}"))
     }
 }
 
@@ -194,6 +167,26 @@ pub struct ClaimedEvent {
     /// Set when the stored row could not be decoded; the relay fails such an event at once
     /// instead of handing a guess to a transport.
     pub defect: Option<String>,
+}
+
+impl ClaimedEvent {
+    /// A claimed row that could not be decoded: only its id is known, and `defect` says why.
+    pub fn defective(id: i64, defect: String) -> ClaimedEvent {
+        ClaimedEvent {
+            id,
+            route: String::new(),
+            event_type: String::new(),
+            ordering_key: None,
+            payload: Vec::new(),
+            content_type: String::new(),
+            headers: Vec::new(),
+            attempt: 0,
+            max_attempts: None,
+            event_time: DateTime::<Utc>::UNIX_EPOCH,
+            created_at: DateTime::<Utc>::UNIX_EPOCH,
+            defect: Some(defect),
+        }
+    }
 }
 
 /// Parses the stored `headers` JSON object. Non-string values are kept as their JSON text.
@@ -256,19 +249,19 @@ pub struct CallLog {
 }
 
 impl Disposition {
-    /// The history's name for it: `sent`, `retry` or `failed`.
-    pub fn outcome(&self) -> &'static str {
+    /// What the history records for it.
+    pub fn outcome(&self) -> AttemptOutcome {
         match self {
-            Disposition::Sent => "sent",
-            Disposition::Retry { .. } => "retry",
-            Disposition::Failed { .. } => "failed",
+            Disposition::Sent => AttemptOutcome::Sent,
+            Disposition::Retry { .. } => AttemptOutcome::Retry,
+            Disposition::Failed { .. } => AttemptOutcome::Failed,
         }
     }
 
     /// The failure reason, for `failed`.
-    pub fn reason(&self) -> Option<&'static str> {
+    pub fn reason(&self) -> Option<FailureReason> {
         match self {
-            Disposition::Failed { reason, .. } => Some(reason.as_str()),
+            Disposition::Failed { reason, .. } => Some(*reason),
             _ => None,
         }
     }
@@ -283,14 +276,16 @@ impl Disposition {
 }
 
 /// One row of an event's delivery history.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
 pub struct AttemptRecord {
+    #[sqlx(try_from = "Count")]
     pub attempt: u32,
+    #[sqlx(try_from = "DbTime")]
     pub started_at: DateTime<Utc>,
+    #[sqlx(try_from = "i64")]
     pub duration_ms: u64,
-    /// `sent`, `retry` or `failed`.
-    pub outcome: String,
-    pub reason: Option<String>,
+    pub outcome: AttemptOutcome,
+    pub reason: Option<FailureReason>,
     pub error: Option<String>,
     pub plugin: Option<String>,
     pub plugin_hash: Option<String>,
@@ -298,7 +293,7 @@ pub struct AttemptRecord {
 }
 
 /// A full stored row, for inspection (`ferry show`, tests).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
 pub struct EventRecord {
     pub id: i64,
     pub route: String,
@@ -309,18 +304,72 @@ pub struct EventRecord {
     pub content_type: String,
     pub headers: String,
     pub status: Status,
+    #[sqlx(try_from = "Count")]
     pub attempts: u32,
+    #[sqlx(try_from = "MaybeCount")]
     pub max_attempts: Option<u32>,
+    #[sqlx(try_from = "DbTime")]
     pub event_time: DateTime<Utc>,
+    #[sqlx(try_from = "DbTime")]
     pub created_at: DateTime<Utc>,
+    #[sqlx(try_from = "DbTime")]
     pub last_status_at: DateTime<Utc>,
+    #[sqlx(try_from = "DbTime")]
     pub next_attempt_at: DateTime<Utc>,
+    #[sqlx(try_from = "MaybeTime")]
     pub processed_at: Option<DateTime<Utc>>,
     pub last_error: Option<String>,
-    pub failure_reason: Option<String>,
+    pub failure_reason: Option<FailureReason>,
     pub claimed_by: Option<String>,
     pub claim_token: Option<String>,
+    #[sqlx(try_from = "MaybeTime")]
     pub lease_until: Option<DateTime<Utc>>,
+}
+
+/// The columns of a claimed row, as the claim statements return them.
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct ClaimedRow {
+    id: i64,
+    route: String,
+    event_type: String,
+    ordering_key: Option<String>,
+    payload: Vec<u8>,
+    content_type: String,
+    headers: String,
+    #[sqlx(try_from = "Count")]
+    attempts: u32,
+    #[sqlx(try_from = "MaybeCount")]
+    max_attempts: Option<u32>,
+    #[sqlx(try_from = "DbTime")]
+    event_time: DateTime<Utc>,
+    #[sqlx(try_from = "DbTime")]
+    created_at: DateTime<Utc>,
+    #[sqlx(try_from = "DbTime")]
+    pub(crate) next_attempt_at: DateTime<Utc>,
+}
+
+impl ClaimedRow {
+    /// The event to deliver; headers that do not parse become the event's defect.
+    pub(crate) fn into_event(self) -> ClaimedEvent {
+        let (headers, defect) = match parse_headers(&self.headers) {
+            Ok(headers) => (headers, None),
+            Err(e) => (Vec::new(), Some(format!("event {}: {e}", self.id))),
+        };
+        ClaimedEvent {
+            id: self.id,
+            route: self.route,
+            event_type: self.event_type,
+            ordering_key: self.ordering_key,
+            payload: self.payload,
+            content_type: self.content_type,
+            headers,
+            attempt: self.attempts,
+            max_attempts: self.max_attempts,
+            event_time: self.event_time,
+            created_at: self.created_at,
+            defect,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -347,11 +396,17 @@ mod tests {
     }
 
     #[test]
-    fn validation_names_the_field() {
-        assert!(NewEvent::new("", "t", "x").validate().unwrap_err().contains("route"));
-        assert!(NewEvent::new("r", " ", "x").validate().unwrap_err().contains("type"));
-        assert!(NewEvent::new("r", "t", "x").with_header("", "v").validate().unwrap_err().contains("header"));
+    fn emitted_headers_parse_back() {
         let e = NewEvent::new("r", "t", "x").with_header("k", "v\"q");
         assert_eq!(parse_headers(&e.headers_json()).unwrap(), e.headers);
+    }
+
+    #[test]
+    fn reasons_and_outcomes_round_trip() {
+        for reason in FailureReason::ALL {
+            assert_eq!(reason.as_str().parse::<FailureReason>(), Ok(reason));
+        }
+        assert!("gone".parse::<FailureReason>().is_err());
+        assert_eq!("retry".parse::<AttemptOutcome>(), Ok(AttemptOutcome::Retry));
     }
 }

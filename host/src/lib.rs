@@ -1,17 +1,18 @@
 //! ferry: delivers events from a transactional outbox through WebAssembly transport plugins.
 //!
-//! Applications insert events with [`emit`] inside their own database transactions; the
+//! Applications insert events with [`emit`] (from the `ferry-outbox` crate) inside their own database transactions; the
 //! [`relay`] claims them in batches and hands them to the route's transport plugin
 //! ([`plugins`]), then records SENT, a retry, or FAILED in the [`store`].
 
 pub mod admin;
 pub mod backoff;
+pub mod breaker;
 pub mod cli;
 pub mod clock;
 pub mod config;
-pub mod emit;
 pub mod event;
 pub mod metrics;
+pub mod ops;
 pub mod plugins;
 pub mod relay;
 pub mod report;
@@ -19,5 +20,6 @@ pub mod service;
 pub mod store;
 pub mod watch;
 
-pub use emit::{Outbox, emit};
-pub use event::NewEvent;
+/// Emitting needs only the `ferry-outbox` crate; it is re-exported here for applications that
+/// embed ferry whole.
+pub use ferry_outbox::{EmitError, NewEvent, Outbox, emit};

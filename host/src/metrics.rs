@@ -197,12 +197,7 @@ impl Metrics {
         self.last_attempt.set(i64::try_from(stats.last_attempt).unwrap_or(i64::MAX));
         let mut states: BTreeMap<&str, i64> = routes.iter().map(|r| (r.as_str(), 0)).collect();
         for b in breakers {
-            let state = match b.state(stats.at, cooldown) {
-                "closed" => 0,
-                "open" => 1,
-                _ => 2,
-            };
-            states.insert(&b.route, state);
+            states.insert(&b.route, b.state(stats.at, cooldown).gauge());
         }
         self.breaker_state.clear();
         for (route, state) in states {

@@ -12,9 +12,10 @@ use rand::Rng;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::{RetryDecision, RetryPolicy};
+use crate::backoff::RetryDecision;
+use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
-use crate::config::Config;
+use crate::config::Settings;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
 use crate::plugins::{DeliverError, Delivery, Outcome, RouteTransport};
@@ -31,28 +32,17 @@ pub struct CycleStats {
     pub fenced_off: usize,
 }
 
-/// Routes resolved to transports, with their retry policies.
+/// Routes resolved to transports, with their settings (retry policies among them).
 #[derive(Debug)]
 pub struct Routes {
     transports: HashMap<String, Arc<RouteTransport>>,
-    policies: HashMap<String, RetryPolicy>,
-    default_policy: RetryPolicy,
+    settings: Arc<Settings>,
 }
 
 impl Routes {
-    /// Builds the route table from the config and the transports started for it.
-    pub fn new(config: &Config, transports: HashMap<String, Arc<RouteTransport>>) -> Self {
-        let policies = config
-            .route
-            .keys()
-            .map(|name| (name.clone(), config.retry_policy_for(Some(name)).expect("validated at load")))
-            .collect();
-        let default_policy = config.retry_policy_for(None).expect("validated at load");
-        Self { transports, policies, default_policy }
-    }
-
-    fn policy(&self, route: &str) -> &RetryPolicy {
-        self.policies.get(route).unwrap_or(&self.default_policy)
+    /// The route table: the settings and the transports started for them.
+    pub fn new(settings: Arc<Settings>, transports: HashMap<String, Arc<RouteTransport>>) -> Self {
+        Self { transports, settings }
     }
 }
 
@@ -85,14 +75,10 @@ pub struct Relay {
 }
 
 impl Relay {
-    pub fn new(
-        store: Arc<dyn Store>,
-        clock: Arc<dyn Clock>,
-        config: &Config,
-        routes: Routes,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        let (ordered_routes, blocking_routes) = config.ordered_routes();
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, routes: Routes, metrics: Arc<Metrics>) -> Self {
+        let settings = routes.settings.clone();
+        let config = &settings.config;
+        let (ordered_routes, blocking_routes) = settings.ordered_routes();
         Self {
             store,
             clock,
@@ -230,7 +216,7 @@ impl Relay {
             token: token.clone(),
             ordered_routes: self.ordered_routes.clone(),
             blocking_routes: self.blocking_routes.clone(),
-            paused_routes: breakers.iter().filter(|b| b.opened_at.is_some()).map(|b| b.route.clone()).collect(),
+            paused_routes: breakers.iter().filter(|b| b.is_open()).map(|b| b.route.clone()).collect(),
             only_route: None,
         };
         let claiming = std::time::Instant::now();
@@ -287,10 +273,9 @@ impl Relay {
         let cooled = claim.now - chrono::Duration::from_std(self.breaker_cooldown).unwrap_or(chrono::Duration::MAX);
         let mut probes = Vec::new();
         for breaker in breakers {
-            let due = breaker.opened_at.is_some_and(|at| at <= cooled)
-                && !breaker.manual
-                && breaker.probe_until.is_none_or(|until| until <= claim.now);
-            if !due || !self.store.take_probe(&breaker.route, cooled, claim.now, claim.lease_until).await? {
+            if !breaker.probe_due(claim.now, self.breaker_cooldown)
+                || !self.store.take_probe(&breaker.route, cooled, claim.now, claim.lease_until).await?
+            {
                 continue;
             }
             let one =
@@ -318,48 +303,39 @@ impl Relay {
         probed: &[String],
     ) -> Result<(), StoreError> {
         let route_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.route.as_str())).collect();
-        let mut tally: BTreeMap<&str, (u32, u32, &str)> = BTreeMap::new();
+        let mut tallies: BTreeMap<&str, Tally> = BTreeMap::new();
         for completion in completions {
-            let Some(route) = route_of.get(&completion.id) else { continue };
-            let entry = tally.entry(route).or_insert((0, 0, ""));
-            match &completion.disposition {
-                Disposition::Sent => entry.0 += 1,
-                Disposition::Retry { error, .. }
-                | Disposition::Failed {
-                    reason: FailureReason::AttemptsExhausted | FailureReason::PluginFault,
-                    error,
-                } => {
-                    entry.1 += 1;
-                    entry.2 = error;
-                }
-                Disposition::Failed { .. } => {}
+            if let Some(route) = route_of.get(&completion.id) {
+                tallies.entry(route).or_default().add(&completion.disposition);
             }
+        }
+        for route in probed {
+            tallies.entry(route).or_default();
         }
         let now = self.clock.now();
-        for route in probed {
-            if tally.get(route.as_str()).is_none_or(|(successes, failures, _)| *successes == 0 && *failures == 0) {
-                self.store.release_probe(route).await?;
-            }
-        }
-        for (route, (successes, failures, last_error)) in tally {
+        for (route, tally) in tallies {
             let before = breakers.iter().find(|b| b.route == route);
-            if successes > 0 {
-                if before.is_some_and(|b| b.consecutive_failures > 0 || b.opened_at.is_some()) {
+            let probed = probed.iter().any(|p| p == route);
+            match verdict(before, &tally, self.breaker_threshold, probed) {
+                Verdict::Keep => {}
+                Verdict::ReleaseProbe => self.store.release_probe(route).await?,
+                Verdict::Reset => {
                     let after = self.store.record_breaker(route, 0, "", self.breaker_threshold, now).await?;
-                    if before.is_some_and(|b| b.opened_at.is_some()) && after.opened_at.is_none() {
+                    if before.is_some_and(|b| b.is_open()) && !after.is_open() {
                         tracing::info!(route, "circuit breaker closed: the route delivers again");
                     }
                 }
-            } else if failures > 0 && (self.breaker_threshold > 0 || probed.iter().any(|p| p == route)) {
-                let reason = format!("last failure: {last_error}");
-                let after = self.store.record_breaker(route, failures, &reason, self.breaker_threshold, now).await?;
-                if after.opened_at == Some(now) && !after.manual {
-                    tracing::warn!(
-                        route,
-                        consecutive_failures = after.consecutive_failures,
-                        cooldown = ?self.breaker_cooldown,
-                        "circuit breaker open: the route's events wait until a probe succeeds; {reason}"
-                    );
+                Verdict::Count { failures, reason } => {
+                    let after =
+                        self.store.record_breaker(route, failures, &reason, self.breaker_threshold, now).await?;
+                    if after.opened_at == Some(now) && !after.manual {
+                        tracing::warn!(
+                            route,
+                            consecutive_failures = after.consecutive_failures,
+                            cooldown = ?self.breaker_cooldown,
+                            "circuit breaker open: the route's events wait until a probe succeeds; {reason}"
+                        );
+                    }
                 }
             }
         }
@@ -489,7 +465,7 @@ impl Relay {
         hint: Option<Duration>,
         exhausted: FailureReason,
     ) -> Completion {
-        let policy = self.routes.policy(&event.route);
+        let policy = self.routes.settings.retry(&event.route);
         let max = event.max_attempts.unwrap_or(policy.max_attempts);
         let unit: f64 = rand::rng().random();
         match policy.decide(event.attempt, max, hint, unit) {
@@ -507,7 +483,7 @@ impl Relay {
 
     /// The completion of `event`, with its attempt in the history of plugin call `call`.
     fn complete(&self, event: &ClaimedEvent, call: &Arc<CallLog>, disposition: Disposition) -> Completion {
-        let max_attempts = event.max_attempts.unwrap_or(self.routes.policy(&event.route).max_attempts);
+        let max_attempts = event.max_attempts.unwrap_or(self.routes.settings.retry(&event.route).max_attempts);
         let attempt = AttemptLog { number: event.attempt, call: call.clone() };
         Completion { id: event.id, disposition, max_attempts, attempt }
     }

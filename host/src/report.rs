@@ -1,65 +1,185 @@
-//! The JSON shapes ferry reports in, shared by the admin API and the CLI's `--json`, so a script
-//! can move between the two without translating.
+//! The typed views ferry reports in: what the admin API answers, what `--json` prints and what
+//! the CLI's text tables are drawn from. Each is `Serialize` and `Deserialize`, so a script can
+//! move between the API and the CLI without translating, and `openapi.json` describes exactly
+//! these shapes (a test checks every answer against it).
 
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use base64::Engine as _;
 use chrono::{DateTime, Utc};
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
 
+use crate::breaker::{Breaker, BreakerState};
 use crate::event::{AttemptRecord, EventRecord, Status};
 use crate::plugins::PluginStatus;
-use crate::store::{Breaker, Stats};
+use crate::store::{Latency, Stats};
 
-/// One event with every field; the payload as text when it is UTF-8, else as `payload_base64`;
-/// and its delivery history when given.
-pub fn event(event: &EventRecord, attempts: Option<&[AttemptRecord]>) -> Value {
-    let mut value = serde_json::to_value(event).expect("events serialize");
-    match std::str::from_utf8(&event.payload) {
-        Ok(text) => value["payload"] = text.into(),
-        Err(_) => value["payload_base64"] = base64::engine::general_purpose::STANDARD.encode(&event.payload).into(),
+/// One event with every field; the payload as text when it is UTF-8, else base64; and its
+/// delivery history when asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EventView {
+    #[serde(flatten)]
+    pub event: EventRecord,
+    /// The payload, when it is UTF-8 text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<String>,
+    /// The payload, base64-encoded, when it is not UTF-8 text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_base64: Option<String>,
+    /// Every delivery attempt, oldest first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts_history: Option<Vec<AttemptRecord>>,
+}
+
+impl EventView {
+    pub fn new(event: EventRecord, attempts: Option<Vec<AttemptRecord>>) -> EventView {
+        let (payload, payload_base64) = match std::str::from_utf8(&event.payload) {
+            Ok(text) => (Some(text.to_string()), None),
+            Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&event.payload))),
+        };
+        EventView { event, payload, payload_base64, attempts_history: attempts }
     }
-    if let Some(attempts) = attempts {
-        value["attempts_history"] = serde_json::to_value(attempts).expect("attempts serialize");
-    }
-    value
 }
 
 /// A page of FAILED events (without payloads); `next_after` is the id to continue after when the
 /// page is full.
-pub fn failed_page(events: &[EventRecord], limit: u32) -> Value {
-    let next = (events.len() == limit as usize).then(|| events.last().map(|e| e.id)).flatten();
-    json!({ "events": events, "next_after": next })
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailedPage {
+    pub events: Vec<EventRecord>,
+    pub next_after: Option<i64>,
 }
 
-/// The monitoring figures, with ages in seconds worked out at `stats.at`.
-pub fn stats(stats: &Stats) -> Value {
-    let age = |t: Option<DateTime<Utc>>| t.map(|t| (stats.at - t).num_milliseconds().max(0) as f64 / 1000.0);
-    let totals: serde_json::Map<String, Value> =
-        Status::ALL.iter().map(|s| (s.to_string(), stats.total(*s).into())).collect();
-    json!({
-        "at": stats.at,
-        "counts": totals,
-        "routes": stats.routes,
-        "oldest_pending_created_at": stats.oldest_pending_created_at,
-        "oldest_pending_age_seconds": age(stats.oldest_pending_created_at),
-        "claim_lag_seconds": age(stats.oldest_due_at),
-        "stuck": stats.stuck,
-        "last_attempt": stats.last_attempt,
-        "latency": stats.latency,
-    })
+impl FailedPage {
+    pub fn new(events: Vec<EventRecord>, limit: u32) -> FailedPage {
+        let next_after = (events.len() == limit as usize).then(|| events.last().map(|e| e.id)).flatten();
+        FailedPage { events, next_after }
+    }
 }
 
-/// A breaker with its state at `now` (`closed`, `open` or `half-open`).
-pub fn breaker(breaker: &Breaker, now: DateTime<Utc>, cooldown: Duration) -> Value {
-    let mut row = serde_json::to_value(breaker).expect("breakers serialize");
-    row["state"] = breaker.state(now, cooldown).into();
-    row
+/// The monitoring figures, with ages in seconds worked out at `at`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatsView {
+    pub at: DateTime<Utc>,
+    /// Events per status, all routes.
+    pub counts: BTreeMap<Status, u64>,
+    /// Route → status → events.
+    pub routes: BTreeMap<String, BTreeMap<Status, u64>>,
+    pub oldest_pending_created_at: Option<DateTime<Utc>>,
+    pub oldest_pending_age_seconds: Option<f64>,
+    /// How long the longest-waiting due PENDING event has been due.
+    pub claim_lag_seconds: Option<f64>,
+    pub stuck: u64,
+    pub last_attempt: u64,
+    pub latency: Option<Latency>,
+}
+
+impl From<&Stats> for StatsView {
+    fn from(stats: &Stats) -> StatsView {
+        let age = |t: Option<DateTime<Utc>>| t.map(|t| (stats.at - t).num_milliseconds().max(0) as f64 / 1000.0);
+        StatsView {
+            at: stats.at,
+            counts: Status::ALL.iter().map(|s| (*s, stats.total(*s))).collect(),
+            routes: stats.routes.clone(),
+            oldest_pending_created_at: stats.oldest_pending_created_at,
+            oldest_pending_age_seconds: age(stats.oldest_pending_created_at),
+            claim_lag_seconds: age(stats.oldest_due_at),
+            stuck: stats.stuck,
+            last_attempt: stats.last_attempt,
+            latency: stats.latency.clone(),
+        }
+    }
+}
+
+/// A breaker with its state at the time it was read.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BreakerView {
+    #[serde(flatten)]
+    pub breaker: Breaker,
+    pub state: BreakerState,
+}
+
+impl BreakerView {
+    pub fn new(breaker: Breaker, now: DateTime<Utc>, cooldown: std::time::Duration) -> BreakerView {
+        let state = breaker.state(now, cooldown);
+        BreakerView { breaker, state }
+    }
+}
+
+/// A configured route: its plugin, ordering and breaker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteView {
+    pub route: String,
+    pub plugin: String,
+    pub plugin_loaded: bool,
+    pub plugin_hash: Option<String>,
+    pub ordered: bool,
+    pub failed_blocks_key: bool,
+    pub breaker: BreakerView,
 }
 
 /// The plugins loaded, and the files that failed to load with why.
-pub fn plugins(plugins: &[PluginStatus], errors: &std::collections::BTreeMap<std::path::PathBuf, String>) -> Value {
-    let errors: serde_json::Map<String, Value> =
-        errors.iter().map(|(path, e)| (path.display().to_string(), e.clone().into())).collect();
-    json!({ "plugins": plugins, "errors": errors })
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PluginsView {
+    pub plugins: Vec<PluginStatus>,
+    /// File → why it did not load.
+    pub errors: BTreeMap<PathBuf, String>,
 }
+
+/// How one plugin file's reload ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReloadResult {
+    Loaded,
+    Unchanged,
+    Removed,
+    Ignored,
+    Failed,
+}
+
+/// One plugin file of a reload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReloadedFile {
+    pub file: PathBuf,
+    pub result: ReloadResult,
+    pub plugin: Option<String>,
+    /// The new version's SHA-256, when `loaded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
+    /// Why the file did not load, when `failed`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What a reload of every plugin file did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReloadView {
+    pub files: Vec<ReloadedFile>,
+}
+
+/// The id of an event just created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Created {
+    pub id: i64,
+}
+
+/// How many FAILED events match a filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedCount {
+    pub failed: u64,
+}
+
+/// How many events a resend made PENDING again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resent {
+    pub resent: u64,
+}
+
+/// How many events a purge deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Purged {
+    pub purged: u64,
+}
+
+/// Events per status, every status included.
+pub type StatusCounts = BTreeMap<Status, u64>;

@@ -9,16 +9,16 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::Admin;
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, redact_url};
+use crate::config::{Config, Settings};
 use crate::metrics::Metrics;
 use crate::plugins::{Registry, Runtime, route_transports};
 use crate::relay::{Relay, Routes};
-use crate::store::{self, Store};
+use crate::store::{self, Store, redact_url};
 
 /// A started ferry: everything `serve` runs, exposed so tests can drive single cycles and reloads.
 #[derive(Debug)]
 pub struct Ferry {
-    pub config: Arc<Config>,
+    pub settings: Arc<Settings>,
     pub store: Arc<dyn Store>,
     pub relay: Relay,
     pub registry: Arc<Registry>,
@@ -31,28 +31,28 @@ impl Ferry {
     /// A route whose plugin is missing or rejects its config is logged; its events fail with
     /// reason `no_transport` (and can be resent) until a working plugin is loaded.
     pub async fn start(config: &Config, clock: Arc<dyn Clock>) -> anyhow::Result<Ferry> {
+        let settings = Arc::new(config.settings()?);
         let store = open_store(config).await?;
-        let config = Arc::new(config.clone());
-        let runtime = Arc::new(Runtime::new(&config)?);
+        let runtime = Arc::new(Runtime::new(&settings)?);
         let metrics = Arc::new(Metrics::new());
-        let registry = Arc::new(Registry::new(runtime, config.clone(), metrics.clone()));
+        let registry = Arc::new(Registry::new(runtime, settings.clone(), metrics.clone()));
         registry.load_dir().await?;
-        let transports = route_transports(&registry, &config);
+        let transports = route_transports(&registry, &settings);
         for (route, transport) in &transports {
             match transport.warm_up().await {
                 Ok(()) => tracing::info!(route = %route, plugin = %transport.plugin_name(), "route ready"),
                 Err(why) => tracing::error!(route = %route, "route has no transport: {why}"),
             }
         }
-        let routes = Routes::new(&config, transports);
-        let relay = Relay::new(store.clone(), clock.clone(), &config, routes, metrics.clone());
-        Ok(Ferry { config, store, relay, registry, metrics, clock })
+        let routes = Routes::new(settings.clone(), transports);
+        let relay = Relay::new(store.clone(), clock.clone(), routes, metrics.clone());
+        Ok(Ferry { settings, store, relay, registry, metrics, clock })
     }
 
     /// The admin API over this ferry (not yet serving).
     pub fn admin(&self) -> anyhow::Result<Admin> {
         Admin::new(
-            self.config.clone(),
+            self.settings.clone(),
             self.store.clone(),
             self.registry.clone(),
             self.metrics.clone(),

@@ -9,17 +9,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{PgPool, Row};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use ferry_outbox::Outbox;
+
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered, Stats,
-    Store, StoreError, WATCH_SQL, attempt_record, breaker, claimed_event, counts_by_status, event_record, partition,
-    stats_from,
+    Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
 };
-use crate::emit::Outbox;
 use crate::event::{AttemptRecord, CallLog, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
 /// The outbox in a PostgreSQL database.
@@ -31,7 +31,7 @@ pub struct PostgresStore {
 impl PostgresStore {
     /// Connects to `url` with a pool of `max_connections`.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
-        let redacted = crate::config::redact_url(url);
+        let redacted = super::redact_url(url);
         let options =
             PgConnectOptions::from_str(url).map_err(|source| StoreError::Connect { url: redacted.clone(), source })?;
         Self::connect_with(options, max_connections).await.map_err(|e| match e {
@@ -86,7 +86,7 @@ impl Store for PostgresStore {
 
     async fn insert(&self, event: &NewEvent, now: DateTime<Utc>) -> Result<i64, StoreError> {
         let mut conn = self.pool.acquire().await?;
-        conn.insert_event(event, Some(now)).await
+        Ok(conn.insert_event(event, Some(now)).await?)
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
@@ -123,13 +123,7 @@ impl Store for PostgresStore {
         .bind(&claim.only_route)
         .fetch_all(&self.pool)
         .await?;
-        let mut claimed: Vec<(DateTime<Utc>, ClaimedEvent)> = rows
-            .iter()
-            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row, &read_time)?)))
-            .collect::<Result<_, sqlx::Error>>()?;
-        // RETURNING does not keep the sub-select's order.
-        claimed.sort_by_key(|(due, event)| (*due, event.id));
-        Ok(claimed.into_iter().map(|(_, event)| event).collect())
+        Ok(in_claim_order(rows.iter().map(claimed_event).collect()))
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
@@ -237,8 +231,8 @@ impl Store for PostgresStore {
             )
             .bind(items.iter().map(|c| c.id).collect::<Vec<i64>>())
             .bind(a.iter().map(|a| pin(a.number)).collect::<Vec<i32>>())
-            .bind(items.iter().map(|c| c.disposition.outcome()).collect::<Vec<&str>>())
-            .bind(items.iter().map(|c| c.disposition.reason()).collect::<Vec<Option<&str>>>())
+            .bind(items.iter().map(|c| c.disposition.outcome().as_str()).collect::<Vec<&str>>())
+            .bind(items.iter().map(|c| c.disposition.reason().map(|r| r.as_str())).collect::<Vec<Option<&str>>>())
             .bind(items.iter().map(|c| c.disposition.error()).collect::<Vec<Option<&str>>>())
             .bind(call_of)
             .bind(calls.iter().map(|a| a.started_at).collect::<Vec<DateTime<Utc>>>())
@@ -357,12 +351,11 @@ impl Store for PostgresStore {
             )),
             None => None,
         };
-        Ok(stats_from(now, &counts, &watch, latency, &read_time)?)
+        Ok(stats_from(now, &counts, &watch, latency)?)
     }
 
     async fn attempts(&self, id: i64) -> Result<Vec<AttemptRecord>, StoreError> {
-        let rows = sqlx::query(ATTEMPTS_SQL).bind(id).fetch_all(&self.pool).await?;
-        Ok(rows.iter().map(|row| attempt_record(row, &read_time)).collect::<Result<_, _>>()?)
+        Ok(sqlx::query_as(ATTEMPTS_SQL).bind(id).fetch_all(&self.pool).await?)
     }
 
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
@@ -372,23 +365,23 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
-        let row = sqlx::query(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = $1"))
+        let row = sqlx::query_as(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = $1"))
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(row.as_ref().map(|row| event_record(row, &read_time)).transpose()?)
+        Ok(row)
     }
 
     async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
         let sql = format!("SELECT COUNT(*) FROM ferry_events WHERE {FAILED_WHERE}");
-        let row = bind_filter(sqlx::query(&sql), filter).fetch_one(&self.pool).await?;
+        let row = bind_filter!(sqlx::query(&sql), filter).fetch_one(&self.pool).await?;
         Ok(u64::try_from(row.try_get::<i64, _>(0)?).unwrap_or(0))
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
         let sql = format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6");
-        let rows = bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        Ok(rows.iter().map(|row| event_record(row, &read_time)).collect::<Result<_, _>>()?)
+        let rows = bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        Ok(rows)
     }
 
     async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
@@ -398,7 +391,7 @@ impl Store for PostgresStore {
                  processed_at = NULL, next_attempt_at = $7, last_status_at = $7
              WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6)"
         );
-        let done = bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).bind(now).execute(&self.pool).await?;
+        let done = bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).bind(now).execute(&self.pool).await?;
         Ok(done.rows_affected())
     }
 
@@ -406,13 +399,13 @@ impl Store for PostgresStore {
         let sql = format!(
             "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6)"
         );
-        let done = bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).execute(&self.pool).await?;
+        let done = bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).execute(&self.pool).await?;
         Ok(done.rows_affected())
     }
 
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
-        Ok(rows.iter().map(read_breaker).collect::<Result<_, _>>()?)
+        let rows = sqlx::query_as("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
+        Ok(rows)
     }
 
     async fn record_breaker(
@@ -424,7 +417,7 @@ impl Store for PostgresStore {
         now: DateTime<Utc>,
     ) -> Result<Breaker, StoreError> {
         // $6: the failures trip (or re-trip) the breaker.
-        let row = sqlx::query(
+        let row = sqlx::query_as(
             "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
              VALUES ($1, $2, CASE WHEN $2 > 0 AND $2 >= $4 THEN $5 END, CASE WHEN $2 > 0 AND $2 >= $4 THEN $3 END, $5)
              ON CONFLICT (route) DO UPDATE SET
@@ -448,7 +441,7 @@ impl Store for PostgresStore {
         .bind(now)
         .fetch_one(&self.pool)
         .await?;
-        Ok(read_breaker(&row)?)
+        Ok(row)
     }
 
     async fn take_probe(
@@ -498,10 +491,10 @@ impl Store for PostgresStore {
                  updated_at = $2
              RETURNING *"
         };
-        let query = sqlx::query(sql).bind(route).bind(now);
+        let query = sqlx::query_as(sql).bind(route).bind(now);
         let query = if open { query.bind(reason) } else { query };
         let row = query.fetch_one(&self.pool).await?;
-        Ok(read_breaker(&row)?)
+        Ok(row)
     }
 }
 
@@ -510,16 +503,14 @@ const FAILED_WHERE: &str = "status = 'FAILED' AND ($1::text IS NULL OR route = $
      AND ($2::text IS NULL OR event_type = $2) AND ($3::timestamptz IS NULL OR created_at >= $3)
      AND ($4::timestamptz IS NULL OR created_at < $4) AND ($5::bigint IS NULL OR id > $5)";
 
-type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
-
-/// Binds a [`FailedFilter`] as $1..$5 to a query built on [`FAILED_WHERE`].
-fn bind_filter<'q>(query: PgQuery<'q>, filter: &'q FailedFilter) -> PgQuery<'q> {
-    query.bind(&filter.route).bind(&filter.event_type).bind(filter.from).bind(filter.before).bind(filter.after_id)
+/// Binds a [`FailedFilter`] as $1..$5 to a query (or `query_as`) built on [`FAILED_WHERE`].
+macro_rules! bind_filter {
+    ($query:expr, $filter:expr) => {{
+        let filter: &FailedFilter = $filter;
+        $query.bind(&filter.route).bind(&filter.event_type).bind(filter.from).bind(filter.before).bind(filter.after_id)
+    }};
 }
-
-fn read_breaker(row: &PgRow) -> Result<Breaker, sqlx::Error> {
-    breaker(row, &read_time, row.try_get("manual")?)
-}
+use bind_filter;
 
 /// The channel the `ferry_events_notify` trigger signals.
 const NOTIFY_CHANNEL: &str = "ferry_events";
@@ -544,9 +535,4 @@ async fn listen(pool: &PgPool, wake: &Notify, stop: &CancellationToken) -> Resul
 /// The attempt limit as stored (0 = unlimited).
 fn pin(max_attempts: u32) -> i32 {
     i32::try_from(max_attempts).unwrap_or(i32::MAX)
-}
-
-/// Timestamps are TIMESTAMPTZ.
-fn read_time(row: &PgRow, column: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    row.try_get(column)
 }

@@ -10,15 +10,15 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
+
+use ferry_outbox::Outbox;
 
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered, Stats,
-    Store, StoreError, WATCH_SQL, attempt_record, breaker, claimed_event, counts_by_status, event_record, partition,
-    stats_from,
+    Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
 };
-use crate::emit::Outbox;
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
 /// The outbox in a SQLite database file.
@@ -78,11 +78,6 @@ fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-fn time(ms: i64) -> Result<DateTime<Utc>, sqlx::Error> {
-    DateTime::from_timestamp_millis(ms)
-        .ok_or_else(|| sqlx::Error::Decode(format!("timestamp {ms} out of range").into()))
-}
-
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
      processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until";
@@ -138,7 +133,7 @@ impl Store for SqliteStore {
 
     async fn insert(&self, event: &NewEvent, now: DateTime<Utc>) -> Result<i64, StoreError> {
         let mut conn = self.pool.acquire().await?;
-        conn.insert_event(event, Some(now)).await
+        Ok(conn.insert_event(event, Some(now)).await?)
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
@@ -172,12 +167,7 @@ impl Store for SqliteStore {
         .bind(&claim.only_route)
         .fetch_all(&self.pool)
         .await?;
-        let mut claimed: Vec<(i64, ClaimedEvent)> = rows
-            .iter()
-            .map(|row| Ok((row.try_get("next_attempt_at")?, claimed_event(row, &read_time)?)))
-            .collect::<Result<_, sqlx::Error>>()?;
-        claimed.sort_by_key(|(due, event)| (*due, event.id));
-        Ok(claimed.into_iter().map(|(_, event)| event).collect())
+        Ok(in_claim_order(rows.iter().map(claimed_event).collect()))
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
@@ -221,8 +211,8 @@ impl Store for SqliteStore {
                     "attempt": c.attempt.number,
                     "started_at": ms(a.started_at),
                     "duration_ms": u64::try_from(a.duration.as_millis()).unwrap_or(u64::MAX),
-                    "outcome": c.disposition.outcome(),
-                    "reason": c.disposition.reason(),
+                    "outcome": c.disposition.outcome().as_str(),
+                    "reason": c.disposition.reason().map(|r| r.as_str()),
                     "error": c.disposition.error(),
                     "plugin": a.plugin,
                     "plugin_hash": a.plugin_hash,
@@ -322,12 +312,11 @@ impl Store for SqliteStore {
             )),
             None => None,
         };
-        Ok(stats_from(now, &counts, &watch, latency, &read_time)?)
+        Ok(stats_from(now, &counts, &watch, latency)?)
     }
 
     async fn attempts(&self, id: i64) -> Result<Vec<AttemptRecord>, StoreError> {
-        let rows = sqlx::query(ATTEMPTS_SQL).bind(id).fetch_all(&self.pool).await?;
-        Ok(rows.iter().map(|row| attempt_record(row, &read_time)).collect::<Result<_, _>>()?)
+        Ok(sqlx::query_as(ATTEMPTS_SQL).bind(id).fetch_all(&self.pool).await?)
     }
 
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
@@ -337,23 +326,23 @@ impl Store for SqliteStore {
     }
 
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
-        let row = sqlx::query(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = ?1"))
+        let row = sqlx::query_as(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = ?1"))
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(row.as_ref().map(|row| event_record(row, &read_time)).transpose()?)
+        Ok(row)
     }
 
     async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
         let sql = format!("SELECT COUNT(*) FROM ferry_events WHERE {FAILED_WHERE}");
-        let row = bind_filter(sqlx::query(&sql), filter).fetch_one(&self.pool).await?;
+        let row = bind_filter!(sqlx::query(&sql), filter).fetch_one(&self.pool).await?;
         Ok(u64::try_from(row.try_get::<i64, _>(0)?).unwrap_or(0))
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
         let sql = format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6");
-        let rows = bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        Ok(rows.iter().map(|row| event_record(row, &read_time)).collect::<Result<_, _>>()?)
+        let rows = bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        Ok(rows)
     }
 
     async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
@@ -364,7 +353,7 @@ impl Store for SqliteStore {
              WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6)"
         );
         let done =
-            bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).bind(ms(now)).execute(&self.pool).await?;
+            bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).bind(ms(now)).execute(&self.pool).await?;
         Ok(done.rows_affected())
     }
 
@@ -372,13 +361,13 @@ impl Store for SqliteStore {
         let sql = format!(
             "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6)"
         );
-        let done = bind_filter(sqlx::query(&sql), filter).bind(i64::from(limit)).execute(&self.pool).await?;
+        let done = bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).execute(&self.pool).await?;
         Ok(done.rows_affected())
     }
 
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
-        Ok(rows.iter().map(read_breaker).collect::<Result<_, _>>()?)
+        let rows = sqlx::query_as("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
+        Ok(rows)
     }
 
     async fn record_breaker(
@@ -389,7 +378,7 @@ impl Store for SqliteStore {
         threshold: u32,
         now: DateTime<Utc>,
     ) -> Result<Breaker, StoreError> {
-        let row = sqlx::query(
+        let row = sqlx::query_as(
             "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
              VALUES (?1, ?2, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?5 END, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?3 END, ?5)
              ON CONFLICT (route) DO UPDATE SET
@@ -413,7 +402,7 @@ impl Store for SqliteStore {
         .bind(ms(now))
         .fetch_one(&self.pool)
         .await?;
-        Ok(read_breaker(&row)?)
+        Ok(row)
     }
 
     async fn take_probe(
@@ -463,34 +452,27 @@ impl Store for SqliteStore {
                  updated_at = ?2
              RETURNING *"
         };
-        let query = sqlx::query(sql).bind(route).bind(ms(now));
+        let query = sqlx::query_as(sql).bind(route).bind(ms(now));
         let query = if open { query.bind(reason) } else { query };
         let row = query.fetch_one(&self.pool).await?;
-        Ok(read_breaker(&row)?)
+        Ok(row)
     }
 }
 
-/// Timestamps are stored as integer milliseconds.
 /// The FAILED rows a [`FailedFilter`] selects; its values are bound as ?1..?5 by [`bind_filter`].
 const FAILED_WHERE: &str = "status = 'FAILED' AND (?1 IS NULL OR route = ?1) AND (?2 IS NULL OR event_type = ?2)
      AND (?3 IS NULL OR created_at >= ?3) AND (?4 IS NULL OR created_at < ?4) AND (?5 IS NULL OR id > ?5)";
 
-type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>;
-
-/// Binds a [`FailedFilter`] as ?1..?5 to a query built on [`FAILED_WHERE`].
-fn bind_filter<'q>(query: SqliteQuery<'q>, filter: &'q FailedFilter) -> SqliteQuery<'q> {
-    query
-        .bind(&filter.route)
-        .bind(&filter.event_type)
-        .bind(filter.from.map(ms))
-        .bind(filter.before.map(ms))
-        .bind(filter.after_id)
+/// Binds a [`FailedFilter`] as ?1..?5 to a query (or `query_as`) built on [`FAILED_WHERE`].
+macro_rules! bind_filter {
+    ($query:expr, $filter:expr) => {{
+        let filter: &FailedFilter = $filter;
+        $query
+            .bind(&filter.route)
+            .bind(&filter.event_type)
+            .bind(filter.from.map(ms))
+            .bind(filter.before.map(ms))
+            .bind(filter.after_id)
+    }};
 }
-
-fn read_breaker(row: &SqliteRow) -> Result<Breaker, sqlx::Error> {
-    breaker(row, &read_time, row.try_get::<i64, _>("manual")? != 0)
-}
-
-fn read_time(row: &SqliteRow, column: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    row.try_get::<Option<i64>, _>(column)?.map(time).transpose()
-}
+use bind_filter;

@@ -1,5 +1,6 @@
-//! Test fixtures: a fresh database per test (a SQLite file, or a PostgreSQL schema), the
-//! compiled plugins, and polling with a deadline.
+//! Fixtures shared by ferry's integration tests (`tests/`) and benchmarks (`benches/`): a fresh
+//! database per test (a SQLite file, or a PostgreSQL schema), the compiled plugins, the `ferry`
+//! binary, real HTTP receivers and Kafka brokers, and polling with a deadline.
 
 pub mod broker;
 pub mod chaos;
@@ -88,7 +89,7 @@ impl TestDb {
         let text = format!("[database]\nurl = {:?}\n{extra}", self.url);
         let mut config = Config::from_toml_str(&text, "test config").expect("test config is valid");
         if config.plugins.cache_dir == Config::defaults().plugins.cache_dir {
-            config.plugins.cache_dir = repo_root().join("target/test-plugin-cache");
+            config.plugins.cache_dir = target_dir().join("test-plugin-cache");
         }
         config
     }
@@ -140,12 +141,31 @@ pub fn rand_u64() -> u64 {
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ has a parent").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("testkit/ has a parent").to_path_buf()
+}
+
+/// Cargo's target directory: `CARGO_TARGET_DIR` when set (relative to the repository root, where
+/// the scripts run cargo), else `target/` in the repository.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if !dir.is_empty() => repo_root().join(dir),
+        _ => repo_root().join("target"),
+    }
+}
+
+/// The `ferry` binary built with the test or benchmark that is running (cargo builds a package's
+/// binaries before its integration tests and benchmarks, next to their `deps/` directory).
+pub fn ferry_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("the running test's path");
+    let dir = exe.parent().and_then(Path::parent).expect("tests run from target/PROFILE/deps");
+    let bin = dir.join(format!("ferry{}", std::env::consts::EXE_SUFFIX));
+    assert!(bin.is_file(), "{} is missing: run the tests through cargo", bin.display());
+    bin
 }
 
 /// The compiled component of a plugin crate (e.g. `ferry_transport_log`).
 pub fn built_plugin(crate_name: &str) -> PathBuf {
-    let path = repo_root().join("target/wasm32-wasip2/release").join(format!("{crate_name}.wasm"));
+    let path = target_dir().join("wasm32-wasip2/release").join(format!("{crate_name}.wasm"));
     assert!(
         path.is_file(),
         "{} is missing: build the plugins first with scripts/build-plugins (scripts/test does it)",
@@ -188,7 +208,7 @@ pub fn install(path: &Path, bytes: &[u8]) {
 /// appended to `log`.
 pub fn spawn_serve(config: &Path, log: &Path) -> std::process::Child {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("serve log");
-    std::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
+    std::process::Command::new(ferry_bin())
         .arg("--config")
         .arg(config)
         .arg("serve")
@@ -222,11 +242,11 @@ macro_rules! both_backends {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name($crate::common::TestDb::new($crate::common::Backend::Sqlite).await).await })*
+            async fn $name() { super::$name($crate::TestDb::new($crate::Backend::Sqlite).await).await })*
         }
         mod postgres {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() { super::$name($crate::common::TestDb::new($crate::common::Backend::Postgres).await).await })*
+            async fn $name() { super::$name($crate::TestDb::new($crate::Backend::Postgres).await).await })*
         }
     };
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng as _;
 
-use super::{Receiver, plugins_dir, repo_root, spawn_serve};
+use crate::{Receiver, plugins_dir, spawn_serve};
 
 /// How hard to shake.
 #[derive(Debug, Clone)]
@@ -182,7 +182,7 @@ pub async fn run_chaos(options: &Options) -> Report {
     let dir = tempfile::tempdir().expect("temp dir");
     let plugins = plugins_dir(dir.path(), &["ferry_transport_http"]);
     let config = dir.path().join("ferry.toml");
-    let cache = repo_root().join("target/test-plugin-cache");
+    let cache = super::target_dir().join("test-plugin-cache");
     std::fs::write(
         &config,
         format!(

@@ -1,0 +1,281 @@
+//! The admin API's handlers: each parses its request, calls one operator operation
+//! (`crate::ops`) and answers with the operation's typed view.
+
+use std::collections::BTreeMap;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use chrono::{DateTime, Utc};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::extract::{ApiError, Body, EventId, Params, RouteName};
+use super::{Admin, OPENAPI};
+use crate::breaker::Breaker;
+use crate::config::parse_duration;
+use crate::event::NewEvent;
+use crate::ops::{self, FilterInput};
+use crate::report::{
+    BreakerView, Created, EventView, FailedCount, FailedPage, PluginsView, Purged, ReloadView, Resent, RouteView,
+    StatsView,
+};
+use crate::store::BulkOp;
+
+pub(super) async fn live() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+/// Ready when the database answers and every configured route's plugin is loaded.
+pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value>) {
+    let database = admin.ops.store.ping().await.map_err(|e| e.to_string());
+    let loaded = admin.registry.names();
+    let missing: BTreeMap<&String, &String> = admin
+        .ops
+        .settings
+        .routes
+        .values()
+        .filter(|r| !loaded.contains(&r.plugin))
+        .map(|r| (&r.name, &r.plugin))
+        .collect();
+    let ready = database.is_ok() && missing.is_empty();
+    let body = json!({
+        "status": if ready { "ready" } else { "not_ready" },
+        "database": match &database { Ok(()) => "ok".to_string(), Err(e) => e.clone() },
+        "plugins_loaded": loaded,
+        "routes_without_plugin": missing,
+    });
+    (if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, Json(body))
+}
+
+pub(super) async fn metrics(State(admin): State<Admin>) -> Result<Response, ApiError> {
+    let ops = &admin.ops;
+    let store_error = |e| ApiError::from(ops::OpError::from(e));
+    let stats = ops.store.stats(ops.clock.now(), None).await.map_err(store_error)?;
+    let breakers: Vec<Breaker> = ops.store.breakers().await.map_err(store_error)?;
+    let routes: Vec<String> = ops.settings.routes.keys().cloned().collect();
+    let text = admin.metrics.render(&stats, &breakers, &routes, ops.settings.breaker_cooldown());
+    Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
+}
+
+pub(super) async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StatsParams {
+    /// Latency is measured over events SENT this long ago or less.
+    window: Option<String>,
+}
+
+pub(super) async fn stats(
+    State(admin): State<Admin>,
+    Params(params): Params<StatsParams>,
+) -> Result<Json<StatsView>, ApiError> {
+    let window = match params.window.as_deref() {
+        None => std::time::Duration::from_secs(3600),
+        Some(text) => parse_duration(text).map_err(|e| ApiError::bad_request(format!("window: {e}")))?,
+    };
+    Ok(Json(admin.ops.stats(window).await?))
+}
+
+/// `POST /v1/events`: an event enqueued outside any application transaction.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct EnqueueRequest {
+    route: String,
+    #[serde(rename = "type")]
+    event_type: String,
+    /// A JSON payload, stored as its JSON text.
+    payload: Option<Value>,
+    /// A binary payload, base64-encoded.
+    payload_base64: Option<String>,
+    content_type: Option<String>,
+    key: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    /// RFC 3339; when the business event happened.
+    event_time: Option<String>,
+    /// RFC 3339; not delivered before then.
+    deliver_at: Option<String>,
+    /// e.g. "30s"; not delivered before this long from now.
+    delay: Option<String>,
+    /// Attempt limit for this event; 0 = unlimited.
+    max_attempts: Option<u32>,
+}
+
+fn rfc3339(field: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
+    DateTime::parse_from_rfc3339(text).map(|t| t.with_timezone(&Utc)).map_err(|e| {
+        ApiError::bad_request(format!(
+            "{field} must be an RFC 3339 time such as 2026-11-26T08:00:00Z, got {text:?} ({e})"
+        ))
+    })
+}
+
+impl EnqueueRequest {
+    fn into_event(self, now: DateTime<Utc>) -> Result<NewEvent, ApiError> {
+        let (payload, default_type) = match (self.payload, self.payload_base64) {
+            (Some(_), Some(_)) => return Err(ApiError::bad_request("give either payload or payload_base64, not both")),
+            (None, None) => return Err(ApiError::bad_request("missing payload (or payload_base64)")),
+            (Some(value), None) => (value.to_string().into_bytes(), "application/json"),
+            (None, Some(encoded)) => (
+                base64::engine::general_purpose::STANDARD
+                    .decode(encoded.trim())
+                    .map_err(|e| ApiError::bad_request(format!("payload_base64 is not valid base64: {e}")))?,
+                "application/octet-stream",
+            ),
+        };
+        let mut event = NewEvent::new(self.route, self.event_type, payload)
+            .with_content_type(self.content_type.unwrap_or_else(|| default_type.to_string()));
+        event.ordering_key = self.key;
+        event.headers = self.headers.into_iter().collect();
+        event.max_attempts = self.max_attempts;
+        if let Some(text) = &self.event_time {
+            event.event_time = Some(rfc3339("event_time", text)?);
+        }
+        match (&self.deliver_at, &self.delay) {
+            (Some(_), Some(_)) => return Err(ApiError::bad_request("give either deliver_at or delay, not both")),
+            (Some(text), None) => event.not_before = Some(rfc3339("deliver_at", text)?),
+            (None, Some(text)) => {
+                let delay = parse_duration(text).map_err(|e| ApiError::bad_request(format!("delay: {e}")))?;
+                let delay =
+                    chrono::Duration::from_std(delay).map_err(|_| ApiError::bad_request("delay is too long"))?;
+                event.not_before = Some(now + delay);
+            }
+            (None, None) => {}
+        }
+        Ok(event)
+    }
+}
+
+pub(super) async fn enqueue(
+    State(admin): State<Admin>,
+    Body(request): Body<EnqueueRequest>,
+) -> Result<(StatusCode, Json<Created>), ApiError> {
+    let now = admin.ops.now();
+    let event = request.into_event(now)?;
+    Ok((StatusCode::CREATED, Json(admin.ops.emit(event, now).await?)))
+}
+
+pub(super) async fn show(State(admin): State<Admin>, EventId(id): EventId) -> Result<Json<EventView>, ApiError> {
+    Ok(Json(admin.ops.show(id).await?))
+}
+
+pub(super) async fn resend_one(State(admin): State<Admin>, EventId(id): EventId) -> Result<Json<Resent>, ApiError> {
+    admin.ops.resend(id).await?;
+    Ok(Json(Resent { resent: 1 }))
+}
+
+/// Narrows the FAILED events an operation applies to.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FilterParams {
+    route: Option<String>,
+    #[serde(rename = "type")]
+    event_type: Option<String>,
+    from: Option<String>,
+    before: Option<String>,
+    after: Option<i64>,
+    limit: Option<u32>,
+    /// Bulk operations only: required when no other filter is given.
+    #[serde(default)]
+    all: bool,
+}
+
+impl FilterParams {
+    /// The filter, with the times parsed; the rest is checked by the operation.
+    fn input(&self) -> Result<FilterInput, ApiError> {
+        Ok(FilterInput {
+            route: self.route.clone(),
+            event_type: self.event_type.clone(),
+            from: self.from.as_deref().map(|t| rfc3339("from", t)).transpose()?,
+            before: self.before.as_deref().map(|t| rfc3339("before", t)).transpose()?,
+        })
+    }
+
+    fn only(&self, allowed: &[&str]) -> Result<(), ApiError> {
+        let given = [("after", self.after.is_some()), ("limit", self.limit.is_some()), ("all", self.all)];
+        match given.iter().find(|(name, set)| *set && !allowed.contains(name)) {
+            Some((name, _)) => Err(ApiError::bad_request(format!("{name} is not accepted here"))),
+            None => Ok(()),
+        }
+    }
+}
+
+pub(super) async fn failed_list(
+    State(admin): State<Admin>,
+    Params(params): Params<FilterParams>,
+) -> Result<Json<FailedPage>, ApiError> {
+    params.only(&["after", "limit"])?;
+    Ok(Json(admin.ops.failed_list(params.input()?, params.after, params.limit.unwrap_or(50)).await?))
+}
+
+pub(super) async fn failed_count(
+    State(admin): State<Admin>,
+    Params(params): Params<FilterParams>,
+) -> Result<Json<FailedCount>, ApiError> {
+    params.only(&[])?;
+    Ok(Json(admin.ops.failed_count(params.input()?).await?))
+}
+
+pub(super) async fn failed_resend(
+    State(admin): State<Admin>,
+    Body(params): Body<FilterParams>,
+) -> Result<Json<Resent>, ApiError> {
+    params.only(&["all"])?;
+    let resent = admin.ops.failed_bulk(params.input()?, params.all, BulkOp::Resend, |_, _| {}).await?;
+    Ok(Json(Resent { resent }))
+}
+
+pub(super) async fn failed_purge(
+    State(admin): State<Admin>,
+    Body(params): Body<FilterParams>,
+) -> Result<Json<Purged>, ApiError> {
+    params.only(&["all"])?;
+    let purged = admin.ops.failed_bulk(params.input()?, params.all, BulkOp::Purge, |_, _| {}).await?;
+    Ok(Json(Purged { purged }))
+}
+
+pub(super) async fn plugins(State(admin): State<Admin>) -> Json<PluginsView> {
+    Json(ops::plugins(&admin.registry))
+}
+
+pub(super) async fn plugins_reload(State(admin): State<Admin>) -> Result<Json<ReloadView>, ApiError> {
+    ops::reload_plugins(&admin.registry)
+        .await
+        .map(Json)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("{e:#}")))
+}
+
+pub(super) async fn routes(State(admin): State<Admin>) -> Result<Json<Vec<RouteView>>, ApiError> {
+    Ok(Json(admin.ops.routes(&admin.registry).await?))
+}
+
+pub(super) async fn breakers(State(admin): State<Admin>) -> Result<Json<Vec<BreakerView>>, ApiError> {
+    Ok(Json(admin.ops.breakers().await?))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct OpenRequest {
+    reason: Option<String>,
+}
+
+pub(super) async fn breaker_open(
+    State(admin): State<Admin>,
+    RouteName(route): RouteName,
+    Body(body): Body<OpenRequest>,
+) -> Result<Json<BreakerView>, ApiError> {
+    let reason = body.reason.unwrap_or_else(|| "opened by an operator".to_string());
+    Ok(Json(admin.ops.set_breaker(&route, true, &reason).await?))
+}
+
+pub(super) async fn breaker_close(
+    State(admin): State<Admin>,
+    RouteName(route): RouteName,
+) -> Result<Json<BreakerView>, ApiError> {
+    Ok(Json(admin.ops.set_breaker(&route, false, "").await?))
+}

@@ -1,0 +1,483 @@
+//! The `ferry` command line: parse arguments, load the configuration, run one command. Commands
+//! are thin: each calls one operator operation (`crate::ops`) and prints its typed answer, as
+//! JSON with `--json` or as text drawn by `render.rs`. `health` and `plugins reload` ask a running
+//! ferry through its admin API (`client.rs`).
+
+mod client;
+mod render;
+
+use std::io::Read as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::SystemClock;
+use crate::config::{Config, parse_duration};
+use crate::event::NewEvent;
+use crate::ops::{self, FilterInput, FrontEnd, OpError, Ops};
+use crate::plugins::{Registry, Runtime};
+use crate::report::{Created, FailedCount, Purged, ReloadResult, ReloadView, Resent};
+use crate::service;
+use crate::store::BulkOp;
+
+/// Delivers events from a transactional outbox through WebAssembly transport plugins.
+#[derive(Debug, Parser)]
+#[command(name = "ferry", version, about)]
+pub struct Cli {
+    /// Configuration file. Without it, ./ferry.toml is used if present, else the built-in defaults.
+    #[arg(long, short, global = true, env = "FERRY_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Overrides database.url from the configuration file.
+    #[arg(long, global = true, env = "FERRY_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Print JSON instead of text (the shapes the admin API answers with).
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the relay until SIGTERM or Ctrl-C.
+    Serve,
+    /// Create or upgrade the outbox schema, then exit.
+    Migrate,
+    /// Insert one event into the outbox.
+    Emit(EmitArgs),
+    /// Make FAILED events PENDING again (attempts and error reset) so the relay delivers them.
+    Resend {
+        /// Ids of the FAILED events.
+        #[arg(required = true)]
+        ids: Vec<i64>,
+    },
+    /// Inspect transport plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCommand),
+    /// Count, list, resend or purge FAILED events, narrowed by route, type and creation time.
+    #[command(subcommand)]
+    Failed(FailedCommand),
+    /// Show one event: its fields, last error and payload.
+    Show { id: i64 },
+    /// Show, open or close the per-route circuit breakers.
+    #[command(subcommand)]
+    Breaker(BreakerCommand),
+    /// Show how many events are in each status.
+    Status,
+    /// Ask the running ferry (through its admin API, `admin.listen`) whether it is ready: exit 0
+    /// if it is, 1 otherwise. For container health checks.
+    Health {
+        /// Only check that the process answers (liveness), not the database and plugins.
+        #[arg(long)]
+        live: bool,
+    },
+    /// Monitoring figures: events per route and status, oldest pending event, claim lag, stuck
+    /// claims, events on their last attempt, and delivery latency percentiles.
+    Stats {
+        /// Measure latency over events delivered this long ago or less.
+        #[arg(long, default_value = "1h", value_parser = parse_duration)]
+        window: std::time::Duration,
+    },
+}
+
+/// Which FAILED events a command applies to.
+#[derive(Debug, clap::Args)]
+pub struct FilterArgs {
+    /// Only events of this route.
+    #[arg(long)]
+    route: Option<String>,
+    /// Only events of this type.
+    #[arg(long = "type", value_name = "TYPE")]
+    event_type: Option<String>,
+    /// Only events created at or after this time (RFC 3339, e.g. 2026-11-26T08:00:00Z).
+    #[arg(long, value_parser = parse_time)]
+    from: Option<chrono::DateTime<chrono::Utc>>,
+    /// Only events created before this time (RFC 3339).
+    #[arg(long, value_parser = parse_time)]
+    before: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl FilterArgs {
+    fn input(self) -> FilterInput {
+        FilterInput { route: self.route, event_type: self.event_type, from: self.from, before: self.before }
+    }
+}
+
+fn parse_time(text: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
+    chrono::DateTime::parse_from_rfc3339(text)
+        .map(|t| t.with_timezone(&chrono::Utc))
+        .map_err(|e| format!("expected an RFC 3339 time such as 2026-11-26T08:00:00Z, got {text:?} ({e})"))
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FailedCommand {
+    /// How many FAILED events match.
+    Count {
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// FAILED events in id order, a page at a time.
+    List {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Start after this id (the last id of the previous page).
+        #[arg(long)]
+        after: Option<i64>,
+        /// Events per page.
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        limit: u32,
+    },
+    /// Make the matching FAILED events PENDING again (attempts and error reset).
+    Resend {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Required to resend every FAILED event when no filter is given.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Delete the matching FAILED events for good.
+    Purge {
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Required to purge every FAILED event when no filter is given.
+        #[arg(long)]
+        all: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BreakerCommand {
+    /// Every route whose breaker has a history: state, consecutive failures, since when, why.
+    List,
+    /// Open a route's breaker by hand: its events wait until it is closed by hand.
+    Open {
+        route: String,
+        /// Why, shown in `breaker list`.
+        #[arg(long, default_value = "opened by an operator")]
+        reason: String,
+    },
+    /// Close a route's breaker (by hand or not) and reset its failure count.
+    Close { route: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PluginsCommand {
+    /// Load every plugin in the plugins directory and show what each is and which routes use it.
+    List,
+    /// Make the running ferry (through its admin API, `admin.listen`) reload every plugin file now.
+    Reload,
+    /// Check that FILE is a transport ferry can load: a component of the transport world, with imports
+    /// ferry provides, built for a compatible contract version.
+    Check {
+        /// The component to check.
+        file: PathBuf,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct EmitArgs {
+    /// Route to deliver through (a [route.NAME] table in the config).
+    pub route: String,
+    /// Event type, e.g. order.created.
+    pub event_type: String,
+    /// Payload text; `-` reads standard input. Use --file for a file.
+    #[arg(conflicts_with = "file")]
+    pub payload: Option<String>,
+    /// Read the payload from this file.
+    #[arg(long)]
+    pub file: Option<PathBuf>,
+    /// Ordering key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Header as NAME=VALUE; may be repeated.
+    #[arg(long = "header", value_name = "NAME=VALUE")]
+    pub headers: Vec<String>,
+    /// MIME type of the payload.
+    #[arg(long, default_value = "application/json")]
+    pub content_type: String,
+    /// Deliver no sooner than this long from now, e.g. 30s or 5m.
+    #[arg(long, value_parser = parse_duration)]
+    pub delay: Option<std::time::Duration>,
+}
+
+impl Cli {
+    /// Loads the configuration this invocation names.
+    pub fn load_config(&self) -> anyhow::Result<Config> {
+        let mut config = match &self.config {
+            Some(path) => Config::load_with_env(path, std::env::vars())?,
+            None if std::path::Path::new("ferry.toml").exists() => {
+                Config::load_with_env("ferry.toml".as_ref(), std::env::vars())?
+            }
+            None => Config::from_sources("", "defaults", std::env::vars())?,
+        };
+        if let Some(url) = &self.database_url {
+            config.database.url = url.clone();
+            config
+                .validate()
+                .map_err(|message| anyhow::anyhow!("invalid --database-url / FERRY_DATABASE_URL: {message}"))?;
+        }
+        Ok(config)
+    }
+}
+
+/// Runs the parsed command.
+/// The operations over this invocation's database, answering as the CLI.
+async fn ops(config: &Config) -> anyhow::Result<Ops> {
+    let settings = Arc::new(config.settings()?);
+    let store = service::open_store(config).await?;
+    Ok(Ops { settings, store, clock: Arc::new(SystemClock), wake: None, front: FrontEnd::Cli })
+}
+
+/// Prints `value` as JSON, or the text `human` makes of it.
+fn say<T: serde::Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -> String) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(value)?);
+    } else {
+        println!("{}", human(value));
+    }
+    Ok(())
+}
+
+/// An operation's error as the CLI reports it (exit code 1, the message as it is).
+fn failed(e: OpError) -> anyhow::Error {
+    anyhow::Error::msg(e.to_string())
+}
+
+/// Runs the parsed command.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    let config = cli.load_config()?;
+    let json = cli.json;
+    match cli.command {
+        Command::Serve => {
+            let shutdown = CancellationToken::new();
+            tokio::spawn(stop_on_signal(shutdown.clone()));
+            service::serve(&config, shutdown).await
+        }
+        Command::Migrate => {
+            service::open_store(&config).await?;
+            say(json, &serde_json::json!({ "migrated": true }), |_| "database is up to date".into())
+        }
+        Command::Emit(args) => {
+            let ops = ops(&config).await?;
+            let now = ops.now();
+            let created: Created = ops.emit(args.into_event(now)?, now).await.map_err(failed)?;
+            say(json, &created, |c| c.id.to_string())
+        }
+        Command::Plugins(PluginsCommand::List) => plugins_list(&config, json).await,
+        Command::Plugins(PluginsCommand::Check { file }) => plugins_check(&config, &file, json).await,
+        Command::Plugins(PluginsCommand::Reload) => plugins_reload(&config, json).await,
+        Command::Resend { ids } => {
+            let ops = ops(&config).await?;
+            let mut errors = Vec::new();
+            for id in &ids {
+                if let Err(e) = ops.resend(*id).await {
+                    errors.push(e.to_string());
+                }
+            }
+            let resent = (ids.len() - errors.len()) as u64;
+            say(json, &serde_json::json!({ "resent": resent, "requested": ids.len() }), |_| {
+                format!("{resent} of {} events resent", ids.len())
+            })?;
+            if !errors.is_empty() {
+                bail!("{}", errors.join("; "));
+            }
+            Ok(())
+        }
+        Command::Breaker(command) => breaker(&config, command, json).await,
+        Command::Failed(command) => failed_command(&config, command, json).await,
+        Command::Show { id } => {
+            let view = ops(&config).await?.show(id).await.map_err(failed)?;
+            if json {
+                println!("{}", serde_json::to_string(&view)?);
+            } else {
+                render::event(&view);
+            }
+            Ok(())
+        }
+        Command::Status => {
+            let counts = ops(&config).await?.status().await.map_err(failed)?;
+            say(json, &counts, render::status)
+        }
+        Command::Health { live } => health(&config, live, json).await,
+        Command::Stats { window } => {
+            let stats = ops(&config).await?.stats(window).await.map_err(failed)?;
+            say(json, &stats, |s| render::stats(s, window))
+        }
+    }
+}
+
+async fn failed_command(config: &Config, command: FailedCommand, json: bool) -> anyhow::Result<()> {
+    let ops = ops(config).await?;
+    match command {
+        FailedCommand::Count { filter } => {
+            let count: FailedCount = ops.failed_count(filter.input()).await.map_err(failed)?;
+            say(json, &count, |c| c.failed.to_string())
+        }
+        FailedCommand::List { filter, after, limit } => {
+            let page = ops.failed_list(filter.input(), after, limit).await.map_err(failed)?;
+            say(json, &page, render::failed_page)
+        }
+        FailedCommand::Resend { filter, all } => {
+            let resent = bulk(&ops, filter.input(), all, BulkOp::Resend).await?;
+            say(json, &Resent { resent }, |r| format!("{} events resent", r.resent))
+        }
+        FailedCommand::Purge { filter, all } => {
+            let purged = bulk(&ops, filter.input(), all, BulkOp::Purge).await?;
+            say(json, &Purged { purged }, |p| format!("{} events purged", p.purged))
+        }
+    }
+}
+
+/// Resends or purges every match, with a progress bar on a terminal.
+async fn bulk(ops: &Ops, filter: FilterInput, all: bool, op: BulkOp) -> anyhow::Result<u64> {
+    let mut progress = render::Progress::new(op.past_tense());
+    let done = ops.failed_bulk(filter, all, op, |done, total| progress.show(done, total)).await.map_err(failed)?;
+    progress.finish();
+    Ok(done)
+}
+
+async fn breaker(config: &Config, command: BreakerCommand, json: bool) -> anyhow::Result<()> {
+    let ops = ops(config).await?;
+    let changed = match command {
+        BreakerCommand::List => {
+            let breakers = ops.breakers().await.map_err(failed)?;
+            return say(json, &breakers, |b| render::breakers(b));
+        }
+        BreakerCommand::Open { route, reason } => ops.set_breaker(&route, true, &reason).await.map_err(failed)?,
+        BreakerCommand::Close { route } => ops.set_breaker(&route, false, "").await.map_err(failed)?,
+    };
+    say(json, &changed, |b| {
+        let state = if b.breaker.is_open() { "open until closed by hand" } else { "closed" };
+        format!("breaker of route {}: {state}", b.breaker.route)
+    })
+}
+
+async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {
+    let settings = Arc::new(config.settings()?);
+    let runtime = Arc::new(Runtime::new(&settings)?);
+    let registry = Registry::new(runtime, settings, Arc::default());
+    registry.load_dir().await?;
+    say(json, &ops::plugins(&registry), render::plugins)
+}
+
+async fn plugins_check(config: &Config, file: &std::path::Path, json: bool) -> anyhow::Result<()> {
+    let runtime = Runtime::new(&config.settings()?)?;
+    let plugin = runtime.load(file).await?;
+    let value = serde_json::json!({
+        "file": file.display().to_string(),
+        "name": plugin.info.name,
+        "version": plugin.info.version,
+        "hash": plugin.hash,
+    });
+    say(json, &value, |_| {
+        format!(
+            "ok: {} is the transport plugin {:?}, version {}, for ferry:transport (sha256 {})",
+            file.display(),
+            plugin.info.name,
+            plugin.info.version,
+            &plugin.hash[..12]
+        )
+    })
+}
+
+/// Asks the running ferry whether it is live or ready, through the admin API.
+async fn health(config: &Config, live: bool, json: bool) -> anyhow::Result<()> {
+    let Some(address) = config.admin.address() else {
+        bail!("admin.listen is not set: `health` asks a running ferry through its admin API");
+    };
+    let path = if live { "/health/live" } else { "/health/ready" };
+    let (status, body) = client::request("GET", address, path, None).await?;
+    if json {
+        println!("{}", body.trim());
+    } else {
+        println!("{status} {}", body.trim());
+    }
+    if status != 200 {
+        bail!("ferry at {address} is not {}", if live { "live" } else { "ready" });
+    }
+    Ok(())
+}
+
+/// Asks the running ferry to reload its plugins, through the admin API.
+async fn plugins_reload(config: &Config, json: bool) -> anyhow::Result<()> {
+    let Some(address) = config.admin.address() else {
+        bail!("admin.listen is not set: `plugins reload` asks a running ferry through its admin API");
+    };
+    let token = config.admin.bearer_token().map_err(anyhow::Error::msg)?;
+    let (status, body) = client::request("POST", address, "/v1/plugins/reload", Some(&token)).await?;
+    if status != 200 {
+        let message = serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+            .unwrap_or(body);
+        bail!("the admin API at {address} answered {status}: {message}");
+    }
+    let view: ReloadView = serde_json::from_str(&body).with_context(|| {
+        format!("the admin API at {address} answered {status} with something that is not a reload report")
+    })?;
+    say(json, &view, render::reload)?;
+    let failed = view.files.iter().filter(|f| f.result == ReloadResult::Failed).count();
+    if failed > 0 {
+        bail!("{failed} plugin files failed to load; the versions already active stay in use");
+    }
+    Ok(())
+}
+
+impl EmitArgs {
+    /// The event to emit at `now` (deferral is counted from it).
+    fn into_event(self, now: chrono::DateTime<chrono::Utc>) -> anyhow::Result<NewEvent> {
+        let payload = match (&self.payload, &self.file) {
+            (_, Some(path)) => {
+                std::fs::read(path).with_context(|| format!("reading payload file {}", path.display()))?
+            }
+            (Some(text), None) if text == "-" => {
+                let mut buf = Vec::new();
+                std::io::stdin().read_to_end(&mut buf).context("reading payload from standard input")?;
+                buf
+            }
+            (Some(text), None) => text.clone().into_bytes(),
+            (None, None) => bail!("no payload: give it as an argument, `-` for standard input, or --file PATH"),
+        };
+        let mut event = NewEvent::new(self.route, self.event_type, payload).with_content_type(self.content_type);
+        event.ordering_key = self.key;
+        for header in &self.headers {
+            let Some((name, value)) = header.split_once('=') else {
+                bail!("--header {header:?} must be NAME=VALUE");
+            };
+            event = event.with_header(name, value);
+        }
+        if let Some(delay) = self.delay {
+            let delay = chrono::Duration::from_std(delay).context("--delay is too long")?;
+            event = event.not_before(now + delay);
+        }
+        Ok(event)
+    }
+}
+
+/// Cancels `shutdown` on SIGTERM, SIGINT or Ctrl-C.
+async fn stop_on_signal(shutdown: CancellationToken) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(term) => term,
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                let _ = ctrl_c.await;
+                shutdown.cancel();
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutdown requested; finishing in-flight deliveries");
+    shutdown.cancel();
+}

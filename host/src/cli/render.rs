@@ -1,0 +1,208 @@
+//! The CLI's text output: tables and blocks drawn from the same typed views `--json` prints, and
+//! the progress bar of bulk operations.
+
+use std::fmt::Write as _;
+use std::io::IsTerminal as _;
+
+use crate::breaker::BreakerState;
+use crate::event::Status;
+use crate::report::{BreakerView, EventView, FailedPage, PluginsView, ReloadView, StatsView, StatusCounts};
+use crate::store::{self, Percentiles};
+
+/// `ferry status`: events per status.
+pub fn status(counts: &StatusCounts) -> String {
+    let mut out = format!("{:<12}{:>10}", "STATUS", "EVENTS");
+    for status in Status::ALL {
+        let _ = write!(out, "\n{:<12}{:>10}", status.as_str(), counts.get(&status).copied().unwrap_or(0));
+    }
+    out
+}
+
+/// `ferry stats`: the figures, latency over `window`.
+pub fn stats(stats: &StatsView, window: std::time::Duration) -> String {
+    let mut out = format!("{:<20} {:>10} {:>10} {:>10} {:>10}", "ROUTE", "PENDING", "PROCESSING", "SENT", "FAILED");
+    for (route, counts) in &stats.routes {
+        let n = |s: Status| counts.get(&s).copied().unwrap_or(0);
+        let _ = write!(
+            out,
+            "\n{route:<20} {:>10} {:>10} {:>10} {:>10}",
+            n(Status::Pending),
+            n(Status::Processing),
+            n(Status::Sent),
+            n(Status::Failed)
+        );
+    }
+    let seconds = |s: Option<f64>| s.map_or("-".to_string(), |s| format!("{s:.1}s"));
+    let _ = write!(out, "\n\noldest pending event   {}", seconds(stats.oldest_pending_age_seconds));
+    let _ = write!(out, "\nclaim lag              {}", seconds(stats.claim_lag_seconds));
+    let _ = write!(out, "\nstuck in PROCESSING    {}", stats.stuck);
+    let _ = write!(out, "\non their last attempt  {}", stats.last_attempt);
+    match &stats.latency {
+        Some(l) => {
+            let line = |p: &Percentiles| {
+                format!("p50 {} ms  p95 {} ms  p99 {} ms  max {} ms", p.p50_ms, p.p95_ms, p.p99_ms, p.max_ms)
+            };
+            let _ = write!(out, "\nlatency over the last {window:?} ({} events delivered):", l.samples);
+            let _ = write!(out, "\n  from event time      {}", line(&l.from_event_time));
+            let _ = write!(out, "\n  from creation        {}", line(&l.from_created));
+        }
+        None => {
+            let _ = write!(out, "\nlatency                no events delivered in the last {window:?}");
+        }
+    }
+    out
+}
+
+/// `ferry failed list`: one line per event, and how to get the next page.
+pub fn failed_page(page: &FailedPage) -> String {
+    let mut out = format!(
+        "{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} LAST ERROR",
+        "ID", "ROUTE", "TYPE", "CREATED", "ATTEMPTS", "REASON"
+    );
+    for e in &page.events {
+        let _ = write!(
+            out,
+            "\n{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} {}",
+            e.id,
+            e.route,
+            e.event_type,
+            e.created_at.to_rfc3339(),
+            e.attempts,
+            e.failure_reason.map_or("-", |r| r.as_str()),
+            e.last_error.as_deref().unwrap_or("-").lines().next().unwrap_or("")
+        );
+    }
+    if let Some(next) = page.next_after {
+        let _ = write!(out, "\nmore: --after {next}");
+    }
+    out
+}
+
+/// `ferry breaker list`.
+pub fn breakers(breakers: &[BreakerView]) -> String {
+    let mut out = format!("{:<20} {:<10} {:>8}  {:<25} REASON", "ROUTE", "STATE", "FAILURES", "OPENED AT");
+    for view in breakers {
+        let b = &view.breaker;
+        let opened = b.opened_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
+        let state = match view.state {
+            BreakerState::Open if b.manual => "open (by hand)",
+            state => state.as_str(),
+        };
+        let reason = b.reason.as_deref().unwrap_or("-");
+        let _ = write!(out, "\n{:<20} {:<10} {:>8}  {:<25} {reason}", b.route, state, b.consecutive_failures, opened);
+    }
+    out
+}
+
+/// `ferry plugins list`.
+pub fn plugins(view: &PluginsView) -> String {
+    let mut out = format!("{:<16} {:<10} {:<14} {:<24} FILE", "NAME", "VERSION", "HASH", "ROUTES");
+    for p in &view.plugins {
+        let routes = if p.routes.is_empty() { "-".to_string() } else { p.routes.join(",") };
+        let hash = &p.hash[..p.hash.len().min(12)];
+        let _ = write!(out, "\n{:<16} {:<10} {:<14} {:<24} {}", p.name, p.version, hash, routes, p.file.display());
+    }
+    for (path, error) in &view.errors {
+        let _ = write!(out, "\nnot loaded: {}: {error}", path.display());
+    }
+    out
+}
+
+/// `ferry plugins reload`: one line per file.
+pub fn reload(view: &ReloadView) -> String {
+    let lines: Vec<String> = view
+        .files
+        .iter()
+        .map(|f| {
+            let result = serde_json::to_value(f.result).ok().and_then(|v| v.as_str().map(str::to_string));
+            let detail = f.error.as_deref().or(f.plugin.as_deref()).unwrap_or("");
+            format!("{:<10} {} {detail}", result.unwrap_or_default(), f.file.display())
+        })
+        .collect();
+    lines.join("\n")
+}
+
+/// `ferry show`: every field, the payload as text when it is UTF-8, and the delivery history.
+pub fn event(view: &EventView) {
+    let event = &view.event;
+    let time = |t: Option<chrono::DateTime<chrono::Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
+    let limit = match event.max_attempts {
+        None => "the route's limit".to_string(),
+        Some(0) => "unlimited".to_string(),
+        Some(m) => m.to_string(),
+    };
+    let fields = [
+        ("id", event.id.to_string()),
+        ("status", event.status.to_string()),
+        ("route", event.route.clone()),
+        ("type", event.event_type.clone()),
+        ("key", event.ordering_key.clone().unwrap_or_else(|| "-".into())),
+        ("attempts", format!("{} of {limit}", event.attempts)),
+        ("event time", time(Some(event.event_time))),
+        ("created", time(Some(event.created_at))),
+        ("status since", time(Some(event.last_status_at))),
+        ("next attempt", time(Some(event.next_attempt_at))),
+        ("processed", time(event.processed_at)),
+        ("failure", event.failure_reason.map_or("-".into(), |r| r.to_string())),
+        ("last error", event.last_error.clone().unwrap_or_else(|| "-".into())),
+        ("claimed by", event.claimed_by.clone().unwrap_or_else(|| "-".into())),
+        ("content type", event.content_type.clone()),
+        ("headers", event.headers.clone()),
+    ];
+    for (name, value) in fields {
+        println!("{name:<13} {value}");
+    }
+    let attempts = view.attempts_history.as_deref().unwrap_or_default();
+    println!("history       {} attempts recorded", attempts.len());
+    for a in attempts {
+        let plugin = match (&a.plugin, &a.plugin_hash) {
+            (Some(name), Some(hash)) => format!("{name}@{}", &hash[..hash.len().min(12)]),
+            (Some(name), None) => name.clone(),
+            _ => "-".into(),
+        };
+        let outcome = match &a.reason {
+            Some(reason) => format!("{} ({reason})", a.outcome),
+            None => a.outcome.to_string(),
+        };
+        let error = a.error.as_deref().unwrap_or("").lines().next().unwrap_or("");
+        println!(
+            "  #{:<3} {}  {:>6} ms  {outcome:<28} {plugin:<26} {error}",
+            a.attempt,
+            a.started_at.to_rfc3339(),
+            a.duration_ms
+        );
+    }
+    match &view.payload {
+        Some(text) => println!("payload\n{text}"),
+        None => println!("payload       {} bytes, not UTF-8 text", event.payload.len()),
+    }
+}
+
+/// A one-line progress bar on standard error, drawn only when it is a terminal.
+pub struct Progress {
+    verb: &'static str,
+    terminal: bool,
+    drawn: bool,
+}
+
+impl Progress {
+    pub fn new(verb: &'static str) -> Progress {
+        Progress { verb, terminal: std::io::stderr().is_terminal(), drawn: false }
+    }
+
+    /// Draws the bar, for operations of more than one step.
+    pub fn show(&mut self, done: u64, total: u64) {
+        if self.terminal && total > u64::from(store::BULK_STEP) {
+            self.drawn = true;
+            let width = 30;
+            let filled = (done.min(total) * width / total.max(1)) as usize;
+            eprint!("\r{} [{}{}] {done}/{}", self.verb, "#".repeat(filled), " ".repeat(width as usize - filled), total);
+        }
+    }
+
+    pub fn finish(&self) {
+        if self.drawn {
+            eprintln!();
+        }
+    }
+}

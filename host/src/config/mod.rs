@@ -1,0 +1,468 @@
+//! Configuration: the commented defaults in `ferry.default.toml`, overlaid by the user's TOML file
+//! and `FERRY_*` environment variables (`env.rs`), validated once at start-up and resolved into
+//! [`Settings`] (`settings.rs`). Value types with units live in `units.rs`. Every error names the
+//! file (or variable) and the key.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+mod env;
+mod settings;
+mod units;
+
+pub use self::settings::{Ordering, PluginSettings, RouteSettings, Sandbox, Settings};
+pub use self::units::{
+    ByteSize, ConfigValue, Dur, MaxAttempts, Retention, normalize_origin, parse_duration, parse_size,
+};
+
+/// The reference configuration, compiled in; it supplies every default.
+pub const DEFAULT_TOML: &str = include_str!("../../ferry.default.toml");
+
+/// A configuration problem, naming where it is.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("invalid config in {origin}: {message}")]
+    Invalid { origin: String, message: String },
+}
+
+impl ConfigError {
+    fn invalid(origin: &str, message: String) -> Self {
+        ConfigError::Invalid { origin: origin.to_string(), message }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub database: DatabaseConfig,
+    pub relay: RelayConfig,
+    pub retry: RetryConfig,
+    pub breaker: BreakerConfig,
+    pub admin: AdminConfig,
+    pub plugins: PluginsConfig,
+    /// Per-plugin sandbox grants, keyed by plugin name.
+    #[serde(default)]
+    pub sandbox: BTreeMap<String, SandboxConfig>,
+    /// Routes, keyed by the route name events carry.
+    #[serde(default)]
+    pub route: BTreeMap<String, RouteConfig>,
+}
+
+/// The per-route circuit breaker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerConfig {
+    /// Consecutive transient failures that open a route's breaker; 0 turns breakers off.
+    pub threshold: u32,
+    /// How long an open breaker waits before letting one probe delivery through.
+    pub cooldown: Dur,
+}
+
+/// The admin HTTP API.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// `HOST:PORT` to serve on; empty: no API.
+    pub listen: String,
+    /// The bearer token; see [`AdminConfig::bearer_token`].
+    pub token: String,
+    pub token_file: PathBuf,
+}
+
+impl fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdminConfig")
+            .field("listen", &self.listen)
+            .field("token", &if self.token.is_empty() { "" } else { "<redacted>" })
+            .field("token_file", &self.token_file)
+            .finish()
+    }
+}
+
+/// Shortest admin token accepted.
+const MIN_TOKEN_LEN: usize = 16;
+
+impl AdminConfig {
+    /// The address to serve on, if the API is enabled.
+    pub fn address(&self) -> Option<std::net::SocketAddr> {
+        self.listen.parse().ok()
+    }
+
+    /// The token from `token`, or else read from `token_file`. Errors name the key and the file.
+    pub fn bearer_token(&self) -> Result<String, String> {
+        let token = if self.token.is_empty() {
+            let text = std::fs::read_to_string(&self.token_file)
+                .map_err(|e| format!("admin.token_file: cannot read {}: {e}", self.token_file.display()))?;
+            text.trim().to_string()
+        } else {
+            self.token.clone()
+        };
+        if token.chars().count() < MIN_TOKEN_LEN {
+            let key = if self.token.is_empty() { "admin.token_file" } else { "admin.token" };
+            return Err(format!("{key}: the admin token must be at least {MIN_TOKEN_LEN} characters long"));
+        }
+        Ok(token)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// `sqlite://PATH` or `postgres://…`.
+    pub url: String,
+    pub max_connections: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelayConfig {
+    pub batch_size: u32,
+    pub workers: u32,
+    pub poll_interval: Dur,
+    pub idle_poll_max: Dur,
+    /// On PostgreSQL, wake on NOTIFY instead of waiting for the next poll.
+    pub listen: bool,
+    pub retain_sent: Retention,
+    pub purge_batch: u32,
+    pub lease: Dur,
+    pub recover_every: u32,
+    pub shutdown_grace: Dur,
+    pub instance_id: String,
+}
+
+/// The retry keys, all present in the defaults.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    pub max_attempts: MaxAttempts,
+    pub backoff: BackoffKind,
+    pub initial: Dur,
+    pub max_delay: Dur,
+    pub schedule: Vec<Dur>,
+    pub jitter: JitterKind,
+    pub jitter_percent: u32,
+    pub retry_after_max: Dur,
+}
+
+/// A route's overrides of [`RetryConfig`]; absent keys inherit the global value.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryOverrides {
+    pub max_attempts: Option<MaxAttempts>,
+    pub backoff: Option<BackoffKind>,
+    pub initial: Option<Dur>,
+    pub max_delay: Option<Dur>,
+    pub schedule: Option<Vec<Dur>>,
+    pub jitter: Option<JitterKind>,
+    pub jitter_percent: Option<u32>,
+    pub retry_after_max: Option<Dur>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackoffKind {
+    Exponential,
+    Fixed,
+    Schedule,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JitterKind {
+    None,
+    Symmetric,
+    Equal,
+    Full,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginsConfig {
+    pub dir: PathBuf,
+    pub watch: bool,
+    pub debounce: Dur,
+    pub cache_dir: PathBuf,
+    pub timeout: Dur,
+    pub memory: ByteSize,
+    pub instances: u32,
+    pub max_calls: u64,
+}
+
+/// The limits one plugin runs under, after per-plugin overrides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PluginLimits {
+    pub timeout: Duration,
+    pub memory: usize,
+    pub instances: usize,
+    pub max_calls: u64,
+}
+
+/// What one plugin may touch. Everything not listed is denied.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxConfig {
+    /// Guest path → host directory, pre-opened read-write for the plugin.
+    #[serde(default)]
+    pub dirs: BTreeMap<String, PathBuf>,
+    /// Environment variables the plugin sees.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Whether the plugin's stdout and stderr reach ferry's.
+    #[serde(default = "yes")]
+    pub stdio: bool,
+    /// `host:port` pairs the plugin may open TCP connections to.
+    #[serde(default)]
+    pub tcp: Vec<String>,
+    /// Whether the plugin may resolve host names itself (needed when a server tells it where to
+    /// connect by name, as Kafka brokers do). Connections still go only to `tcp` addresses.
+    #[serde(default)]
+    pub dns: bool,
+    /// Origins (`scheme://host[:port]`) the plugin may send wasi:http requests to.
+    #[serde(default)]
+    pub http: Vec<String>,
+    pub timeout: Option<Dur>,
+    pub memory: Option<ByteSize>,
+    pub instances: Option<u32>,
+    pub max_calls: Option<u64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self {
+            dirs: BTreeMap::new(),
+            env: BTreeMap::new(),
+            stdio: true,
+            tcp: Vec::new(),
+            dns: false,
+            http: Vec::new(),
+            timeout: None,
+            memory: None,
+            instances: None,
+            max_calls: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// The plugin (by the name it reports) that delivers this route's events.
+    pub plugin: String,
+    /// Passed to the plugin's `init` as key/value strings.
+    #[serde(default)]
+    pub config: BTreeMap<String, ConfigValue>,
+    #[serde(default)]
+    pub retry: RetryOverrides,
+    /// Deliver events sharing an ordering key one at a time, in id order.
+    #[serde(default)]
+    pub ordered: bool,
+    /// What a FAILED event does to the rest of its key on an ordered route.
+    #[serde(default)]
+    pub ordered_after_failure: AfterFailure,
+}
+
+/// On an ordered route, what happens to a key whose oldest unfinished event has FAILED.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AfterFailure {
+    /// Hold the key's later events until the failed one is resent (and delivered) or purged.
+    #[default]
+    Block,
+    /// Let the key's next event go ahead.
+    Skip,
+}
+
+impl Config {
+    /// The built-in defaults alone.
+    pub fn defaults() -> Config {
+        Self::from_toml_str("", "defaults").expect("built-in defaults are valid")
+    }
+
+    /// Loads `path` over the defaults, resolving relative paths against the file's directory.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_with_env(path, std::iter::empty())
+    }
+
+    /// Like [`Config::load`], then applies `FERRY_<TABLE>_<KEY>` overrides from `env` (see
+    /// [`Config::from_sources`]).
+    pub fn load_with_env(path: &Path, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let mut config = Self::from_sources(&text, &path.display().to_string(), env)?;
+        let base = path.parent().unwrap_or(Path::new(""));
+        config.resolve_paths(base);
+        Ok(config)
+    }
+
+    /// Parses `text` over the defaults; `origin` names the source in errors.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        Self::from_sources(text, origin, std::iter::empty())
+    }
+
+    /// Parses `text` over the defaults, then applies environment overrides: `FERRY_RELAY_BATCH_SIZE=500`
+    /// sets `relay.batch_size`, for every key of the `database`, `relay`, `retry`, `breaker`, `admin` and `plugins`
+    /// tables. A value is read as TOML when it parses as such (`500`, `true`, `["a"]`) and as a
+    /// string otherwise (`5m`, `unlimited`). An unknown `FERRY_` variable, or a bad value, is an
+    /// error naming the variable. Variables read elsewhere (`FERRY_CONFIG`, `FERRY_LOG`,
+    /// `FERRY_LOG_FORMAT`, `FERRY_DATABASE_URL`) are left alone.
+    pub fn from_sources(
+        text: &str,
+        origin: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let defaults: toml::Table = DEFAULT_TOML.parse().expect("ferry.default.toml parses");
+        let mut merged = defaults.clone();
+        let user: toml::Table =
+            text.parse().map_err(|e: toml::de::Error| ConfigError::invalid(origin, e.to_string()))?;
+        env::merge(&mut merged, user);
+        env::overlay(&defaults, &mut merged, env)?;
+        let config: Config = toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::invalid(origin, e.message().to_string()))?;
+        config.validate().map_err(|message| ConfigError::invalid(origin, message))?;
+        Ok(config)
+    }
+
+    /// Checks what types alone cannot; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        let sqlite = self.database.url.starts_with("sqlite:");
+        let postgres = self.database.url.starts_with("postgres://") || self.database.url.starts_with("postgresql://");
+        if !sqlite && !postgres {
+            return Err(format!(
+                "database.url must start with sqlite:// or postgres://, got {:?}",
+                crate::store::redact_url(&self.database.url)
+            ));
+        }
+        if self.database.max_connections == 0 {
+            return Err("database.max_connections must be at least 1".into());
+        }
+        if !(1..=10_000).contains(&self.relay.batch_size) {
+            return Err(format!("relay.batch_size must be between 1 and 10000, got {}", self.relay.batch_size));
+        }
+        if self.relay.poll_interval.0.is_zero() {
+            return Err("relay.poll_interval must be greater than 0".into());
+        }
+        if self.relay.idle_poll_max < self.relay.poll_interval {
+            return Err("relay.idle_poll_max must not be shorter than relay.poll_interval".into());
+        }
+        if self.relay.purge_batch == 0 {
+            return Err("relay.purge_batch must be at least 1".into());
+        }
+        if self.relay.recover_every == 0 {
+            return Err("relay.recover_every must be at least 1".into());
+        }
+        if !(1..=64).contains(&self.relay.workers) {
+            return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));
+        }
+        let plugin_limits = std::iter::once(("plugins".to_string(), self.plugin_limits("")))
+            .chain(self.sandbox.keys().map(|name| (format!("sandbox.{name}"), self.plugin_limits(name))));
+        for (table, limits) in plugin_limits {
+            if limits.timeout.is_zero() {
+                return Err(format!("{table}.timeout must be greater than 0"));
+            }
+            if self.relay.lease.0 <= limits.timeout {
+                return Err(format!(
+                    "relay.lease ({}) must be longer than {table}.timeout ({:?}), or events would be recovered while still being delivered",
+                    self.relay.lease, limits.timeout
+                ));
+            }
+            if limits.memory < (1 << 20) {
+                return Err(format!("{table}.memory must be at least 1MiB"));
+            }
+            if !(1..=64).contains(&limits.instances) {
+                return Err(format!("{table}.instances must be between 1 and 64, got {}", limits.instances));
+            }
+            if limits.max_calls == 0 {
+                return Err(format!("{table}.max_calls must be at least 1"));
+            }
+        }
+        if !self.admin.listen.is_empty() {
+            if self.admin.address().is_none() {
+                return Err(format!(
+                    "admin.listen must be an address such as \"127.0.0.1:9464\", got {:?}",
+                    self.admin.listen
+                ));
+            }
+            if self.admin.token.is_empty() && self.admin.token_file.as_os_str().is_empty() {
+                return Err("admin.token (or admin.token_file) must be set when admin.listen is set".into());
+            }
+            if !self.admin.token.is_empty() && self.admin.token.chars().count() < MIN_TOKEN_LEN {
+                return Err(format!("admin.token must be at least {MIN_TOKEN_LEN} characters long"));
+            }
+        }
+        for (plugin, sandbox) in &self.sandbox {
+            for target in &sandbox.tcp {
+                if target.rsplit_once(':').is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err()) {
+                    return Err(format!("sandbox.{plugin}.tcp: {target:?} is not host:port"));
+                }
+            }
+            for guest in sandbox.dirs.keys() {
+                if !guest.starts_with('/') {
+                    return Err(format!("sandbox.{plugin}.dirs: guest path {guest:?} must be absolute, like \"/out\""));
+                }
+            }
+        }
+        Settings::resolve(self).map(drop)
+    }
+
+    /// Resolves the validated configuration into what ferry runs on.
+    pub fn settings(&self) -> Result<Settings, ConfigError> {
+        Settings::resolve(self).map_err(|message| ConfigError::invalid("config", message))
+    }
+
+    /// The instance name written to `claimed_by`.
+    pub fn instance_id(&self) -> String {
+        if !self.relay.instance_id.is_empty() {
+            return self.relay.instance_id.clone();
+        }
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .ok()
+            .filter(|h| !h.is_empty())
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "ferry".into());
+        format!("{host}-{}", std::process::id())
+    }
+
+    fn resolve_paths(&mut self, base: &Path) {
+        let join = |p: &Path| if p.is_relative() { base.join(p) } else { p.to_path_buf() };
+        self.plugins.dir = join(&self.plugins.dir);
+        if !self.admin.token_file.as_os_str().is_empty() {
+            self.admin.token_file = join(&self.admin.token_file);
+        }
+        if !self.plugins.cache_dir.as_os_str().is_empty() {
+            self.plugins.cache_dir = join(&self.plugins.cache_dir);
+        }
+        for sandbox in self.sandbox.values_mut() {
+            for dir in sandbox.dirs.values_mut() {
+                *dir = join(dir);
+            }
+        }
+        if let Some(rest) =
+            self.database.url.strip_prefix("sqlite://").or_else(|| self.database.url.strip_prefix("sqlite:"))
+        {
+            let (path, query) = rest.split_once('?').map_or((rest, None), |(p, q)| (p, Some(q)));
+            if !path.is_empty() && path != ":memory:" && Path::new(path).is_relative() {
+                let full = join(Path::new(path));
+                self.database.url = match query {
+                    Some(q) => format!("sqlite://{}?{q}", full.display()),
+                    None => format!("sqlite://{}", full.display()),
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,231 @@
+//! The configuration resolved once into what each part of ferry runs on: per route its plugin,
+//! the plugin's config, retry policy and ordering; per plugin its sandbox and limits. Built when
+//! the configuration is validated, so nothing downstream re-derives a policy or can meet an
+//! unvalidated value.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::units::normalize_origin;
+use super::{AfterFailure, BackoffKind, Config, JitterKind, PluginLimits, SandboxConfig};
+use crate::backoff::{Backoff, Jitter, RetryPolicy};
+
+/// Everything resolved from one [`Config`].
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The configuration as loaded and validated, for the settings that need no resolving.
+    pub config: Config,
+    /// Every configured route, by name.
+    pub routes: BTreeMap<String, Arc<RouteSettings>>,
+    /// The policy of events whose route is not configured.
+    pub default_retry: RetryPolicy,
+    /// Plugins with a `[sandbox.NAME]` table, by name.
+    plugins: BTreeMap<String, Arc<PluginSettings>>,
+    /// What a plugin without a `[sandbox.NAME]` table gets.
+    default_plugin: Arc<PluginSettings>,
+}
+
+/// One route, ready to run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteSettings {
+    pub name: String,
+    /// The plugin (by the name it reports) that delivers this route's events.
+    pub plugin: String,
+    /// The route's `config` table, handed to the plugin's `init`.
+    pub plugin_config: Vec<(String, String)>,
+    pub retry: RetryPolicy,
+    pub ordering: Ordering,
+}
+
+/// Whether a route delivers the events of one ordering key one at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ordering {
+    /// Events go out as they are claimed.
+    Unordered,
+    /// One event per key in flight; with `failed_blocks_key`, a FAILED event holds back the
+    /// rest of its key until it is resent or purged.
+    Ordered { failed_blocks_key: bool },
+}
+
+/// What one plugin may touch, and how much it may use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PluginSettings {
+    pub sandbox: Sandbox,
+    pub limits: PluginLimits,
+}
+
+/// A plugin's grants, resolved: everything not listed is denied.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Sandbox {
+    /// Guest path → host directory, pre-opened read-write.
+    pub dirs: BTreeMap<String, PathBuf>,
+    /// Environment variables the plugin sees.
+    pub env: BTreeMap<String, String>,
+    /// Whether the plugin's stdout and stderr reach ferry's.
+    pub stdio: bool,
+    /// `host:port` pairs the plugin may open TCP connections to (resolved per instance).
+    pub tcp: Vec<String>,
+    /// Whether the plugin may resolve host names itself.
+    pub dns: bool,
+    /// Origins (`scheme://host:port`, normalized) the plugin may send wasi:http requests to.
+    pub http: HashSet<String>,
+}
+
+impl Sandbox {
+    fn resolve(config: &SandboxConfig) -> Result<Sandbox, String> {
+        let http = config.http.iter().map(|o| normalize_origin(o)).collect::<Result<_, _>>()?;
+        Ok(Sandbox {
+            dirs: config.dirs.clone(),
+            env: config.env.clone(),
+            stdio: config.stdio,
+            tcp: config.tcp.clone(),
+            dns: config.dns,
+            http,
+        })
+    }
+}
+
+impl Settings {
+    /// Resolves `config`; the error names the offending key.
+    pub fn resolve(config: &Config) -> Result<Settings, String> {
+        let default_retry = config.retry_policy_for(None).map_err(|e| format!("retry.{e}"))?;
+        let mut routes = BTreeMap::new();
+        for (name, route) in &config.route {
+            if route.plugin.trim().is_empty() {
+                return Err(format!("route.{name}.plugin must name a plugin"));
+            }
+            let retry = config.retry_policy_for(Some(name)).map_err(|e| format!("route.{name}.retry.{e}"))?;
+            let ordering = match (route.ordered, route.ordered_after_failure) {
+                (false, _) => Ordering::Unordered,
+                (true, after) => Ordering::Ordered { failed_blocks_key: after == AfterFailure::Block },
+            };
+            let plugin_config = route.config.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
+            let settings =
+                RouteSettings { name: name.clone(), plugin: route.plugin.clone(), plugin_config, retry, ordering };
+            routes.insert(name.clone(), Arc::new(settings));
+        }
+        let mut plugins = BTreeMap::new();
+        for (name, sandbox) in &config.sandbox {
+            let sandbox = Sandbox::resolve(sandbox).map_err(|e| format!("sandbox.{name}.http: {e}"))?;
+            plugins.insert(name.clone(), Arc::new(PluginSettings { sandbox, limits: config.plugin_limits(name) }));
+        }
+        let default_plugin = Arc::new(PluginSettings {
+            sandbox: Sandbox::resolve(&SandboxConfig::default())?,
+            limits: config.plugin_limits(""),
+        });
+        Ok(Settings { config: config.clone(), routes, default_retry, plugins, default_plugin })
+    }
+
+    /// The route called `name`, if configured.
+    pub fn route(&self, name: &str) -> Option<&Arc<RouteSettings>> {
+        self.routes.get(name)
+    }
+
+    /// The retry policy of `route` (the global one for a route that is not configured).
+    pub fn retry(&self, route: &str) -> &RetryPolicy {
+        self.routes.get(route).map_or(&self.default_retry, |r| &r.retry)
+    }
+
+    /// The sandbox and limits of plugin `name`.
+    pub fn plugin(&self, name: &str) -> Arc<PluginSettings> {
+        self.plugins.get(name).unwrap_or(&self.default_plugin).clone()
+    }
+
+    /// The configured routes served by plugin `name`.
+    pub fn routes_of(&self, plugin: &str) -> Vec<String> {
+        self.routes.values().filter(|r| r.plugin == plugin).map(|r| r.name.clone()).collect()
+    }
+
+    /// The largest memory any plugin may use: what the instance pool must be sized for.
+    pub fn largest_plugin_memory(&self) -> usize {
+        self.plugins.values().chain([&self.default_plugin]).map(|p| p.limits.memory).max().unwrap_or(0)
+    }
+
+    /// Routes that deliver per key in order, and of those the ones a FAILED event blocks.
+    pub fn ordered_routes(&self) -> (Vec<String>, Vec<String>) {
+        let ordered = |blocking: bool| {
+            self.routes
+                .values()
+                .filter(|r| match r.ordering {
+                    Ordering::Unordered => false,
+                    Ordering::Ordered { failed_blocks_key } => !blocking || failed_blocks_key,
+                })
+                .map(|r| r.name.clone())
+                .collect()
+        };
+        (ordered(false), ordered(true))
+    }
+
+    /// How long an open breaker waits before a probe.
+    pub fn breaker_cooldown(&self) -> Duration {
+        self.config.breaker.cooldown.0
+    }
+}
+
+impl Config {
+    /// The retry policy of `route` (the global one for `None` or an unknown route). The error
+    /// names the offending key relative to the retry table.
+    pub fn retry_policy_for(&self, route: Option<&str>) -> Result<RetryPolicy, String> {
+        let global = &self.retry;
+        let o = route.and_then(|r| self.route.get(r)).map(|r| r.retry.clone()).unwrap_or_default();
+        let max_attempts = o.max_attempts.unwrap_or(global.max_attempts).0;
+        let initial = o.initial.unwrap_or(global.initial).0;
+        let max_delay = o.max_delay.unwrap_or(global.max_delay).0;
+        let schedule = o.schedule.unwrap_or_else(|| global.schedule.clone());
+        let backoff = match o.backoff.unwrap_or(global.backoff) {
+            BackoffKind::Exponential => {
+                if initial.is_zero() {
+                    return Err("initial must be greater than 0 for exponential backoff".into());
+                }
+                if max_delay < initial {
+                    return Err("max_delay must not be shorter than initial".into());
+                }
+                Backoff::Exponential { initial, max: max_delay }
+            }
+            BackoffKind::Fixed => Backoff::Fixed { delay: initial },
+            BackoffKind::Schedule => {
+                if schedule.is_empty() {
+                    return Err("schedule must list at least one delay for backoff = \"schedule\"".into());
+                }
+                Backoff::Schedule(schedule.into_iter().map(|d| d.0).collect())
+            }
+        };
+        let percent = o.jitter_percent.unwrap_or(global.jitter_percent);
+        if percent > 100 {
+            return Err(format!("jitter_percent must be between 0 and 100, got {percent}"));
+        }
+        let jitter = match o.jitter.unwrap_or(global.jitter) {
+            JitterKind::None => Jitter::None,
+            JitterKind::Symmetric => Jitter::Symmetric { percent },
+            JitterKind::Equal => Jitter::Equal,
+            JitterKind::Full => Jitter::Full,
+        };
+        let retry_after_max = o.retry_after_max.unwrap_or(global.retry_after_max).0;
+        Ok(RetryPolicy { backoff, jitter, max_attempts, retry_after_max })
+    }
+
+    /// Routes that deliver per-key in order, and of those the ones a FAILED event blocks.
+    pub fn ordered_routes(&self) -> (Vec<String>, Vec<String>) {
+        let ordered: Vec<String> = self.route.iter().filter(|(_, r)| r.ordered).map(|(n, _)| n.clone()).collect();
+        let blocking = ordered
+            .iter()
+            .filter(|n| self.route[n.as_str()].ordered_after_failure == AfterFailure::Block)
+            .cloned()
+            .collect();
+        (ordered, blocking)
+    }
+
+    /// The limits plugin `name` runs under: `[plugins]` with `[sandbox.NAME]` overrides.
+    pub fn plugin_limits(&self, name: &str) -> PluginLimits {
+        let sandbox = self.sandbox.get(name);
+        let base = &self.plugins;
+        PluginLimits {
+            timeout: sandbox.and_then(|s| s.timeout).unwrap_or(base.timeout).0,
+            memory: sandbox.and_then(|s| s.memory).unwrap_or(base.memory).0,
+            instances: sandbox.and_then(|s| s.instances).unwrap_or(base.instances) as usize,
+            max_calls: sandbox.and_then(|s| s.max_calls).unwrap_or(base.max_calls),
+        }
+    }
+}

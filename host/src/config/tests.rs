@@ -1,0 +1,254 @@
+//! Unit tests of configuration loading: defaults, overrides, environment variables, errors that
+//! name the key, units and resolution.
+
+use super::*;
+use crate::backoff::{Backoff, Jitter};
+
+fn err(text: &str) -> String {
+    Config::from_toml_str(text, "test.toml").unwrap_err().to_string()
+}
+
+fn with_env(text: &str, env: &[(&str, &str)]) -> Result<Config, String> {
+    let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+    Config::from_sources(text, "ferry.toml", env).map_err(|e| e.to_string())
+}
+
+#[test]
+fn environment_variables_override_the_file() {
+    let c = with_env(
+        "[relay]\nbatch_size = 10\n",
+        &[
+            ("FERRY_RELAY_BATCH_SIZE", "500"),
+            ("FERRY_RELAY_LEASE", "2m"),
+            ("FERRY_RETRY_MAX_ATTEMPTS", "unlimited"),
+            ("FERRY_RETRY_SCHEDULE", "[\"1s\", \"1m\"]"),
+            ("FERRY_PLUGINS_WATCH", "false"),
+            ("FERRY_RELAY_INSTANCE_ID", "42"),
+            // Read elsewhere, not config keys; and variables of other programs.
+            ("FERRY_LOG", "debug"),
+            ("FERRY_DATABASE_URL", "postgres://elsewhere"),
+            ("PATH", "/usr/bin"),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.relay.batch_size, 500, "the environment beats the file");
+    assert_eq!(c.relay.lease.0, std::time::Duration::from_secs(120));
+    assert_eq!(c.retry.max_attempts.0, 0, "unlimited");
+    assert_eq!(c.retry.schedule.len(), 2);
+    assert!(!c.plugins.watch);
+    assert_eq!(c.relay.instance_id, "42", "text settings stay text");
+    assert_eq!(c.database.url, "sqlite://ferry.db", "FERRY_DATABASE_URL is the CLI's business");
+}
+
+#[test]
+fn bad_environment_variables_are_named() {
+    let unknown = with_env("", &[("FERRY_RELAY_BATCHSIZE", "5")]).unwrap_err();
+    assert!(
+        unknown.starts_with(
+            "invalid config in environment variable FERRY_RELAY_BATCHSIZE: FERRY_RELAY_BATCHSIZE is not a setting"
+        ),
+        "{unknown}"
+    );
+    assert!(unknown.contains("FERRY_RELAY_BATCH_SIZE"), "the message lists the real names: {unknown}");
+    let bad = with_env("", &[("FERRY_RELAY_BATCH_SIZE", "lots")]).unwrap_err();
+    assert!(
+        bad.starts_with("invalid config in environment variable FERRY_RELAY_BATCH_SIZE: relay.batch_size:"),
+        "{bad}"
+    );
+    let bad = with_env("", &[("FERRY_RELAY_LEASE", "soon")]).unwrap_err();
+    assert!(bad.contains("FERRY_RELAY_LEASE") && bad.contains("soon"), "{bad}");
+}
+
+#[test]
+fn defaults_are_valid_and_match_the_documented_values() {
+    let c = Config::defaults();
+    assert_eq!(c.database.url, "sqlite://ferry.db");
+    assert_eq!(c.relay.batch_size, 100);
+    assert_eq!(c.relay.lease.0, Duration::from_secs(300));
+    assert_eq!(c.relay.retain_sent, Retention(Some(Duration::from_secs(7 * 86_400))));
+    let p = c.retry_policy_for(None).unwrap();
+    assert_eq!(p.max_attempts, 6);
+    assert_eq!(p.backoff, Backoff::Exponential { initial: Duration::from_secs(1), max: Duration::from_secs(3600) });
+    assert_eq!(p.jitter, Jitter::Symmetric { percent: 10 });
+    assert!(SandboxConfig::default().stdio, "an unconfigured plugin keeps its stdout, as documented");
+}
+
+#[test]
+fn route_overrides_inherit_the_rest() {
+    let c = Config::from_toml_str(
+        r#"
+        [route.hooks]
+        plugin = "http"
+        config = { url = "http://x", retries = 3, verbose = true }
+        retry = { backoff = "schedule", max_attempts = "unlimited" }
+        "#,
+        "t",
+    )
+    .unwrap();
+    let p = c.retry_policy_for(Some("hooks")).unwrap();
+    assert_eq!(p.max_attempts, 0);
+    assert_eq!(p.backoff.base_delay(2), Duration::from_secs(300));
+    assert_eq!(p.jitter, Jitter::Symmetric { percent: 10 }, "inherited");
+    let cfg = &c.route["hooks"].config;
+    assert_eq!(cfg["retries"], ConfigValue("3".into()));
+    assert_eq!(cfg["verbose"], ConfigValue("true".into()));
+}
+
+#[test]
+fn errors_name_the_file_and_key() {
+    let e = err("[relay]\nbatch_size = 0");
+    assert!(e.contains("test.toml") && e.contains("relay.batch_size"), "{e}");
+    let e = err("[relay]\nbatchsize = 5");
+    assert!(e.contains("batchsize"), "{e}");
+    let e = err("[relay]\npoll_interval = \"soon\"");
+    assert!(e.contains("soon"), "{e}");
+    let e = err("[relay]\nlease = \"10s\"");
+    assert!(e.contains("relay.lease"), "{e}");
+    let e = err("[route.a]\nplugin = \"log\"\nretry = { max_attempts = 0 }");
+    assert!(e.contains("max_attempts"), "{e}");
+    let e = err("[route.a]\nplugin = \"log\"\nretry = { jitter_percent = 150 }");
+    assert!(e.contains("route.a.retry.jitter_percent"), "{e}");
+    let e = err("[route.a]\nplugin = \"log\"\nconfig = { nested = { x = 1 } }");
+    assert!(e.contains("table"), "{e}");
+    let e = err("[database]\nurl = \"mysql://u:secret@h/db\"");
+    assert!(e.contains("database.url") && !e.contains("secret"), "{e}");
+    let e = err("[sandbox.log]\ndirs = { \"out\" = \"/tmp\" }");
+    assert!(e.contains("sandbox.log.dirs"), "{e}");
+    let e = err("[relay]\nretain_sent = \"always\"");
+    assert!(e.contains("forever"), "{e}");
+    let e = err("[relay]\nidle_poll_max = \"10ms\"");
+    assert!(e.contains("relay.idle_poll_max"), "{e}");
+    let e = err("[route.a]\nplugin = \"log\"\nordered = true\nordered_after_failure = \"wait\"");
+    assert!(e.contains("wait"), "{e}");
+    let e = err("[sandbox.kafka]\ntcp = [\"localhost\"]");
+    assert!(e.contains("sandbox.kafka.tcp") && e.contains("host:port"), "{e}");
+    let e = err("[sandbox.web]\nhttp = [\"ftp://x\"]");
+    assert!(e.contains("sandbox.web.http") && e.contains("ftp"), "{e}");
+    let e = err("[sandbox.slow]\ntimeout = \"10m\"");
+    assert!(e.contains("sandbox.slow.timeout") && e.contains("relay.lease"), "{e}");
+    let e = err("[plugins]\nmemory = \"lots\"");
+    assert!(e.contains("lots"), "{e}");
+    let e = err("not toml at all [");
+    assert!(e.contains("test.toml"), "{e}");
+}
+
+#[test]
+fn ordered_routes_and_their_failure_mode() {
+    let c = Config::from_toml_str(
+        r#"
+        [route.a]
+        plugin = "p"
+        ordered = true
+        [route.b]
+        plugin = "p"
+        ordered = true
+        ordered_after_failure = "skip"
+        [route.c]
+        plugin = "p"
+        "#,
+        "t",
+    )
+    .unwrap();
+    assert_eq!(c.ordered_routes(), (vec!["a".to_string(), "b".to_string()], vec!["a".to_string()]));
+    assert_eq!(
+        Config::from_toml_str("[relay]\nretain_sent = \"forever\"", "t").unwrap().relay.retain_sent,
+        Retention(None)
+    );
+}
+
+#[test]
+fn origins_are_normalized() {
+    assert_eq!(normalize_origin("https://Hooks.Example.com").unwrap(), "https://hooks.example.com:443");
+    assert_eq!(normalize_origin("http://127.0.0.1:8080/").unwrap(), "http://127.0.0.1:8080");
+    assert_eq!(normalize_origin("http://h").unwrap(), "http://h:80");
+    for bad in ["h:80", "ftp://h", "https://h/path", "https://"] {
+        assert!(normalize_origin(bad).is_err(), "{bad} accepted");
+    }
+}
+
+#[test]
+fn plugin_limits_take_per_plugin_overrides() {
+    let c = Config::from_toml_str("[sandbox.big]\nmemory = \"256MiB\"\ninstances = 4", "t").unwrap();
+    let big = c.plugin_limits("big");
+    assert_eq!((big.memory, big.instances, big.timeout), (256 << 20, 4, Duration::from_secs(30)));
+    assert_eq!(c.plugin_limits("other").memory, 64 << 20);
+    assert_eq!(parse_size("512KiB"), Ok(512 << 10));
+    assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+    assert_eq!(parse_size("100"), Ok(100));
+    assert!(parse_size("1.5GiB").is_err() && parse_size("64MB").is_err());
+}
+
+#[test]
+fn durations_parse_every_unit_and_reject_the_rest() {
+    let ok = [("250ms", 250), ("30s", 30_000), ("5m", 300_000), ("2h", 7_200_000), ("1d", 86_400_000)];
+    for (text, ms) in ok {
+        assert_eq!(parse_duration(text), Ok(Duration::from_millis(ms)), "{text}");
+    }
+    for bad in ["", "5", "m", "1.5s", "-1s", "5 weeks", "99999999999999999999d"] {
+        assert!(parse_duration(bad).is_err(), "{bad:?} should be rejected");
+    }
+}
+
+#[test]
+fn relative_paths_follow_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ferry.toml");
+    std::fs::write(
+        &file,
+        "[database]\nurl = \"sqlite://data/f.db?mode=rwc\"\n[sandbox.log]\ndirs = { \"/out\" = \"out\" }",
+    )
+    .unwrap();
+    let c = Config::load(&file).unwrap();
+    assert_eq!(c.database.url, format!("sqlite://{}/data/f.db?mode=rwc", dir.path().display()));
+    assert_eq!(c.plugins.dir, dir.path().join("plugins"));
+    assert_eq!(c.sandbox["log"].dirs["/out"], dir.path().join("out"));
+    let missing = Config::load(&dir.path().join("nope.toml")).unwrap_err().to_string();
+    assert!(missing.contains("nope.toml"), "{missing}");
+}
+
+#[test]
+fn the_admin_api_needs_an_address_and_a_long_token() {
+    assert!(Config::defaults().admin.address().is_none(), "off by default");
+    let missing = err("[admin]\nlisten = \"127.0.0.1:9464\"");
+    assert!(missing.contains("admin.token") && missing.contains("test.toml"), "{missing}");
+    let short = err("[admin]\nlisten = \"127.0.0.1:9464\"\ntoken = \"secret\"");
+    assert!(short.contains("admin.token must be at least 16 characters"), "{short}");
+    let bad = err("[admin]\nlisten = \"localhost\"\ntoken = \"0123456789abcdef\"");
+    assert!(bad.contains("admin.listen") && bad.contains("localhost"), "{bad}");
+    let env = [("FERRY_ADMIN_TOKEN".to_string(), "0123456789abcdef".to_string())];
+    let c = Config::from_sources("[admin]\nlisten = \"127.0.0.1:0\"", "t", env).unwrap();
+    assert_eq!(c.admin.bearer_token().unwrap(), "0123456789abcdef");
+    assert!(!format!("{c:?}").contains("0123456789abcdef"), "Debug output hides the token");
+}
+
+#[test]
+fn the_admin_token_can_come_from_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ferry.toml");
+    std::fs::write(&file, "[admin]\nlisten = \"127.0.0.1:0\"\ntoken_file = \"token\"").unwrap();
+    let c = Config::load(&file).unwrap();
+    let unreadable = c.admin.bearer_token().unwrap_err();
+    assert!(unreadable.contains("admin.token_file") && unreadable.contains("token"), "{unreadable}");
+    std::fs::write(dir.path().join("token"), "short\n").unwrap();
+    assert!(c.admin.bearer_token().unwrap_err().contains("at least 16"));
+    std::fs::write(dir.path().join("token"), "  0123456789abcdefXYZ\n").unwrap();
+    assert_eq!(c.admin.bearer_token().unwrap(), "0123456789abcdefXYZ");
+}
+
+#[test]
+fn the_container_config_is_valid_with_a_token_from_the_environment() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/container.toml");
+    let no_token = Config::load(&path).unwrap_err().to_string();
+    assert!(no_token.contains("admin.token"), "{no_token}");
+    let env = [("FERRY_ADMIN_TOKEN".to_string(), "0123456789abcdef".to_string())];
+    let c = Config::load_with_env(&path, env).unwrap();
+    assert_eq!(c.admin.address(), Some("0.0.0.0:9464".parse().unwrap()));
+    assert_eq!(c.plugins.dir, Path::new("/var/lib/ferry/plugins"));
+    // Every file the image copies from the build context exists.
+    let containerfile = std::fs::read_to_string(path.with_file_name("Containerfile")).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for line in containerfile.lines().filter(|l| l.starts_with("COPY ") && !l.contains("--from")) {
+        let source = line.split_whitespace().nth(1).unwrap();
+        assert!(source == "." || root.join(source).exists(), "{line}: {source} is missing");
+    }
+}

@@ -1,0 +1,334 @@
+//! Operator operations, written once: emit, show, resend, failed count / list / resend / purge,
+//! breakers, plugins, stats and status, each with its validation. The CLI and the admin API are
+//! thin front-ends over these: they parse their input, call one operation and render its typed
+//! answer, so the same input gets the same answer through both.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+
+use crate::breaker::Breaker;
+use crate::clock::Clock;
+use crate::config::{Ordering, Settings};
+use crate::event::NewEvent;
+use crate::plugins::{Registry, Reloaded};
+use crate::report::{
+    BreakerView, Created, EventView, FailedCount, FailedPage, PluginsView, ReloadResult, ReloadView, ReloadedFile,
+    RouteView, StatsView, StatusCounts,
+};
+use crate::store::{self, BulkOp, FailedFilter, Store, StoreError};
+
+/// Largest page of FAILED events one call returns.
+pub const MAX_PAGE: u32 = 10_000;
+
+/// Longest latency window accepted.
+pub const MAX_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Why an operation did not happen. Front-ends map the kind to an HTTP status or an exit code and
+/// show the message as it is: it names the input at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    /// The input is unusable (HTTP 400).
+    #[error("{0}")]
+    Invalid(String),
+    /// What the input names does not exist (HTTP 404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The target is in a state that does not allow it (HTTP 409).
+    #[error("{0}")]
+    Conflict(String),
+    /// The database failed (HTTP 503).
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+impl From<StoreError> for OpError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::InvalidEvent(message) => OpError::Invalid(message),
+            other => OpError::Store(other),
+        }
+    }
+}
+
+/// Which front-end an operation serves: errors name inputs the way that front-end spells them
+/// (`--before` on the command line, `before` in the API), and say the same otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrontEnd {
+    Cli,
+    Api,
+}
+
+impl FrontEnd {
+    /// How this front-end spells the input `field`.
+    pub fn name(self, field: &str) -> String {
+        match self {
+            FrontEnd::Cli => format!("--{}", field.replace('_', "-")),
+            FrontEnd::Api => field.to_string(),
+        }
+    }
+
+    /// How this front-end spells turning the switch `field` on.
+    pub fn switch(self, field: &str) -> String {
+        match self {
+            FrontEnd::Cli => self.name(field),
+            FrontEnd::Api => format!("{field:?}: true"),
+        }
+    }
+}
+
+/// Which FAILED events an operation applies to, as a front-end received it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FilterInput {
+    pub route: Option<String>,
+    pub event_type: Option<String>,
+    /// Created at or after this time.
+    pub from: Option<DateTime<Utc>>,
+    /// Created before this time.
+    pub before: Option<DateTime<Utc>>,
+}
+
+impl FilterInput {
+    /// The store's filter, or why the input is not one.
+    pub fn validate(self, front: FrontEnd) -> Result<FailedFilter, OpError> {
+        let name = |field| front.name(field);
+        if let (Some(from), Some(before)) = (self.from, self.before)
+            && from >= before
+        {
+            return Err(OpError::Invalid(format!(
+                "{} ({from}) must be earlier than {} ({before})",
+                name("from"),
+                name("before")
+            )));
+        }
+        for (field, value) in [("route", &self.route), ("type", &self.event_type)] {
+            if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                return Err(OpError::Invalid(format!("{} must not be empty", name(field))));
+            }
+        }
+        Ok(FailedFilter {
+            route: self.route,
+            event_type: self.event_type,
+            from: self.from,
+            before: self.before,
+            after_id: None,
+        })
+    }
+}
+
+/// What the operations work on.
+#[derive(Debug, Clone)]
+pub struct Ops {
+    pub settings: Arc<Settings>,
+    pub store: Arc<dyn Store>,
+    pub clock: Arc<dyn Clock>,
+    /// Wakes a relay in this process after events became due (emit, resend).
+    pub wake: Option<Arc<Notify>>,
+    /// Who asked, for naming inputs in errors.
+    pub front: FrontEnd,
+}
+
+impl Ops {
+    fn wake(&self) {
+        if let Some(wake) = &self.wake {
+            wake.notify_one();
+        }
+    }
+
+    /// The time operations work with (a delay given with an event counts from it).
+    pub fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
+    }
+
+    /// Inserts `event` (outside any application transaction) into a configured route, created at
+    /// `now` (from [`Ops::now`], so a delay counted from it is exact).
+    pub async fn emit(&self, event: NewEvent, now: DateTime<Utc>) -> Result<Created, OpError> {
+        event.validate().map_err(OpError::Invalid)?;
+        if self.settings.route(&event.route).is_none() {
+            let known: Vec<&str> = self.settings.routes.keys().map(String::as_str).collect();
+            return Err(OpError::Invalid(format!(
+                "route {:?} is not configured (configured: {})",
+                event.route,
+                if known.is_empty() { "none".to_string() } else { known.join(", ") }
+            )));
+        }
+        let id = self.store.insert(&event, now).await?;
+        self.wake();
+        Ok(Created { id })
+    }
+
+    /// One event with its delivery history.
+    pub async fn show(&self, id: i64) -> Result<EventView, OpError> {
+        let event = self.store.get(id).await?.ok_or_else(|| OpError::NotFound(format!("no event with id {id}")))?;
+        let attempts = self.store.attempts(id).await?;
+        Ok(EventView::new(event, Some(attempts)))
+    }
+
+    /// Makes FAILED event `id` PENDING again, attempts and error reset.
+    pub async fn resend(&self, id: i64) -> Result<(), OpError> {
+        let Some(event) = self.store.get(id).await? else {
+            return Err(OpError::NotFound(format!("no event with id {id}")));
+        };
+        if self.store.resend(&[id], self.clock.now()).await? == 0 {
+            return Err(OpError::Conflict(format!(
+                "event {id} is {}, not FAILED; only FAILED events can be resent",
+                event.status
+            )));
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// How many FAILED events match.
+    pub async fn failed_count(&self, filter: FilterInput) -> Result<FailedCount, OpError> {
+        Ok(FailedCount { failed: self.store.count_failed(&filter.validate(self.front)?).await? })
+    }
+
+    /// A page of FAILED events in id order, after id `after`.
+    pub async fn failed_list(
+        &self,
+        filter: FilterInput,
+        after: Option<i64>,
+        limit: u32,
+    ) -> Result<FailedPage, OpError> {
+        if !(1..=MAX_PAGE).contains(&limit) {
+            return Err(OpError::Invalid(format!(
+                "{} must be between 1 and {MAX_PAGE}, got {limit}",
+                self.front.name("limit")
+            )));
+        }
+        let filter = FailedFilter { after_id: after, ..filter.validate(self.front)? };
+        Ok(FailedPage::new(self.store.list_failed(&filter, limit).await?, limit))
+    }
+
+    /// Resends or purges every FAILED event matching `filter` (every FAILED event only with
+    /// `all`), a bounded step at a time, calling `progress(done, total)` after each step.
+    pub async fn failed_bulk(
+        &self,
+        filter: FilterInput,
+        all: bool,
+        op: BulkOp,
+        mut progress: impl FnMut(u64, u64),
+    ) -> Result<u64, OpError> {
+        let filter = filter.validate(self.front)?;
+        if filter.is_everything() && !all {
+            let name = |field| self.front.name(field);
+            return Err(OpError::Invalid(format!(
+                "no filter given: this would affect every FAILED event; narrow it with {}, {}, {} or {}, or add {}",
+                name("route"),
+                name("type"),
+                name("from"),
+                name("before"),
+                self.front.switch("all")
+            )));
+        }
+        let total = self.store.count_failed(&filter).await?;
+        let clock = self.clock.clone();
+        let done = store::bulk(self.store.as_ref(), &filter, op, || clock.now(), |done| progress(done, total)).await?;
+        tracing::info!(?filter, count = done, "FAILED events {}", op.past_tense());
+        if op == BulkOp::Resend {
+            self.wake();
+        }
+        Ok(done)
+    }
+
+    /// Every stored breaker, with its state now.
+    pub async fn breakers(&self) -> Result<Vec<BreakerView>, OpError> {
+        let now = self.clock.now();
+        let cooldown = self.settings.breaker_cooldown();
+        Ok(self.store.breakers().await?.into_iter().map(|b| BreakerView::new(b, now, cooldown)).collect())
+    }
+
+    /// Opens a configured route's breaker by hand (with `reason`), or closes it.
+    pub async fn set_breaker(&self, route: &str, open: bool, reason: &str) -> Result<BreakerView, OpError> {
+        if route.trim().is_empty() {
+            return Err(OpError::Invalid("the route name must not be empty".into()));
+        }
+        if self.settings.route(route).is_none() {
+            return Err(OpError::NotFound(format!("route {route:?} is not configured")));
+        }
+        let now = self.clock.now();
+        let breaker = self.store.set_breaker(route, open, reason, now).await?;
+        tracing::info!(route, open, "circuit breaker switched by an operator");
+        Ok(BreakerView::new(breaker, now, self.settings.breaker_cooldown()))
+    }
+
+    /// Every configured route, with its plugin (as `registry` has it) and breaker.
+    pub async fn routes(&self, registry: &Registry) -> Result<Vec<RouteView>, OpError> {
+        let now = self.clock.now();
+        let breakers = self.store.breakers().await?;
+        let cooldown = self.settings.breaker_cooldown();
+        Ok(self
+            .settings
+            .routes
+            .values()
+            .map(|route| {
+                let plugin = registry.get(&route.plugin);
+                let breaker = breakers
+                    .iter()
+                    .find(|b| b.route == route.name)
+                    .cloned()
+                    .unwrap_or(Breaker::closed(&route.name, now));
+                let (ordered, failed_blocks_key) = match route.ordering {
+                    Ordering::Unordered => (false, false),
+                    Ordering::Ordered { failed_blocks_key } => (true, failed_blocks_key),
+                };
+                RouteView {
+                    route: route.name.clone(),
+                    plugin: route.plugin.clone(),
+                    plugin_loaded: plugin.is_some(),
+                    plugin_hash: plugin.map(|p| p.hash.clone()),
+                    ordered,
+                    failed_blocks_key,
+                    breaker: BreakerView::new(breaker, now, cooldown),
+                }
+            })
+            .collect())
+    }
+
+    /// The monitoring figures, latency over the last `window`.
+    pub async fn stats(&self, window: Duration) -> Result<StatsView, OpError> {
+        if window.is_zero() || window > MAX_WINDOW {
+            return Err(OpError::Invalid(format!(
+                "{} must be longer than 0 and at most 30d",
+                self.front.name("window")
+            )));
+        }
+        let now = self.clock.now();
+        let since = chrono::Duration::from_std(window).ok().and_then(|w| now.checked_sub_signed(w)).unwrap_or(now);
+        Ok(StatsView::from(&self.store.stats(now, Some(since)).await?))
+    }
+
+    /// Events per status.
+    pub async fn status(&self) -> Result<StatusCounts, OpError> {
+        Ok(self.store.counts().await?)
+    }
+}
+
+/// The plugins `registry` has loaded, and the files it could not load.
+pub fn plugins(registry: &Registry) -> PluginsView {
+    let (plugins, errors) = registry.status();
+    PluginsView { plugins, errors }
+}
+
+/// Reloads every plugin file of `registry` now.
+pub async fn reload_plugins(registry: &Registry) -> anyhow::Result<ReloadView> {
+    let files = registry
+        .reload_all()
+        .await?
+        .into_iter()
+        .map(|(file, result)| {
+            let (result, plugin, hash, error) = match result {
+                Ok(Reloaded::Loaded { name, hash }) => (ReloadResult::Loaded, Some(name), Some(hash), None),
+                Ok(Reloaded::Unchanged { name }) => (ReloadResult::Unchanged, Some(name), None, None),
+                Ok(Reloaded::Removed { name }) => (ReloadResult::Removed, Some(name), None, None),
+                Ok(Reloaded::Ignored) => (ReloadResult::Ignored, None, None, None),
+                Err(e) => (ReloadResult::Failed, None, None, Some(format!("{e:#}"))),
+            };
+            ReloadedFile { file, result, plugin, hash, error }
+        })
+        .collect();
+    Ok(ReloadView { files })
+}

@@ -1,0 +1,78 @@
+//! The plugin runtime: one wasmtime engine ([`Runtime`]), a [`Registry`] of the transport components found in
+//! the plugins directory (compiled once, pre-instantiated, swappable at run time), and per route a
+//! [`RouteTransport`] with a small pool of sandboxed instances.
+//!
+//! A plugin call can trap, loop, exhaust its memory or overrun its time; every such fault comes
+//! back as a [`PluginFault`] for the relay to record, the broken instance is discarded, and the
+//! next call gets a fresh one. Nothing a plugin does can stop the host.
+//!
+//! One concern per file: `runtime.rs` (the engine: pooling with fallback, code cache, epoch
+//! ticker, linker), `sandbox.rs` (what an instance's store carries and enforces: memory, files,
+//! sockets, HTTP, logging), `registry.rs` (scan, load, validate and hot-swap plugin files) and
+//! `pool.rs` (per-route instance pools, delivery calls, conversion to and from the WIT types).
+
+mod pool;
+mod registry;
+mod runtime;
+mod sandbox;
+
+use std::time::Duration;
+
+pub use self::pool::{Delivery, RouteTransport, route_transports};
+pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, check_wit_version, is_plugin_file, wasm_files};
+pub use self::runtime::Runtime;
+pub use self::sandbox::HostState;
+
+mod bindings {
+    //! Host-side bindings for the `ferry:transport` world in `wit/`.
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "transport-plugin",
+        exports: { default: async },
+    });
+}
+
+pub use bindings::exports::ferry::transport::transport::{Outcome, PluginInfo};
+pub use bindings::ferry::transport::types::Failure;
+
+/// The version of the `ferry:transport` WIT package this host implements (`wit/transport.wit`).
+pub const WIT_VERSION: &str = "0.1.0";
+
+/// How often the epoch ticker advances; the granularity of plugin timeouts.
+pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// A plugin call that did not produce one outcome per event. The relay treats it as a transient
+/// failure of every event in the call.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PluginFault {
+    #[error("plugin trapped: {0}")]
+    Trapped(String),
+    #[error("plugin timed out after {0:?}")]
+    TimedOut(Duration),
+    #[error("plugin exceeded its {} MiB memory limit", .0 >> 20)]
+    OutOfMemory(usize),
+    #[error("plugin returned {got} outcomes for {expected} events")]
+    WrongOutcomeCount { expected: usize, got: usize },
+}
+
+/// Why a call could not be made or did not work.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DeliverError {
+    /// The plugin misbehaved; retry later.
+    #[error(transparent)]
+    Fault(#[from] PluginFault),
+    /// There is no usable plugin for the route (not loaded, or it rejects the route's config).
+    #[error("{0}")]
+    NoTransport(String),
+}
+
+/// Epoch ticks covering `timeout`, at least one.
+pub(crate) fn ticks(timeout: Duration) -> u64 {
+    (timeout.as_millis() / EPOCH_TICK.as_millis()).max(1) as u64 + 1
+}
+
+/// The innermost error message: the readable part of wasmtime's error chains.
+pub(crate) fn root_cause(error: &wasmtime::Error) -> String {
+    let text = format!("{error:#}");
+    text.lines().next().unwrap_or_default().to_string()
+}

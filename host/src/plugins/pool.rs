@@ -1,0 +1,207 @@
+//! Per-route instance pools: each route's transport keeps a few sandboxed instances of its
+//! plugin, makes new ones on demand (up to the plugin's `instances` limit), reuses them so a
+//! transport can keep connections open, and drops them after a fault, after `max_calls`, or when
+//! the plugin is reloaded. Also the conversion of events and outcomes to and from the WIT types.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use wasmtime::Store as WasmStore;
+
+use super::bindings::TransportPlugin;
+use super::bindings::ferry::transport::types;
+use super::registry::{Plugin, Registry};
+use super::runtime::Runtime;
+use super::sandbox::{HostState, resolve_allowlist};
+use super::{DeliverError, EPOCH_TICK, Outcome, PluginFault, root_cause, ticks};
+use crate::config::{PluginLimits, PluginSettings, RouteSettings, Settings};
+use crate::event::ClaimedEvent;
+use crate::metrics::{FaultLabels, PluginLabels};
+
+/// A live instance of a plugin version, configured for one route.
+pub(super) struct Instance {
+    store: WasmStore<HostState>,
+    bindings: TransportPlugin,
+    /// The version it was made from; an instance of a replaced version is not reused.
+    hash: String,
+    calls: u64,
+}
+
+impl Instance {
+    /// Instantiates `plugin` for `route` and runs its `init` with the route's config.
+    pub(super) async fn start(
+        runtime: &Runtime,
+        plugin: &Plugin,
+        route: &RouteSettings,
+        grants: &PluginSettings,
+    ) -> Result<Instance, String> {
+        let name: Arc<str> = Arc::from(plugin.info.name.as_str());
+        let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp);
+        let mut store = runtime.store(name, &grants.sandbox, &grants.limits, &tcp).map_err(|e| format!("{e:#}"))?;
+        let bindings = plugin
+            .pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| format!("plugin {} cannot be instantiated: {}", plugin.info.name, root_cause(&e)))?;
+        match bindings.ferry_transport_transport().call_init(&mut store, &route.plugin_config).await {
+            Ok(Ok(())) => Ok(Instance { store, bindings, hash: plugin.hash.clone(), calls: 0 }),
+            Ok(Err(message)) => {
+                Err(format!("plugin {} rejected the config of route {}: {message}", plugin.info.name, route.name))
+            }
+            Err(trap) => Err(format!("plugin {} trapped in init: {}", plugin.info.name, root_cause(&trap))),
+        }
+    }
+}
+
+/// The transport of one route: a pool of instances of the route's plugin, made on demand (up to
+/// the plugin's `instances` limit), reused across calls so a transport can keep connections
+/// open, and replaced after a fault, after `max_calls` calls, or when the plugin is reloaded.
+pub struct RouteTransport {
+    route: Arc<RouteSettings>,
+    registry: Arc<Registry>,
+    grants: Arc<PluginSettings>,
+    limits: PluginLimits,
+    slots: tokio::sync::Semaphore,
+    idle: Mutex<Vec<Instance>>,
+}
+
+impl std::fmt::Debug for RouteTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouteTransport").field("route", &self.route.name).field("plugin", &self.route.plugin).finish()
+    }
+}
+
+impl RouteTransport {
+    /// The transport of `route`, served by its plugin from `registry` (it need not be loaded yet).
+    pub fn new(registry: Arc<Registry>, route: Arc<RouteSettings>) -> Self {
+        let grants = registry.settings.plugin(&route.plugin);
+        let limits = grants.limits;
+        Self {
+            route,
+            slots: tokio::sync::Semaphore::new(limits.instances),
+            grants,
+            limits,
+            registry,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The plugin's name.
+    pub fn plugin_name(&self) -> &str {
+        &self.route.plugin
+    }
+
+    /// Makes sure an instance can be started for this route now: the plugin is loaded and
+    /// accepts the route's config. Keeps the instance for the first delivery.
+    pub async fn warm_up(&self) -> Result<(), String> {
+        let instance = self.instance().await?;
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(instance);
+        Ok(())
+    }
+
+    /// An idle instance of the active version, or a new one.
+    async fn instance(&self) -> Result<Instance, String> {
+        let Some(plugin) = self.registry.get(&self.route.plugin) else {
+            let loaded = self.registry.names();
+            return Err(format!(
+                "plugin {:?} of route {:?} is not loaded (loaded: {})",
+                self.route.plugin,
+                self.route.name,
+                if loaded.is_empty() { "none".to_string() } else { loaded.join(", ") }
+            ));
+        };
+        let reusable = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            // Instances of a replaced version are dropped here.
+            idle.retain(|i| i.hash == plugin.hash);
+            idle.pop()
+        };
+        match reusable {
+            Some(instance) => Ok(instance),
+            None => Instance::start(&self.registry.runtime, &plugin, &self.route, &self.grants).await,
+        }
+    }
+
+    /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
+    pub async fn deliver(&self, events: &[&ClaimedEvent]) -> Delivery {
+        let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
+        let instance = match self.instance().await {
+            Ok(instance) => instance,
+            Err(why) => return Delivery { plugin_hash: None, result: Err(DeliverError::NoTransport(why)) },
+        };
+        let plugin_hash = Some(instance.hash.clone());
+        let started = std::time::Instant::now();
+        let result = self.call(instance, events).await;
+        let labels = PluginLabels { plugin: self.route.plugin.clone() };
+        self.registry.metrics.plugin_call_duration.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+        if let Err(DeliverError::Fault(fault)) = &result {
+            let kind = match fault {
+                PluginFault::Trapped(_) => "trap",
+                PluginFault::TimedOut(_) => "timeout",
+                PluginFault::OutOfMemory(_) => "out_of_memory",
+                PluginFault::WrongOutcomeCount { .. } => "wrong_outcome_count",
+            };
+            let labels = FaultLabels { plugin: self.route.plugin.clone(), kind: kind.to_string() };
+            self.registry.metrics.plugin_faults.get_or_create(&labels).inc();
+        }
+        Delivery { plugin_hash, result }
+    }
+
+    async fn call(&self, mut instance: Instance, events: &[&ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
+        let wit_events: Vec<types::Event> = events.iter().map(|e| to_wit(e)).collect();
+        instance.store.set_epoch_deadline(ticks(self.limits.timeout));
+        let call = instance.bindings.ferry_transport_transport().call_deliver_batch(&mut instance.store, &wit_events);
+        // The epoch deadline stops wasm code; this timeout also covers a call parked in the host.
+        let result = tokio::time::timeout(self.limits.timeout + EPOCH_TICK * 5, call).await;
+        let fault = match result {
+            Ok(Ok(outcomes)) if outcomes.len() == events.len() => {
+                instance.calls += 1;
+                if instance.calls < self.limits.max_calls {
+                    self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(instance);
+                }
+                return Ok(outcomes);
+            }
+            Ok(Ok(outcomes)) => PluginFault::WrongOutcomeCount { expected: events.len(), got: outcomes.len() },
+            Ok(Err(_)) if instance.store.data().limiter.hit => PluginFault::OutOfMemory(self.limits.memory),
+            Ok(Err(trap)) if trap.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => {
+                PluginFault::TimedOut(self.limits.timeout)
+            }
+            Ok(Err(trap)) => PluginFault::Trapped(root_cause(&trap)),
+            Err(_elapsed) => PluginFault::TimedOut(self.limits.timeout),
+        };
+        // The instance's state is unknown after a fault: it is dropped, the next call starts afresh.
+        tracing::warn!(plugin = %self.route.plugin, route = %self.route.name, "{fault}; instance discarded");
+        Err(fault.into())
+    }
+}
+
+/// What a plugin call came to.
+#[derive(Debug)]
+pub struct Delivery {
+    /// The SHA-256 of the plugin version that was called; `None` when none could be.
+    pub plugin_hash: Option<String>,
+    pub result: Result<Vec<Outcome>, DeliverError>,
+}
+
+/// One transport per configured route.
+pub fn route_transports(registry: &Arc<Registry>, settings: &Settings) -> HashMap<String, Arc<RouteTransport>> {
+    settings
+        .routes
+        .iter()
+        .map(|(name, route)| (name.clone(), Arc::new(RouteTransport::new(registry.clone(), route.clone()))))
+        .collect()
+}
+
+fn to_wit(event: &ClaimedEvent) -> types::Event {
+    types::Event {
+        id: u64::try_from(event.id).unwrap_or_default(),
+        event_type: event.event_type.clone(),
+        route: event.route.clone(),
+        ordering_key: event.ordering_key.clone(),
+        payload: event.payload.clone(),
+        content_type: event.content_type.clone(),
+        headers: event.headers.clone(),
+        attempt: event.attempt,
+        event_time: event.event_time.timestamp_millis(),
+    }
+}

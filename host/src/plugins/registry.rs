@@ -1,0 +1,362 @@
+//! The plugin registry: scans the plugins directory, compiles and validates each component
+//! (the transport world, a compatible contract version, a well-formed name), and swaps versions
+//! atomically on reload, never breaking a route the active version serves.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use chrono::{DateTime, Utc};
+use sha2::{Digest, Sha256};
+use wasmtime::component::Component;
+
+use super::bindings::TransportPluginPre;
+use super::pool::Instance;
+use super::runtime::Runtime;
+use super::sandbox::HostState;
+use super::{PluginInfo, WIT_VERSION, root_cause};
+use crate::config::{PluginLimits, Sandbox, Settings};
+use crate::metrics::{Metrics, ReloadLabels};
+
+/// A compiled, pre-instantiated transport component.
+pub struct Plugin {
+    pub info: PluginInfo,
+    pub path: PathBuf,
+    /// SHA-256 of the file: identifies the loaded version.
+    pub hash: String,
+    pub loaded_at: DateTime<Utc>,
+    pub(super) pre: TransportPluginPre<HostState>,
+}
+
+impl std::fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugin")
+            .field("info", &self.info)
+            .field("path", &self.path)
+            .field("hash", &self.hash)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What `ferry plugins list` and the logs show about one plugin.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PluginStatus {
+    pub name: String,
+    pub version: String,
+    pub file: PathBuf,
+    pub hash: String,
+    pub loaded_at: DateTime<Utc>,
+    pub routes: Vec<String>,
+    /// The last failed attempt to (re)load this plugin's file, if the active version is older.
+    pub last_error: Option<String>,
+}
+
+/// How a reload ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reloaded {
+    /// A new version of plugin `name` is active.
+    Loaded { name: String, hash: String },
+    /// The file's content is what is already active.
+    Unchanged { name: String },
+    /// The file is gone; plugin `name` was removed.
+    Removed { name: String },
+    /// The file was neither loaded before nor now (e.g. deleted before it was ever valid).
+    Ignored,
+}
+
+/// The plugins currently active, by name, and which file each came from. Swapping a plugin is
+/// atomic: calls already running keep the instance (and version) they started with.
+pub struct Registry {
+    pub(super) runtime: Arc<Runtime>,
+    pub(super) settings: Arc<Settings>,
+    pub(super) metrics: Arc<Metrics>,
+    plugins: RwLock<BTreeMap<String, Arc<Plugin>>>,
+    /// Load errors by file, kept until that file loads successfully.
+    errors: Mutex<BTreeMap<PathBuf, String>>,
+    /// Serialises reloads so two events for one file cannot interleave their swaps.
+    reloading: tokio::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry").field("plugins", &self.names()).finish_non_exhaustive()
+    }
+}
+
+impl Registry {
+    /// An empty registry; call [`Registry::load_dir`] to fill it.
+    pub fn new(runtime: Arc<Runtime>, settings: Arc<Settings>, metrics: Arc<Metrics>) -> Self {
+        Self {
+            runtime,
+            settings,
+            metrics,
+            plugins: RwLock::new(BTreeMap::new()),
+            errors: Mutex::new(BTreeMap::new()),
+            reloading: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The runtime the plugins live in.
+    pub fn runtime(&self) -> &Arc<Runtime> {
+        &self.runtime
+    }
+
+    /// Where plugin calls and reloads are counted.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The directory plugins are loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.settings.config.plugins.dir
+    }
+
+    /// Loads every `*.wasm` file directly in the plugins directory. A file that fails to load is
+    /// logged and skipped; the others still load.
+    pub async fn load_dir(&self) -> anyhow::Result<()> {
+        for (path, result) in self.reload_all().await? {
+            if let Err(e) = result {
+                tracing::error!(file = %path.display(), "plugin not loaded: {e:#}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Reloads every plugin file in the directory, and drops plugins whose file is gone: what the
+    /// watcher does file by file, all at once. Returns each file's result.
+    pub async fn reload_all(&self) -> anyhow::Result<Vec<(PathBuf, anyhow::Result<Reloaded>)>> {
+        let mut files = wasm_files(&self.settings.config.plugins.dir)?;
+        let loaded: Vec<PathBuf> =
+            self.plugins.read().unwrap_or_else(|e| e.into_inner()).values().map(|p| p.path.clone()).collect();
+        files.extend(loaded.into_iter().filter(|path| !path.exists()));
+        let mut results = Vec::with_capacity(files.len());
+        for path in files {
+            let result = self.reload(&path).await;
+            results.push((path, result));
+        }
+        Ok(results)
+    }
+
+    /// The active version of plugin `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<Plugin>> {
+        self.plugins.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
+    }
+
+    /// Names of the active plugins.
+    pub fn names(&self) -> Vec<String> {
+        self.plugins.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
+    }
+
+    /// Status of every active plugin, and of files that failed to load.
+    pub fn status(&self) -> (Vec<PluginStatus>, BTreeMap<PathBuf, String>) {
+        let plugins = self.plugins.read().unwrap_or_else(|e| e.into_inner());
+        let errors = self.errors.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let list = plugins
+            .values()
+            .map(|p| PluginStatus {
+                name: p.info.name.clone(),
+                version: p.info.version.clone(),
+                file: p.path.clone(),
+                hash: p.hash.clone(),
+                loaded_at: p.loaded_at,
+                routes: self.routes_of(&p.info.name),
+                last_error: errors.get(&p.path).cloned(),
+            })
+            .collect();
+        (list, errors)
+    }
+
+    fn routes_of(&self, plugin: &str) -> Vec<String> {
+        self.settings.routes_of(plugin)
+    }
+
+    /// The settings the plugins run under.
+    pub fn settings(&self) -> &Arc<Settings> {
+        &self.settings
+    }
+
+    /// (Re)loads the plugin file at `path`: compiles it, checks that it exports our world and that
+    /// `init` accepts the config of every route the active version serves, and only then makes it
+    /// the active version. A missing file removes the plugin it provided. On error the previous version stays
+    /// active and the error is kept for [`Registry::status`].
+    pub async fn reload(&self, path: &Path) -> anyhow::Result<Reloaded> {
+        let _one_at_a_time = self.reloading.lock().await;
+        let result = self.reload_locked(path).await;
+        let counted = match &result {
+            Ok(Reloaded::Loaded { name, .. }) => Some((name.clone(), "loaded")),
+            Ok(Reloaded::Removed { name }) => Some((name.clone(), "removed")),
+            Ok(Reloaded::Unchanged { .. } | Reloaded::Ignored) => None,
+            Err(_) => Some((path.file_stem().unwrap_or_default().to_string_lossy().into_owned(), "failed")),
+        };
+        if let Some((plugin, result)) = counted {
+            self.metrics.plugin_reloads.get_or_create(&ReloadLabels { plugin, result: result.to_string() }).inc();
+        }
+        let mut errors = self.errors.lock().unwrap_or_else(|e| e.into_inner());
+        match &result {
+            Ok(_) => {
+                errors.remove(path);
+            }
+            Err(e) => {
+                errors.insert(path.to_path_buf(), format!("{e:#}"));
+            }
+        }
+        result
+    }
+
+    async fn reload_locked(&self, path: &Path) -> anyhow::Result<Reloaded> {
+        if !path.exists() {
+            let mut plugins = self.plugins.write().unwrap_or_else(|e| e.into_inner());
+            let Some(name) = plugins.iter().find(|(_, p)| p.path == path).map(|(n, _)| n.clone()) else {
+                return Ok(Reloaded::Ignored);
+            };
+            plugins.remove(&name);
+            tracing::warn!(plugin = %name, file = %path.display(), "plugin file deleted; plugin removed");
+            return Ok(Reloaded::Removed { name });
+        }
+        let plugin = self.runtime.load(path).await?;
+        let name = plugin.info.name.clone();
+        if let Some(active) = self.get(&name) {
+            if active.path != plugin.path && active.path.exists() {
+                anyhow::bail!(
+                    "{} and {} both call themselves {name:?}; keeping the one already loaded",
+                    active.path.display(),
+                    path.display()
+                );
+            }
+            if active.hash == plugin.hash {
+                return Ok(Reloaded::Unchanged { name });
+            }
+        }
+        let plugin = Arc::new(plugin);
+        let active = self.get(&name);
+        let grants = self.settings.plugin(&name);
+        for route in self.settings.routes.values().filter(|r| r.plugin == name) {
+            let Err(e) = Instance::start(&self.runtime, &plugin, route, &grants).await else { continue };
+            // A new version must not break a route the active version serves. A route that no
+            // version can serve (its config is rejected by both) does not hold the others back;
+            // its events fail with `no_transport` until it is fixed.
+            let served_now = match &active {
+                Some(active) => Instance::start(&self.runtime, active, route, &grants).await.is_ok(),
+                None => false,
+            };
+            if served_now {
+                anyhow::bail!("route {:?} cannot use {}: {e}", route.name, path.display());
+            }
+            tracing::error!(plugin = %name, route = %route.name, "route cannot use the plugin: {e}");
+        }
+        let hash = plugin.hash.clone();
+        tracing::info!(plugin = %name, version = %plugin.info.version, hash = %&hash[..12], file = %path.display(), "plugin loaded");
+        self.plugins.write().unwrap_or_else(|e| e.into_inner()).insert(name.clone(), plugin);
+        Ok(Reloaded::Loaded { name, hash })
+    }
+}
+
+/// The `*.wasm` files directly in `dir`, sorted.
+pub fn wasm_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading plugins directory {}", dir.display()))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| is_plugin_file(p) && p.is_file())
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Whether `path` names a plugin file (`*.wasm`).
+pub fn is_plugin_file(path: &Path) -> bool {
+    path.extension().is_some_and(|ext| ext == "wasm")
+}
+
+impl Runtime {
+    /// Compiles and pre-instantiates one component, then asks it for its metadata. Compilation
+    /// runs on a blocking thread so it never stalls the async runtime. Errors say in plain words
+    /// what is wrong with the file.
+    pub async fn load(&self, path: &Path) -> anyhow::Result<Plugin> {
+        let bytes = tokio::fs::read(path).await.with_context(|| format!("reading plugin {}", path.display()))?;
+        let hash = hex::encode(Sha256::digest(&bytes));
+        let engine = self.engine.clone();
+        let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
+            .await?
+            .map_err(|e| anyhow::anyhow!("{} is not a valid wasm component: {}", path.display(), root_cause(&e)))?;
+        let exports = component.component_type();
+        check_wit_version(exports.exports(&self.engine).map(|(name, _)| name))
+            .map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?;
+        let pre = self.linker.instantiate_pre(&component).map_err(|e| {
+            anyhow::anyhow!("{} needs imports ferry does not provide: {}", path.display(), root_cause(&e))
+        })?;
+        let pre = TransportPluginPre::new(pre).map_err(|e| {
+            anyhow::anyhow!(
+                "{} does not export the ferry:transport world (wit/transport.wit): {}",
+                path.display(),
+                root_cause(&e)
+            )
+        })?;
+        let label: Arc<str> = Arc::from(path.file_name().and_then(|n| n.to_str()).unwrap_or("plugin"));
+        let probe_limits =
+            PluginLimits { timeout: Duration::from_secs(10), memory: 256 << 20, instances: 1, max_calls: 1 };
+        let mut store = self.store(label, &Sandbox::default(), &probe_limits, &[])?;
+        let instance = pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| anyhow::anyhow!("{} cannot be instantiated: {}", path.display(), root_cause(&e)))?;
+        let info = instance
+            .ferry_transport_transport()
+            .call_metadata(&mut store)
+            .await
+            .map_err(|e| anyhow::anyhow!("metadata() of {} failed: {}", path.display(), root_cause(&e)))?;
+        if info.name.is_empty() || !info.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        {
+            anyhow::bail!(
+                "{} reports the plugin name {:?}; names use lowercase letters, digits and '-'",
+                path.display(),
+                info.name
+            );
+        }
+        Ok(Plugin { info, path: path.to_path_buf(), hash, loaded_at: Utc::now(), pre })
+    }
+}
+
+/// Refuses a component whose `ferry:transport/transport` export is of a semver-incompatible
+/// version (another major version; for 0.x, another minor). A component without that export is
+/// left to the world check, which says so.
+pub fn check_wit_version<'a>(exports: impl IntoIterator<Item = &'a str>) -> Result<(), String> {
+    let Some(theirs) = exports.into_iter().find_map(|name| name.strip_prefix("ferry:transport/transport@")) else {
+        return Ok(());
+    };
+    let series = |version: &str| -> Option<(u64, u64)> {
+        let mut parts = version.split(['.', '-', '+']);
+        let major = parts.next()?.parse().ok()?;
+        let minor = parts.next()?.parse().ok()?;
+        // Semver: below 1.0 every minor release may break, above it every major one.
+        Some(if major == 0 { (0, minor) } else { (major, 0) })
+    };
+    match (series(theirs), series(WIT_VERSION)) {
+        (Some(a), Some(b)) if a == b => Ok(()),
+        _ => Err(format!(
+            "is built for ferry:transport@{theirs}, but this ferry implements ferry:transport@{WIT_VERSION}, \
+             an incompatible version; rebuild the plugin against this ferry's wit/ directory"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wit_versions_are_checked_by_semver() {
+        let ok = |v: &str| check_wit_version([format!("ferry:transport/transport@{v}").as_str()]);
+        assert!(ok("0.1.0").is_ok());
+        assert!(ok("0.1.7").is_ok(), "a compatible patch release");
+        let err = ok("0.2.0").unwrap_err();
+        assert!(
+            err.contains("ferry:transport@0.2.0") && err.contains(&format!("ferry:transport@{WIT_VERSION}")),
+            "{err}"
+        );
+        assert!(ok("1.0.0").is_err());
+        assert!(ok("garbage").is_err());
+        assert!(check_wit_version(["wasi:cli/run@0.2.0"]).is_ok(), "no transport export: left to the world check");
+    }
+}

@@ -1,0 +1,101 @@
+//! The wasmtime engine every plugin runs in: component model, epoch interruption driven by a
+//! ticker thread, the pooling allocator sized from the largest plugin memory cap (with a fallback
+//! to on-demand allocation), the on-disk code cache, and one linker with WASI, wasi:http and
+//! ferry's own imports.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context as _;
+use wasmtime::component::{HasSelf, Linker};
+use wasmtime::{
+    Cache, CacheConfig, Config as EngineConfig, Engine, InstanceAllocationStrategy, PoolingAllocationConfig,
+};
+
+use super::EPOCH_TICK;
+use super::bindings::TransportPlugin;
+use super::sandbox::{HostState, log_denied_file_access};
+use crate::config::Settings;
+
+/// The engine, its linker, and the ticker that drives epoch interruption.
+pub struct Runtime {
+    pub(super) engine: Engine,
+    pub(super) linker: Linker<HostState>,
+    ticker_stop: Arc<AtomicBool>,
+    /// Whether instances come from the pooling allocator (false: allocated on demand).
+    pub pooling: bool,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("pooling", &self.pooling).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Runtime {
+    /// Creates the engine (component model, epoch interruption, the pooling allocator when the
+    /// pool can be reserved, the compiled-code cache when configured) and links WASI and ferry's
+    /// host imports.
+    pub fn new(settings: &Settings) -> anyhow::Result<Self> {
+        let config = &settings.config;
+        let largest_memory = settings.largest_plugin_memory();
+        let mut engine_config = EngineConfig::new();
+        engine_config.wasm_component_model(true).epoch_interruption(true);
+        if !config.plugins.cache_dir.as_os_str().is_empty() {
+            // wasmtime wants an absolute directory; a relative one is relative to where ferry runs.
+            let dir =
+                std::path::absolute(&config.plugins.cache_dir).unwrap_or_else(|_| config.plugins.cache_dir.clone());
+            let mut cache = CacheConfig::new();
+            cache.with_directory(&dir);
+            match Cache::new(cache) {
+                Ok(cache) => {
+                    engine_config.cache(Some(cache));
+                }
+                Err(e) => tracing::warn!(dir = %dir.display(), "compiled-code cache disabled: {e:#}"),
+            }
+        }
+        let mut pooled = engine_config.clone();
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(256)
+            .total_core_instances(2048)
+            .total_memories(512)
+            .total_tables(512)
+            .total_stacks(256)
+            .max_memory_size(largest_memory);
+        // Reserve only what a plugin may use, so the pool's address space stays modest.
+        pooled.allocation_strategy(InstanceAllocationStrategy::Pooling(pool)).memory_reservation(largest_memory as u64);
+        let (engine, pooling) = match Engine::new(&pooled) {
+            Ok(engine) => (engine, true),
+            Err(e) => {
+                tracing::warn!("pooling allocator unavailable, allocating instances on demand: {e}");
+                let engine =
+                    Engine::new(&engine_config).map_err(anyhow::Error::from).context("creating the wasm engine")?;
+                (engine, false)
+            }
+        };
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
+        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
+        log_denied_file_access(&mut linker)?;
+        TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
+
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let (stop, ticking) = (ticker_stop.clone(), engine.clone());
+        std::thread::Builder::new()
+            .name("ferry-epoch".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    ticking.increment_epoch();
+                }
+            })
+            .context("starting the epoch ticker")?;
+        Ok(Self { engine, linker, ticker_stop, pooling })
+    }
+}

@@ -1,0 +1,229 @@
+//! The sandbox of one plugin instance: what its store carries (WASI and wasi:http state, the
+//! plugin's name for log lines) and what it enforces: the memory cap, the pre-opened directories
+//! (with refused paths logged), the TCP allowlist, the HTTP origin allowlist, and the host side of
+//! ferry's `logging` import.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use wasmtime::component::{Linker, ResourceTable};
+use wasmtime::{ResourceLimiter, Store as WasmStore};
+use wasmtime_wasi::sockets::SocketAddrUse;
+use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+use wasmtime_wasi_http::{
+    Error as HttpError, RequestOptions, WasiBody, WasiHttpCtx, WasiHttpCtxView, WasiHttpHooks, WasiHttpView,
+};
+
+use super::bindings::ferry::transport::{logging, types};
+use super::runtime::Runtime;
+use super::ticks;
+use crate::config::{PluginLimits, Sandbox, normalize_origin};
+
+/// Memory accounting for one instance: enforces the cap and remembers that it was hit, so a
+/// resulting trap can be reported as what it is.
+pub(super) struct Limiter {
+    max_memory: usize,
+    pub(super) hit: bool,
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.max_memory {
+            self.hit = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= 1_000_000)
+    }
+}
+
+/// What each instance's store carries: WASI and wasi:http state, the memory limiter, and the
+/// plugin's name for log lines.
+pub struct HostState {
+    wasi: WasiCtx,
+    http: WasiHttpCtx,
+    http_policy: HttpPolicy,
+    table: ResourceTable,
+    pub(super) limiter: Limiter,
+    plugin: Arc<str>,
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl WasiHttpView for HostState {
+    fn http(&mut self) -> WasiHttpCtxView<'_> {
+        WasiHttpCtxView { ctx: &mut self.http, table: &mut self.table, hooks: &mut self.http_policy }
+    }
+}
+
+/// Outgoing wasi:http requests go only to the plugin's allowed origins; the `Host` header is set
+/// from the request's authority.
+struct HttpPolicy {
+    plugin: Arc<str>,
+    origins: HashSet<String>,
+}
+
+impl WasiHttpHooks for HttpPolicy {
+    fn send_request(
+        &mut self,
+        request: http::Request<WasiBody>,
+        options: Option<RequestOptions>,
+        fut: Box<dyn Future<Output = Result<(), HttpError>> + Send>,
+    ) -> Box<
+        dyn Future<
+                Output = Result<
+                    (http::Response<WasiBody>, Box<dyn Future<Output = Result<(), HttpError>> + Send>),
+                    HttpError,
+                >,
+            > + Send,
+    > {
+        let _ = fut;
+        let uri = request.uri();
+        let origin =
+            format!("{}://{}", uri.scheme_str().unwrap_or("https"), uri.authority().map_or("", |a| a.as_str()));
+        let allowed = normalize_origin(&origin).is_ok_and(|o| self.origins.contains(&o));
+        if !allowed {
+            tracing::warn!(plugin = %self.plugin, %origin, "plugin denied an HTTP request to an origin not on its http allowlist");
+            return Box::new(async { Err(HttpError::HttpRequestDenied) });
+        }
+        Box::new(async move {
+            use http_body_util::BodyExt;
+            let (response, io) = wasmtime_wasi_http::default_send_request(request, options).await?;
+            Ok((response.map(BodyExt::boxed_unsync), Box::new(io) as Box<dyn Future<Output = _> + Send>))
+        })
+    }
+}
+
+impl types::Host for HostState {}
+
+impl logging::Host for HostState {
+    fn log(&mut self, level: logging::Level, message: String) {
+        let plugin = &*self.plugin;
+        match level {
+            logging::Level::Trace => tracing::trace!(target: "ferry::plugin", plugin, "{message}"),
+            logging::Level::Debug => tracing::debug!(target: "ferry::plugin", plugin, "{message}"),
+            logging::Level::Info => tracing::info!(target: "ferry::plugin", plugin, "{message}"),
+            logging::Level::Warn => tracing::warn!(target: "ferry::plugin", plugin, "{message}"),
+            logging::Level::Error => tracing::error!(target: "ferry::plugin", plugin, "{message}"),
+        }
+    }
+}
+
+impl Runtime {
+    /// A store for one instance of `plugin`, with its sandbox and limits.
+    pub(super) fn store(
+        &self,
+        plugin: Arc<str>,
+        sandbox: &Sandbox,
+        limits: &PluginLimits,
+        tcp: &[SocketAddr],
+    ) -> anyhow::Result<WasmStore<HostState>> {
+        let mut wasi = WasiCtxBuilder::new();
+        if sandbox.stdio {
+            wasi.inherit_stdout().inherit_stderr();
+        }
+        for (name, value) in &sandbox.env {
+            wasi.env(name, value);
+        }
+        for (guest, host) in &sandbox.dirs {
+            std::fs::create_dir_all(host)
+                .with_context(|| format!("creating {} for plugin {plugin}", host.display()))?;
+            wasi.preopened_dir(host, guest, FsPerms::ReadWrite)
+                .map_err(anyhow::Error::from)
+                .with_context(|| format!("granting {} to plugin {plugin} as {guest}", host.display()))?;
+        }
+        wasi.allow_ip_name_lookup(sandbox.dns);
+        // Every socket use goes through this check, even with an empty allowlist, so that each
+        // refusal is logged with the plugin's name.
+        let allowed: Arc<HashSet<SocketAddr>> = Arc::new(tcp.iter().copied().collect());
+        let name = plugin.clone();
+        wasi.allow_tcp(true).socket_addr_check(move |addr, use_| {
+            let ok = match use_ {
+                // Connecting binds the socket to an ephemeral local port first.
+                SocketAddrUse::TcpBind => addr.port() == 0,
+                SocketAddrUse::TcpConnect => allowed.contains(&addr),
+                _ => false,
+            };
+            if !ok {
+                tracing::warn!(plugin = %name, %addr, usage = ?use_, "plugin denied network access to an address not on its tcp allowlist");
+            }
+            Box::pin(async move { ok })
+        });
+        let state = HostState {
+            wasi: wasi.build(),
+            http: WasiHttpCtx::new(),
+            http_policy: HttpPolicy { plugin: plugin.clone(), origins: sandbox.http.clone() },
+            table: ResourceTable::new(),
+            limiter: Limiter { max_memory: limits.memory, hit: false },
+            plugin,
+        };
+        let mut store = WasmStore::new(&self.engine, state);
+        store.limiter(|state| &mut state.limiter);
+        store.set_epoch_deadline(ticks(limits.timeout));
+        store.epoch_deadline_trap();
+        Ok(store)
+    }
+}
+
+/// The WASI version of `wasi:filesystem` that wasmtime-wasi links.
+const WASI_FILESYSTEM_TYPES: &str = "wasi:filesystem/types@0.2.12";
+
+/// Replaces `descriptor.open-at` with a wrapper that calls wasmtime-wasi's own implementation and,
+/// when it refuses a path (one that climbs out of a granted directory), leaves a warning naming
+/// the plugin and the path. Paths outside every granted directory never reach the host: the
+/// guest's libc finds no directory to resolve them against and fails on its own.
+pub(super) fn log_denied_file_access(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
+    use wasmtime::component::Resource;
+    use wasmtime_wasi::filesystem::WasiFilesystemView;
+    use wasmtime_wasi::p2::bindings::filesystem::types::{
+        Descriptor, DescriptorFlags, ErrorCode, Host as _, HostDescriptor as _, OpenFlags, PathFlags,
+    };
+    type Args = (Resource<Descriptor>, PathFlags, String, OpenFlags, DescriptorFlags);
+    linker.allow_shadowing(true);
+    let mut types = linker.instance(WASI_FILESYSTEM_TYPES).map_err(anyhow::Error::from)?;
+    types
+        .func_wrap_async("[method]descriptor.open-at", |mut store, (fd, path_flags, path, oflags, flags): Args| {
+            Box::new(async move {
+                let state = store.data_mut();
+                let plugin = state.plugin.clone();
+                let mut fs = state.filesystem();
+                let opened = fs.open_at(fd, path_flags, path.clone(), oflags, flags).await;
+                let result: Result<Resource<Descriptor>, ErrorCode> = match opened {
+                    Ok(fd) => Ok(fd),
+                    Err(e) => Err(fs.convert_error_code(e)?),
+                };
+                if let Err(ErrorCode::NotPermitted | ErrorCode::Access) = &result {
+                    tracing::warn!(plugin = %plugin, path = %path, "plugin denied access to a path outside its directories");
+                }
+                Ok((result,))
+            })
+        })
+        .map_err(anyhow::Error::from)?;
+    linker.allow_shadowing(false);
+    Ok(())
+}
+
+/// Resolves `host:port` allowlist entries to addresses. An entry that does not resolve is logged
+/// and grants nothing.
+pub(super) fn resolve_allowlist(plugin: &str, entries: &[String]) -> Vec<SocketAddr> {
+    entries
+        .iter()
+        .flat_map(|entry| match entry.to_socket_addrs() {
+            Ok(addrs) => addrs.collect::<Vec<_>>(),
+            Err(e) => {
+                tracing::warn!(plugin, entry = %entry, "tcp allowlist entry does not resolve: {e}");
+                Vec::new()
+            }
+        })
+        .collect()
+}

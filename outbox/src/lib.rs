@@ -1,0 +1,220 @@
+//! Emit events into ferry's transactional outbox from your own sqlx transaction: the event is
+//! committed together with your business data, or not at all. This crate is all an application
+//! needs; it depends on sqlx and nothing of ferry's runtime.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("UPDATE orders SET state = 'paid' WHERE id = 42").execute(&mut *tx).await?;
+//! ferry_outbox::emit(&mut *tx, &ferry_outbox::NewEvent::new("orders", "order.paid", r#"{"id":42}"#)).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The `postgres` and `sqlite` features (both on by default) select the connections it supports.
+
+use std::future::Future;
+
+use chrono::{DateTime, Utc};
+
+/// Why an event was not inserted.
+#[derive(Debug, thiserror::Error)]
+pub enum EmitError {
+    /// The event itself is unusable; the message names the field.
+    #[error("invalid event: {0}")]
+    Invalid(String),
+    /// The database refused or failed the INSERT.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// An event an application wants delivered. Only `route`, `event_type` and `payload` are
+/// required; everything else has a default.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    /// Selects the transport plugin and its configuration (a `[route.NAME]` table).
+    pub route: String,
+    /// The application's name for what happened, e.g. `order.created`.
+    pub event_type: String,
+    /// The body, passed to the transport untouched.
+    pub payload: Vec<u8>,
+    /// MIME type of the payload; `application/json` when not given.
+    pub content_type: Option<String>,
+    /// Metadata passed on as message or HTTP headers.
+    pub headers: Vec<(String, String)>,
+    /// Events of one route sharing a key are delivered in order when the route asks for it.
+    pub ordering_key: Option<String>,
+    /// When the business event happened; the emit time when not given.
+    pub event_time: Option<DateTime<Utc>>,
+    /// Do not deliver before this time (deferred delivery). Deferral is not an attempt.
+    pub not_before: Option<DateTime<Utc>>,
+    /// Attempt limit fixed at emit time; when absent, the route's limit is pinned when the first
+    /// outcome is recorded. `Some(0)` means retry transient failures without limit.
+    pub max_attempts: Option<u32>,
+}
+
+impl NewEvent {
+    /// An event with default content type, no headers, no key, delivered as soon as possible.
+    pub fn new(route: impl Into<String>, event_type: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        Self {
+            route: route.into(),
+            event_type: event_type.into(),
+            payload: payload.into(),
+            content_type: None,
+            headers: Vec::new(),
+            ordering_key: None,
+            event_time: None,
+            not_before: None,
+            max_attempts: None,
+        }
+    }
+
+    /// Sets the ordering key.
+    pub fn with_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    /// Adds one header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the content type.
+    pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Defers delivery until `at`.
+    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
+        self.not_before = Some(at);
+        self
+    }
+
+    /// Checks what the database cannot: names that must not be empty, and an attempt limit the
+    /// column can hold. Returns a message naming the offending field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.route.trim().is_empty() {
+            return Err("event route must not be empty".into());
+        }
+        if self.event_type.trim().is_empty() {
+            return Err("event type must not be empty".into());
+        }
+        if let Some((name, _)) = self.headers.iter().find(|(name, _)| name.trim().is_empty()) {
+            return Err(format!("event header name {name:?} must not be empty"));
+        }
+        if let Some(n) = self.max_attempts.filter(|n| i32::try_from(*n).is_err()) {
+            return Err(format!("max_attempts {n} is too large"));
+        }
+        Ok(())
+    }
+
+    /// The headers as the JSON object stored in the `headers` column.
+    pub fn headers_json(&self) -> String {
+        let map: serde_json::Map<String, serde_json::Value> =
+            self.headers.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
+        serde_json::Value::Object(map).to_string()
+    }
+
+    fn content_type(&self) -> &str {
+        self.content_type.as_deref().unwrap_or("application/json")
+    }
+
+    fn max_attempts(&self) -> Option<i32> {
+        self.max_attempts.and_then(|n| i32::try_from(n).ok())
+    }
+}
+
+/// A database connection ferry can insert events through: `PgConnection` and `SqliteConnection`
+/// (and so `&mut *tx` for a transaction on either).
+pub trait Outbox {
+    /// Inserts `event`; `now` stamps `created_at` (the database's clock when `None`).
+    fn insert_event(
+        &mut self,
+        event: &NewEvent,
+        now: Option<DateTime<Utc>>,
+    ) -> impl Future<Output = Result<i64, EmitError>> + Send;
+}
+
+/// Inserts `event` through `conn`, typically `&mut *tx` of the caller's transaction, and returns
+/// its id. Nothing is delivered unless and until that transaction commits.
+pub async fn emit<C: Outbox + ?Sized>(conn: &mut C, event: &NewEvent) -> Result<i64, EmitError> {
+    conn.insert_event(event, None).await
+}
+
+#[cfg(feature = "postgres")]
+impl Outbox for sqlx::PgConnection {
+    async fn insert_event(&mut self, event: &NewEvent, now: Option<DateTime<Utc>>) -> Result<i64, EmitError> {
+        event.validate().map_err(EmitError::Invalid)?;
+        let id = sqlx::query_scalar(
+            "INSERT INTO ferry_events
+                 (route, event_type, payload, content_type, headers, ordering_key, max_attempts,
+                  created_at, event_time, last_status_at, next_attempt_at)
+             SELECT $1, $2, $3, $4, $5::jsonb, $6, $7, t.now, COALESCE($8, t.now), t.now, COALESCE($9, t.now)
+             FROM (SELECT COALESCE($10, now()) AS now) t
+             RETURNING id",
+        )
+        .bind(&event.route)
+        .bind(&event.event_type)
+        .bind(&event.payload)
+        .bind(event.content_type())
+        .bind(event.headers_json())
+        .bind(&event.ordering_key)
+        .bind(event.max_attempts())
+        .bind(event.event_time)
+        .bind(event.not_before)
+        .bind(now)
+        .fetch_one(&mut *self)
+        .await?;
+        Ok(id)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl Outbox for sqlx::SqliteConnection {
+    async fn insert_event(&mut self, event: &NewEvent, now: Option<DateTime<Utc>>) -> Result<i64, EmitError> {
+        event.validate().map_err(EmitError::Invalid)?;
+        let ms = |t: Option<DateTime<Utc>>| t.map(|t| t.timestamp_millis());
+        let id = sqlx::query_scalar(
+            "INSERT INTO ferry_events
+                 (route, event_type, payload, content_type, headers, ordering_key, max_attempts,
+                  created_at, event_time, last_status_at, next_attempt_at)
+             SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, t.now, COALESCE(?8, t.now), t.now, COALESCE(?9, t.now)
+             FROM (SELECT COALESCE(?10, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS now) t
+             RETURNING id",
+        )
+        .bind(&event.route)
+        .bind(&event.event_type)
+        .bind(&event.payload)
+        .bind(event.content_type())
+        .bind(event.headers_json())
+        .bind(&event.ordering_key)
+        .bind(event.max_attempts())
+        .bind(ms(event.event_time))
+        .bind(ms(event.not_before))
+        .bind(ms(now))
+        .fetch_one(&mut *self)
+        .await?;
+        Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_field() {
+        assert!(NewEvent::new("", "t", "x").validate().unwrap_err().contains("route"));
+        assert!(NewEvent::new("r", " ", "x").validate().unwrap_err().contains("type"));
+        assert!(NewEvent::new("r", "t", "x").with_header("", "v").validate().unwrap_err().contains("header"));
+        let mut huge = NewEvent::new("r", "t", "x");
+        huge.max_attempts = Some(u32::MAX);
+        assert!(huge.validate().unwrap_err().contains("max_attempts"));
+        let e = NewEvent::new("r", "t", "x").with_header("k", "v\"q");
+        let parsed: serde_json::Value = serde_json::from_str(&e.headers_json()).unwrap();
+        assert_eq!(parsed["k"], "v\"q");
+    }
+}

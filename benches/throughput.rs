@@ -191,6 +191,7 @@ async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
             blocking_routes: Vec::new(),
             paused_routes: Vec::new(),
             only_route: None,
+            max_payload: 1 << 20,
         };
         let claimed = store.claim(&claim).await.expect("claim");
         if claimed.is_empty() {

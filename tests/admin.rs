@@ -439,8 +439,8 @@ async fn the_openapi_description_matches_the_endpoints() {
             );
         }
     }
-    // Every served route is described: 16 protected operations and the two health checks.
-    assert_eq!(operations, 18, "update openapi.json when adding or removing an endpoint");
+    // Every served route is described: 18 protected operations and the two health checks.
+    assert_eq!(operations, 20, "update openapi.json when adding or removing an endpoint");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

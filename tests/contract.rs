@@ -231,6 +231,7 @@ async fn every_answer_matches_its_documented_schema() {
     let id = api.enqueue("s", "ok").await;
     api.enqueue("t", "transient").await;
     api.cycle().await;
+    let (to_fail, to_cancel) = (api.enqueue("s", "ok").await, api.enqueue("s", "ok").await);
     api.post("/v1/breakers/t/open", json!({"reason": "maintenance"})).await;
     let (_, doc) = api.get("/v1/openapi.json").await;
     let calls: Vec<(Method, String, Option<Value>)> = vec![
@@ -243,6 +244,9 @@ async fn every_answer_matches_its_documented_schema() {
         (Method::GET, format!("/v1/events/{id}"), None),
         (Method::GET, "/v1/events/999999".into(), None),
         (Method::POST, format!("/v1/events/{id}/resend"), None),
+        (Method::POST, format!("/v1/events/{id}/cancel"), None),
+        (Method::POST, format!("/v1/events/{to_fail}/fail"), Some(json!({"reason": "receiver retired"}))),
+        (Method::POST, format!("/v1/events/{to_cancel}/cancel"), None),
         (Method::GET, "/v1/failed?limit=2".into(), None),
         (Method::GET, "/v1/failed/count?route=a".into(), None),
         (Method::POST, "/v1/failed/resend".into(), Some(json!({"route": "a"}))),
@@ -279,7 +283,7 @@ async fn every_answer_matches_its_documented_schema() {
         check(&doc, schema, &value, &format!("{method} {path} {status}")).unwrap_or_else(|e| panic!("{e}"));
         checked += usize::from(status != StatusCode::OK || !value.is_null());
     }
-    assert!(checked >= 19, "every call above was checked");
+    assert!(checked >= 22, "every call above was checked");
 }
 
 /// Whether `path` matches `pattern`, whose `*` segments stand for any one segment.

@@ -197,6 +197,7 @@ async fn the_cli_emits_from_files_and_stdin_defers_and_resends() {
         blocking_routes: vec![],
         paused_routes: vec![],
         only_route: None,
+        max_payload: 1 << 20,
     };
     let claimed = db.store.claim(&claim).await.unwrap();
     let failed = ferry::event::Completion {

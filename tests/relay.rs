@@ -253,6 +253,7 @@ async fn stuck_claims_are_recovered_by_housekeeping(db: TestDb) {
         blocking_routes: vec![],
         paused_routes: vec![],
         only_route: None,
+        max_payload: 1 << 20,
     };
     assert_eq!(s.db.store.claim(&crashed).await.unwrap().len(), 1);
     s.ferry.relay.housekeeping().await;

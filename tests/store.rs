@@ -29,6 +29,7 @@ fn claim(now: DateTime<Utc>, limit: u32, token: &str) -> Claim {
         blocking_routes: vec![],
         paused_routes: vec![],
         only_route: None,
+        max_payload: 1 << 20,
     }
 }
 

@@ -69,16 +69,19 @@ pub enum FailureReason {
     PluginFault,
     /// The stored row cannot be turned into an event (for example malformed headers).
     InvalidEvent,
+    /// An operator ended the event by hand (`ferry event fail`).
+    Operator,
 }
 
 impl FailureReason {
     /// Every reason.
-    pub const ALL: [FailureReason; 5] = [
+    pub const ALL: [FailureReason; 6] = [
         FailureReason::Permanent,
         FailureReason::AttemptsExhausted,
         FailureReason::NoTransport,
         FailureReason::PluginFault,
         FailureReason::InvalidEvent,
+        FailureReason::Operator,
     ];
 
     /// The name stored in the `failure_reason` column.
@@ -89,6 +92,7 @@ impl FailureReason {
             FailureReason::NoTransport => "no_transport",
             FailureReason::PluginFault => "plugin_fault",
             FailureReason::InvalidEvent => "invalid_event",
+            FailureReason::Operator => "operator",
         }
     }
 }
@@ -333,7 +337,9 @@ pub(crate) struct ClaimedRow {
     route: String,
     event_type: String,
     ordering_key: Option<String>,
-    payload: Vec<u8>,
+    /// NULL when the payload is larger than the claim's `max_payload`: it is not loaded.
+    payload: Option<Vec<u8>>,
+    payload_size: i64,
     content_type: String,
     headers: String,
     #[sqlx(try_from = "Count")]
@@ -349,18 +355,26 @@ pub(crate) struct ClaimedRow {
 }
 
 impl ClaimedRow {
-    /// The event to deliver; headers that do not parse become the event's defect.
-    pub(crate) fn into_event(self) -> ClaimedEvent {
-        let (headers, defect) = match parse_headers(&self.headers) {
+    /// The event to deliver; headers that do not parse, or a payload over the size limit (`max`
+    /// bytes), become the event's defect.
+    pub(crate) fn into_event(self, max_payload: u64) -> ClaimedEvent {
+        let (headers, mut defect) = match parse_headers(&self.headers) {
             Ok(headers) => (headers, None),
             Err(e) => (Vec::new(), Some(format!("event {}: {e}", self.id))),
         };
+        if self.payload.is_none() {
+            defect = Some(format!(
+                "event {}: the payload is {} bytes, more than relay.max_payload ({max_payload} bytes); \
+                 raise the limit and resend it, or purge it",
+                self.id, self.payload_size
+            ));
+        }
         ClaimedEvent {
             id: self.id,
             route: self.route,
             event_type: self.event_type,
             ordering_key: self.ordering_key,
-            payload: self.payload,
+            payload: self.payload.unwrap_or_default(),
             content_type: self.content_type,
             headers,
             attempt: self.attempts,

@@ -18,6 +18,7 @@ pub mod relay;
 pub mod report;
 pub mod service;
 pub mod store;
+pub mod untrusted;
 pub mod watch;
 
 /// Emitting needs only the `ferry-outbox` crate; it is re-exported here for applications that

@@ -20,6 +20,10 @@ async fn main() -> ExitCode {
     }
     match ferry::cli::run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of our output went away (`ferry failed list | head`): nothing left to say.
+        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -12,16 +12,19 @@ use tokio::sync::Notify;
 use crate::breaker::Breaker;
 use crate::clock::Clock;
 use crate::config::{Ordering, Settings};
-use crate::event::NewEvent;
+use crate::event::{NewEvent, Status};
 use crate::plugins::{Registry, Reloaded};
 use crate::report::{
     BreakerView, Created, EventView, FailedCount, FailedPage, PluginsView, ReloadResult, ReloadView, ReloadedFile,
     RouteView, StatsView, StatusCounts,
 };
-use crate::store::{self, BulkOp, FailedFilter, Store, StoreError};
+use crate::store::{self, BulkOp, EndEvent, FailedFilter, Store, StoreError};
 
 /// Largest page of FAILED events one call returns.
 pub const MAX_PAGE: u32 = 10_000;
+
+/// The last error of an event failed by hand when the operator gives no reason.
+pub const FAILED_BY_HAND: &str = "failed by an operator";
 
 /// Longest latency window accepted.
 pub const MAX_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -146,6 +149,7 @@ impl Ops {
     /// `now` (from [`Ops::now`], so a delay counted from it is exact).
     pub async fn emit(&self, event: NewEvent, now: DateTime<Utc>) -> Result<Created, OpError> {
         event.validate().map_err(OpError::Invalid)?;
+        event.check_payload(self.settings.config.relay.max_payload.0).map_err(OpError::Invalid)?;
         if self.settings.route(&event.route).is_none() {
             let known: Vec<&str> = self.settings.routes.keys().map(String::as_str).collect();
             return Err(OpError::Invalid(format!(
@@ -179,6 +183,43 @@ impl Ops {
         }
         self.wake();
         Ok(())
+    }
+
+    /// Ends PENDING or PROCESSING event `id` by hand: `Cancel` deletes it, `Fail` makes it FAILED
+    /// (reason `operator`, `note` as its last error). A delivery in flight loses its claim, so
+    /// its outcome is not recorded. Returns the event as it is afterwards (`None`: deleted).
+    pub async fn end_event(&self, id: i64, end: EndEvent<'_>) -> Result<Option<EventView>, OpError> {
+        let verb = match end {
+            EndEvent::Cancel => "cancelled",
+            EndEvent::Fail { .. } => "failed",
+        };
+        let refuse = |status: Status| {
+            let instead = match status {
+                Status::Failed => "; purge it with `failed purge` or resend it",
+                _ => "",
+            };
+            OpError::Conflict(format!(
+                "event {id} is {status}; only PENDING or PROCESSING events can be {verb} by hand{instead}"
+            ))
+        };
+        let Some(event) = self.store.get(id).await? else {
+            return Err(OpError::NotFound(format!("no event with id {id}")));
+        };
+        if !matches!(event.status, Status::Pending | Status::Processing) {
+            return Err(refuse(event.status));
+        }
+        if !self.store.end_event(id, end, self.clock.now()).await? {
+            // It finished (or was ended) between the read and the write.
+            return match self.store.get(id).await? {
+                Some(now) => Err(refuse(now.status)),
+                None => Err(OpError::NotFound(format!("no event with id {id}"))),
+            };
+        }
+        tracing::info!(event = id, was = %event.status, "event {verb} by an operator");
+        match end {
+            EndEvent::Cancel => Ok(None),
+            EndEvent::Fail { .. } => self.show(id).await.map(Some),
+        }
     }
 
     /// How many FAILED events match.

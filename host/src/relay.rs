@@ -18,7 +18,7 @@ use crate::clock::Clock;
 use crate::config::Settings;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
-use crate::plugins::{DeliverError, Delivery, Outcome, RouteTransport};
+use crate::plugins::{DeliverError, Outcome, RouteTransport};
 use crate::store::{Breaker, Claim, Store, StoreError};
 
 /// What one relay cycle did.
@@ -30,6 +30,48 @@ pub struct CycleStats {
     pub failed: usize,
     /// Outcomes not written because the claim had been recovered in the meantime.
     pub fenced_off: usize,
+}
+
+/// Whether the relay's workers make progress, for readiness: each notes when it began the cycle
+/// it is in, so one stuck longer than a cycle can take (a database that stopped answering) shows.
+#[derive(Debug)]
+pub struct RelayHealth {
+    epoch: std::time::Instant,
+    /// Per worker: milliseconds since `epoch` when its current cycle began, 0 while it waits.
+    busy_since: Vec<std::sync::atomic::AtomicU64>,
+    /// Longest a cycle may take: the lease, past which its claims are recovered anyway.
+    limit: Duration,
+}
+
+impl RelayHealth {
+    fn new(workers: u32, limit: Duration) -> RelayHealth {
+        let busy_since = (0..workers).map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
+        RelayHealth { epoch: std::time::Instant::now(), busy_since, limit }
+    }
+
+    fn busy(&self, worker: u32, busy: bool) {
+        let since = if busy { self.epoch.elapsed().as_millis() as u64 + 1 } else { 0 };
+        if let Some(slot) = self.busy_since.get(worker as usize) {
+            slot.store(since, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Why the relay is not healthy, if a worker has been in one cycle for longer than the lease.
+    pub fn wedged(&self) -> Option<String> {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.busy_since.iter().enumerate().find_map(|(worker, since)| {
+            let since = since.load(std::sync::atomic::Ordering::Relaxed);
+            let stuck = Duration::from_millis(now.saturating_sub(since));
+            (since > 0 && stuck > self.limit).then(|| {
+                format!(
+                    "relay worker {worker} has been in one cycle for {:?}, longer than relay.lease ({:?}); \
+                     is the database answering?",
+                    Duration::from_secs(stuck.as_secs()),
+                    self.limit
+                )
+            })
+        })
+    }
 }
 
 /// Routes resolved to transports, with their settings (retry policies among them).
@@ -65,6 +107,8 @@ pub struct Relay {
     purge_batch: u32,
     ordered_routes: Vec<String>,
     blocking_routes: Vec<String>,
+    /// Payloads larger than this are not loaded; such events fail alone.
+    max_payload: u64,
     /// Consecutive transient failures that open a route's breaker; 0: breakers never open by
     /// themselves (operators can still open them).
     breaker_threshold: u32,
@@ -72,6 +116,7 @@ pub struct Relay {
     /// Cuts an idle wait short: notified by the database listener or by in-process emitters.
     wake: Arc<Notify>,
     metrics: Arc<Metrics>,
+    health: Arc<RelayHealth>,
 }
 
 impl Relay {
@@ -96,16 +141,23 @@ impl Relay {
             purge_batch: config.relay.purge_batch,
             ordered_routes,
             blocking_routes,
+            max_payload: config.relay.max_payload.0 as u64,
             breaker_threshold: config.breaker.threshold,
             breaker_cooldown: config.breaker.cooldown.0,
             wake: Arc::new(Notify::new()),
             metrics,
+            health: Arc::new(RelayHealth::new(config.relay.workers, config.relay.lease.0)),
         }
     }
 
     /// Wakes the relay if it is waiting idle; for code in this process that has just emitted.
     pub fn wake(&self) {
         self.wake.notify_one();
+    }
+
+    /// Whether the workers make progress, for readiness.
+    pub fn health(&self) -> Arc<RelayHealth> {
+        self.health.clone()
     }
 
     /// A handle that wakes the relay, for code that outlives a borrow of it.
@@ -129,11 +181,14 @@ impl Relay {
         let mut idle_pause = self.poll_interval;
         let mut error_pause = self.poll_interval;
         while !shutdown.is_cancelled() {
+            self.health.busy(worker, true);
             if worker == 0 && cycle.is_multiple_of(u64::from(self.recover_every)) {
                 self.housekeeping().await;
             }
             cycle += 1;
-            let pause = match self.cycle(shutdown).await {
+            let result = self.cycle(shutdown).await;
+            self.health.busy(worker, false);
+            let pause = match result {
                 Ok(stats) if stats.claimed > 0 => {
                     // Work found: look again at once, and start idling afresh afterwards.
                     (idle_pause, error_pause) = (self.poll_interval, self.poll_interval);
@@ -218,6 +273,7 @@ impl Relay {
             blocking_routes: self.blocking_routes.clone(),
             paused_routes: breakers.iter().filter(|b| b.is_open()).map(|b| b.route.clone()).collect(),
             only_route: None,
+            max_payload: self.max_payload,
         };
         let claiming = std::time::Instant::now();
         let mut events = self.store.claim(&claim).await?;
@@ -396,21 +452,73 @@ impl Relay {
                 by_route.entry(&event.route).or_default().push(event);
             }
         }
+        let lease_ends = std::time::Instant::now() + self.lease;
         let deliveries = by_route.into_iter().map(|(route, batch)| async move {
-            let started_at = self.clock.now();
-            let started = std::time::Instant::now();
-            let (plugin, delivery) = match self.routes.transports.get(route) {
-                Some(transport) => (Some(transport.plugin_name().to_string()), transport.deliver(&batch).await),
+            match self.routes.transports.get(route) {
+                Some(transport) => self.deliver_isolating(transport, batch, lease_ends).await,
                 None => {
+                    let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
                     let why = format!("no route {route:?} is configured");
-                    (None, Delivery { plugin_hash: None, result: Err(DeliverError::NoTransport(why)) })
+                    self.judge(&batch, &call, Err(DeliverError::NoTransport(why)))
                 }
-            };
-            let call = self.call_log(started_at, started.elapsed(), plugin, delivery.plugin_hash);
-            self.judge(&batch, &call, delivery.result)
+            }
         });
         for done in futures::future::join_all(deliveries).await {
             completions.extend(done);
+        }
+        completions
+    }
+
+    /// Delivers one route's `batch`. When a call fails as a whole (the plugin trapped, timed out,
+    /// ran out of memory or answered wrongly), one event may be at fault: the batch is split in
+    /// halves and each delivered on its own, down to the event that faults alone, so only it is
+    /// charged and the others get their own outcomes. Splitting stops when faults go on for more
+    /// levels than the batch has (the plugin fails whatever it is given) or when another call
+    /// might outlast the claim's lease (`lease_ends`); what is left is charged with the fault.
+    async fn deliver_isolating(
+        &self,
+        transport: &RouteTransport,
+        batch: Vec<&ClaimedEvent>,
+        lease_ends: std::time::Instant,
+    ) -> Vec<Completion> {
+        let levels = usize::BITS - batch.len().leading_zeros() + 1;
+        let mut faults_in_a_row = 0;
+        let mut parts = vec![batch];
+        let mut completions = Vec::new();
+        while let Some(part) = parts.pop() {
+            let started_at = self.clock.now();
+            let started = std::time::Instant::now();
+            let delivery = transport.deliver(&part).await;
+            let call = self.call_log(
+                started_at,
+                started.elapsed(),
+                Some(transport.plugin_name().into()),
+                delivery.plugin_hash,
+            );
+            let result = match delivery.result {
+                Err(DeliverError::Fault(fault)) => {
+                    faults_in_a_row += 1;
+                    let time_left = std::time::Instant::now() + transport.timeout() * 2 < lease_ends;
+                    if part.len() > 1 && faults_in_a_row <= levels && time_left {
+                        tracing::info!(
+                            route = %part[0].route,
+                            events = part.len(),
+                            "{fault}; delivering the batch in halves to find the event at fault"
+                        );
+                        let mut first = part;
+                        let second = first.split_off(first.len() / 2);
+                        parts.push(second);
+                        parts.push(first);
+                        continue;
+                    }
+                    Err(DeliverError::Fault(fault))
+                }
+                other => {
+                    faults_in_a_row = 0;
+                    other
+                }
+            };
+            completions.extend(self.judge(&part, &call, result));
         }
         completions
     }
@@ -439,18 +547,22 @@ impl Relay {
                 .zip(outcomes)
                 .map(|(event, outcome)| match outcome {
                     Outcome::Success => self.complete(event, call, Disposition::Sent),
-                    Outcome::Permanent(f) => self.fail(event, call, FailureReason::Permanent, f.reason),
+                    Outcome::Permanent(f) => self.fail(event, call, FailureReason::Permanent, reason(&f.reason)),
                     Outcome::Transient(f) => {
                         let hint = f.retry_after_ms.map(Duration::from_millis);
-                        self.retry_or_fail(event, call, now, f.reason, hint, FailureReason::AttemptsExhausted)
+                        let why = reason(&f.reason);
+                        self.retry_or_fail(event, call, now, why, hint, FailureReason::AttemptsExhausted)
                     }
                 })
                 .collect(),
             Err(DeliverError::Fault(fault)) => batch
                 .iter()
-                .map(|event| self.retry_or_fail(event, call, now, fault.to_string(), None, FailureReason::PluginFault))
+                .map(|event| {
+                    self.retry_or_fail(event, call, now, reason(&fault.to_string()), None, FailureReason::PluginFault)
+                })
                 .collect(),
             Err(DeliverError::NoTransport(why)) => {
+                let why = reason(&why);
                 batch.iter().map(|event| self.fail(event, call, FailureReason::NoTransport, why.clone())).collect()
             }
         }
@@ -487,6 +599,11 @@ impl Relay {
         let attempt = AttemptLog { number: event.attempt, call: call.clone() };
         Completion { id: event.id, disposition, max_attempts, attempt }
     }
+}
+
+/// A failure reason as stored: a plugin chooses its text, so it is bounded and escaped.
+fn reason(text: &str) -> String {
+    crate::untrusted::clean(text, crate::untrusted::MAX_REASON)
 }
 
 /// A fresh, unguessable claim token.

@@ -175,6 +175,12 @@ pub struct Resent {
     pub resent: u64,
 }
 
+/// How many events an operator cancelled (deleted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cancelled {
+    pub cancelled: u64,
+}
+
 /// How many events a purge deleted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Purged {

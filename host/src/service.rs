@@ -58,21 +58,40 @@ impl Ferry {
             self.metrics.clone(),
             self.clock.clone(),
             self.relay.waker(),
+            self.relay.health(),
         )
     }
 }
 
-/// Connects to the configured database and applies pending migrations.
+/// Connects to the configured database (creating a missing SQLite file) and applies pending
+/// migrations: what `serve` and `migrate` do.
 pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    open(config, true).await
+}
+
+/// Connects to the configured database, which must exist, and applies pending migrations: what
+/// every other command does, so a mistyped path is an error rather than a new, empty database.
+pub async fn open_existing_store(config: &Config) -> anyhow::Result<Arc<dyn Store>> {
+    open(config, false).await
+}
+
+async fn open(config: &Config, create: bool) -> anyhow::Result<Arc<dyn Store>> {
     let url = &config.database.url;
-    let store = store::connect(url, config.database.max_connections).await?;
+    let store = store::connect(url, config.database.max_connections, create).await?;
     store.migrate().await.with_context(|| format!("migrating {}", redact_url(url)))?;
     Ok(store)
 }
 
-/// Runs ferry until `shutdown` is cancelled.
+/// Runs ferry until `shutdown` is cancelled, which may come while it is still starting (loading
+/// plugins, say): then it stops at once.
 pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let ferry = Ferry::start(config, Arc::new(SystemClock)).await?;
+    let ferry = tokio::select! {
+        ferry = Ferry::start(config, Arc::new(SystemClock)) => ferry?,
+        _ = shutdown.cancelled() => {
+            tracing::info!("shutdown requested while starting; stopped");
+            return Ok(());
+        }
+    };
     if config.plugins.watch {
         crate::watch::spawn(ferry.registry.clone(), config.plugins.debounce.0, shutdown.child_token())?;
     }

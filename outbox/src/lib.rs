@@ -17,6 +17,10 @@ use std::future::Future;
 
 use chrono::{DateTime, Utc};
 
+/// The largest payload [`emit`] accepts: ferry's default `relay.max_payload`. Use
+/// [`emit_with_max_payload`] when ferry is configured with another limit.
+pub const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;
+
 /// Why an event was not inserted.
 #[derive(Debug, thiserror::Error)]
 pub enum EmitError {
@@ -111,6 +115,18 @@ impl NewEvent {
         Ok(())
     }
 
+    /// Refuses a payload larger than `max` bytes, saying how to fix it.
+    pub fn check_payload(&self, max: usize) -> Result<(), String> {
+        if self.payload.len() > max {
+            return Err(format!(
+                "the payload is {} bytes, more than the {max} bytes ferry accepts (relay.max_payload); \
+                 store large documents elsewhere and send a reference to them",
+                self.payload.len()
+            ));
+        }
+        Ok(())
+    }
+
     /// The headers as the JSON object stored in the `headers` column.
     pub fn headers_json(&self) -> String {
         let map: serde_json::Map<String, serde_json::Value> =
@@ -139,8 +155,19 @@ pub trait Outbox {
 }
 
 /// Inserts `event` through `conn`, typically `&mut *tx` of the caller's transaction, and returns
-/// its id. Nothing is delivered unless and until that transaction commits.
+/// its id. Nothing is delivered unless and until that transaction commits. A payload larger than
+/// [`DEFAULT_MAX_PAYLOAD`] is refused.
 pub async fn emit<C: Outbox + ?Sized>(conn: &mut C, event: &NewEvent) -> Result<i64, EmitError> {
+    emit_with_max_payload(conn, event, DEFAULT_MAX_PAYLOAD).await
+}
+
+/// [`emit`] for a ferry whose `relay.max_payload` is `max_payload` bytes.
+pub async fn emit_with_max_payload<C: Outbox + ?Sized>(
+    conn: &mut C,
+    event: &NewEvent,
+    max_payload: usize,
+) -> Result<i64, EmitError> {
+    event.check_payload(max_payload).map_err(EmitError::Invalid)?;
     conn.insert_event(event, None).await
 }
 
@@ -182,7 +209,7 @@ impl Outbox for sqlx::SqliteConnection {
                  (route, event_type, payload, content_type, headers, ordering_key, max_attempts,
                   created_at, event_time, last_status_at, next_attempt_at)
              SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, t.now, COALESCE(?8, t.now), t.now, COALESCE(?9, t.now)
-             FROM (SELECT COALESCE(?10, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS now) t
+             FROM (SELECT COALESCE(?10, CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)) AS now) t
              RETURNING id",
         )
         .bind(&event.route)

@@ -174,12 +174,28 @@ pub fn built_plugin(crate_name: &str) -> PathBuf {
     path
 }
 
-/// A plugins directory holding copies of the named built plugins.
+/// The name the plugin built by crate `crate_name` reports, which its file must be named after
+/// (`NAME.wasm`) to load; a crate that builds no loadable plugin keeps its crate name.
+pub fn plugin_name(crate_name: &str) -> &str {
+    match crate_name {
+        "ferry_transport_log" => "log",
+        "ferry_transport_http" => "http",
+        "ferry_transport_kafka" => "kafka",
+        "ferry_transport_template" => "template",
+        "ferry_transport_webhook_js" => "webhook-js",
+        "ferry_transport_spool_py" => "spool-py",
+        "ferry_test_scripted" => "scripted",
+        other => other,
+    }
+}
+
+/// A plugins directory holding copies of the named built plugins, each installed as
+/// `NAME.wasm` after the name it reports.
 pub fn plugins_dir(parent: &Path, crates: &[&str]) -> PathBuf {
     let dir = parent.join("plugins");
     std::fs::create_dir_all(&dir).expect("create plugins dir");
     for name in crates {
-        std::fs::copy(built_plugin(name), dir.join(format!("{name}.wasm"))).expect("copy plugin");
+        std::fs::copy(built_plugin(name), dir.join(format!("{}.wasm", plugin_name(name)))).expect("copy plugin");
     }
     dir
 }

@@ -19,16 +19,17 @@ use crate::config::parse_duration;
 use crate::event::NewEvent;
 use crate::ops::{self, FilterInput};
 use crate::report::{
-    BreakerView, Created, EventView, FailedCount, FailedPage, PluginsView, Purged, ReloadView, Resent, RouteView,
-    StatsView,
+    BreakerView, Cancelled, Created, EventView, FailedCount, FailedPage, PluginsView, Purged, ReloadView, Resent,
+    RouteView, StatsView,
 };
-use crate::store::BulkOp;
+use crate::store::{BulkOp, EndEvent};
 
 pub(super) async fn live() -> Json<Value> {
     Json(json!({ "status": "ok" }))
 }
 
-/// Ready when the database answers and every configured route's plugin is loaded.
+/// Ready when the database answers, every configured route's plugin is loaded, and no relay
+/// worker is stuck in a cycle.
 pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value>) {
     let database = admin.ops.store.ping().await.map_err(|e| e.to_string());
     let loaded = admin.registry.names();
@@ -40,10 +41,12 @@ pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value
         .filter(|r| !loaded.contains(&r.plugin))
         .map(|r| (&r.name, &r.plugin))
         .collect();
-    let ready = database.is_ok() && missing.is_empty();
+    let relay = admin.relay.wedged();
+    let ready = database.is_ok() && missing.is_empty() && relay.is_none();
     let body = json!({
         "status": if ready { "ready" } else { "not_ready" },
         "database": match &database { Ok(()) => "ok".to_string(), Err(e) => e.clone() },
+        "relay": relay.as_deref().unwrap_or("ok"),
         "plugins_loaded": loaded,
         "routes_without_plugin": missing,
     });
@@ -167,6 +170,27 @@ pub(super) async fn show(State(admin): State<Admin>, EventId(id): EventId) -> Re
 pub(super) async fn resend_one(State(admin): State<Admin>, EventId(id): EventId) -> Result<Json<Resent>, ApiError> {
     admin.ops.resend(id).await?;
     Ok(Json(Resent { resent: 1 }))
+}
+
+pub(super) async fn cancel(State(admin): State<Admin>, EventId(id): EventId) -> Result<Json<Cancelled>, ApiError> {
+    admin.ops.end_event(id, EndEvent::Cancel).await?;
+    Ok(Json(Cancelled { cancelled: 1 }))
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct FailRequest {
+    /// Why, kept as the event's last error.
+    reason: Option<String>,
+}
+
+pub(super) async fn fail(
+    State(admin): State<Admin>,
+    EventId(id): EventId,
+    Body(body): Body<FailRequest>,
+) -> Result<Json<Option<EventView>>, ApiError> {
+    let note = body.reason.unwrap_or_else(|| ops::FAILED_BY_HAND.to_string());
+    Ok(Json(admin.ops.end_event(id, EndEvent::Fail { note: &note }).await?))
 }
 
 /// Narrows the FAILED events an operation applies to.

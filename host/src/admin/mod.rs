@@ -24,6 +24,7 @@ use crate::config::Settings;
 use crate::metrics::Metrics;
 use crate::ops::{FrontEnd, Ops};
 use crate::plugins::Registry;
+use crate::relay::RelayHealth;
 use crate::store::Store;
 
 /// The OpenAPI description served at `/v1/openapi.json`.
@@ -35,6 +36,8 @@ pub struct Admin {
     pub ops: Ops,
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,
+    /// The relay's progress, for readiness.
+    pub relay: Arc<RelayHealth>,
     token: Arc<str>,
 }
 
@@ -53,10 +56,11 @@ impl Admin {
         metrics: Arc<Metrics>,
         clock: Arc<dyn Clock>,
         wake: Arc<Notify>,
+        relay: Arc<RelayHealth>,
     ) -> anyhow::Result<Admin> {
         let token = settings.config.admin.bearer_token().map_err(anyhow::Error::msg)?;
         let ops = Ops { settings, store, clock, wake: Some(wake), front: FrontEnd::Api };
-        Ok(Admin { ops, registry, metrics, token: token.into() })
+        Ok(Admin { ops, registry, metrics, relay, token: token.into() })
     }
 
     /// Every endpoint.
@@ -68,6 +72,8 @@ impl Admin {
             .route("/v1/events", post(enqueue))
             .route("/v1/events/{id}", get(show))
             .route("/v1/events/{id}/resend", post(resend_one))
+            .route("/v1/events/{id}/cancel", post(cancel))
+            .route("/v1/events/{id}/fail", post(fail))
             .route("/v1/failed", get(failed_list))
             .route("/v1/failed/count", get(failed_count))
             .route("/v1/failed/resend", post(failed_resend))
@@ -90,6 +96,12 @@ impl Admin {
 
     /// Binds the configured address (an error names it) and serves until `shutdown`. Returns the
     /// address bound (the port is chosen by the system for port 0) and the serving task.
+    ///
+    /// The API is reachable before any token is checked, so a client that connects and sends
+    /// nothing (or half a request) must not hold the connection: each connection has
+    /// `admin.header_timeout` to send its request's headers, and at most `admin.max_connections`
+    /// are served at once; more are closed at once, so idle clients cannot use up the file
+    /// descriptors the relay and the plugins need.
     pub async fn serve(self, shutdown: CancellationToken) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
         let address: SocketAddr =
             self.ops.settings.config.admin.address().ok_or_else(|| anyhow::anyhow!("admin.listen is not set"))?;
@@ -98,11 +110,50 @@ impl Admin {
             .map_err(|e| anyhow::anyhow!("admin.listen: cannot listen on {address}: {e}"))?;
         let bound = listener.local_addr()?;
         tracing::info!(address = %bound, "admin API listening");
-        let router = self.router();
+        let limits = &self.ops.settings.config.admin;
+        let (max_connections, header_timeout) = (limits.max_connections as usize, limits.header_timeout.0);
+        let service = hyper_util::service::TowerToHyperService::new(self.router());
+        let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
         let task = tokio::spawn(async move {
-            let serving = axum::serve(listener, router).with_graceful_shutdown(shutdown.cancelled_owned());
-            if let Err(e) = serving.await {
-                tracing::error!("admin API stopped: {e}");
+            let mut refused_logged = None::<tokio::time::Instant>;
+            loop {
+                let (stream, peer) = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok(accepted) => accepted,
+                        Err(e) => {
+                            // Out of file descriptors, say: wait a little rather than spin.
+                            tracing::warn!("admin API cannot accept a connection: {e}");
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    },
+                };
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    if refused_logged.is_none_or(|at| at.elapsed() > std::time::Duration::from_secs(10)) {
+                        tracing::warn!(%peer, "admin API has {max_connections} connections open (admin.max_connections); refusing more");
+                        refused_logged = Some(tokio::time::Instant::now());
+                    }
+                    continue;
+                };
+                let (service, shutdown) = (service.clone(), shutdown.clone());
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    let mut http = hyper::server::conn::http1::Builder::new();
+                    http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_timeout);
+                    let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                    tokio::pin!(connection);
+                    let served = tokio::select! {
+                        served = connection.as_mut() => served,
+                        _ = shutdown.cancelled() => {
+                            connection.as_mut().graceful_shutdown();
+                            connection.await
+                        }
+                    };
+                    if let Err(e) = served {
+                        tracing::debug!(%peer, "admin API connection ended: {e}");
+                    }
+                });
             }
         });
         Ok((bound, task))

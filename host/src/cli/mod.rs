@@ -19,9 +19,9 @@ use crate::config::{Config, parse_duration};
 use crate::event::NewEvent;
 use crate::ops::{self, FilterInput, FrontEnd, OpError, Ops};
 use crate::plugins::{Registry, Runtime};
-use crate::report::{Created, FailedCount, Purged, ReloadResult, ReloadView, Resent};
+use crate::report::{Cancelled, Created, FailedCount, Purged, ReloadResult, ReloadView, Resent};
 use crate::service;
-use crate::store::BulkOp;
+use crate::store::{BulkOp, EndEvent};
 
 /// Delivers events from a transactional outbox through WebAssembly transport plugins.
 #[derive(Debug, Parser)]
@@ -54,6 +54,9 @@ pub enum Command {
         #[arg(required = true)]
         ids: Vec<i64>,
     },
+    /// End an event that is not finished: cancel (delete) it, or fail it by hand.
+    #[command(subcommand)]
+    Event(EventCommand),
     /// Inspect transport plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
@@ -149,6 +152,19 @@ pub enum FailedCommand {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum EventCommand {
+    /// Delete a PENDING or PROCESSING event (and its history); a delivery in flight is not recorded.
+    Cancel { id: i64 },
+    /// Make a PENDING or PROCESSING event FAILED (reason `operator`), kept for inspection and resend.
+    Fail {
+        id: i64,
+        /// Why, kept as the event's last error.
+        #[arg(long, default_value = ops::FAILED_BY_HAND)]
+        reason: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum BreakerCommand {
     /// Every route whose breaker has a history: state, consecutive failures, since when, why.
     List,
@@ -227,17 +243,21 @@ impl Cli {
 /// The operations over this invocation's database, answering as the CLI.
 async fn ops(config: &Config) -> anyhow::Result<Ops> {
     let settings = Arc::new(config.settings()?);
-    let store = service::open_store(config).await?;
+    let store = service::open_existing_store(config).await?;
     Ok(Ops { settings, store, clock: Arc::new(SystemClock), wake: None, front: FrontEnd::Cli })
 }
 
 /// Prints `value` as JSON, or the text `human` makes of it.
 fn say<T: serde::Serialize>(json: bool, value: &T, human: impl FnOnce(&T) -> String) -> anyhow::Result<()> {
-    if json {
-        println!("{}", serde_json::to_string(value)?);
-    } else {
-        println!("{}", human(value));
-    }
+    if json { out(&serde_json::to_string(value)?) } else { out(&human(value)) }
+}
+
+/// Writes one line to standard output. A reader that went away (`ferry show 1 | head`) is an
+/// `io::Error` of kind `BrokenPipe`, which `main` turns into a quiet exit.
+pub fn out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{text}").and_then(|()| stdout.flush())?;
     Ok(())
 }
 
@@ -263,7 +283,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Emit(args) => {
             let ops = ops(&config).await?;
             let now = ops.now();
-            let created: Created = ops.emit(args.into_event(now)?, now).await.map_err(failed)?;
+            let event = args.into_event(now, config.relay.max_payload.0)?;
+            let created: Created = ops.emit(event, now).await.map_err(failed)?;
             say(json, &created, |c| c.id.to_string())
         }
         Command::Plugins(PluginsCommand::List) => plugins_list(&config, json).await,
@@ -286,16 +307,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Event(EventCommand::Cancel { id }) => {
+            ops(&config).await?.end_event(id, EndEvent::Cancel).await.map_err(failed)?;
+            say(json, &Cancelled { cancelled: 1 }, |_| format!("event {id} cancelled"))
+        }
+        Command::Event(EventCommand::Fail { id, reason }) => {
+            let view = ops(&config).await?.end_event(id, EndEvent::Fail { note: &reason }).await.map_err(failed)?;
+            say(json, &view, |_| format!("event {id} failed by hand"))
+        }
         Command::Breaker(command) => breaker(&config, command, json).await,
         Command::Failed(command) => failed_command(&config, command, json).await,
         Command::Show { id } => {
             let view = ops(&config).await?.show(id).await.map_err(failed)?;
-            if json {
-                println!("{}", serde_json::to_string(&view)?);
-            } else {
-                render::event(&view);
-            }
-            Ok(())
+            say(json, &view, render::event)
         }
         Command::Status => {
             let counts = ops(&config).await?.status().await.map_err(failed)?;
@@ -357,14 +381,14 @@ async fn breaker(config: &Config, command: BreakerCommand, json: bool) -> anyhow
 
 async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {
     let settings = Arc::new(config.settings()?);
-    let runtime = Arc::new(Runtime::new(&settings)?);
+    let runtime = Arc::new(Runtime::new(&settings)?.inspecting());
     let registry = Registry::new(runtime, settings, Arc::default());
     registry.load_dir().await?;
     say(json, &ops::plugins(&registry), render::plugins)
 }
 
 async fn plugins_check(config: &Config, file: &std::path::Path, json: bool) -> anyhow::Result<()> {
-    let runtime = Runtime::new(&config.settings()?)?;
+    let runtime = Runtime::new(&config.settings()?)?.inspecting();
     let plugin = runtime.load(file).await?;
     let value = serde_json::json!({
         "file": file.display().to_string(),
@@ -391,9 +415,9 @@ async fn health(config: &Config, live: bool, json: bool) -> anyhow::Result<()> {
     let path = if live { "/health/live" } else { "/health/ready" };
     let (status, body) = client::request("GET", address, path, None).await?;
     if json {
-        println!("{}", body.trim());
+        out(body.trim())?
     } else {
-        println!("{status} {}", body.trim());
+        out(&format!("{status} {}", body.trim()))?
     }
     if status != 200 {
         bail!("ferry at {address} is not {}", if live { "live" } else { "ready" });
@@ -427,16 +451,31 @@ async fn plugins_reload(config: &Config, json: bool) -> anyhow::Result<()> {
 }
 
 impl EmitArgs {
-    /// The event to emit at `now` (deferral is counted from it).
-    fn into_event(self, now: chrono::DateTime<chrono::Utc>) -> anyhow::Result<NewEvent> {
+    /// The event to emit at `now` (deferral is counted from it). A file or standard input is read
+    /// only up to one byte past `max_payload`, so an oversized payload is refused (by the
+    /// operation, which names the limit) without reading all of it.
+    fn into_event(self, now: chrono::DateTime<chrono::Utc>, max_payload: usize) -> anyhow::Result<NewEvent> {
+        let read = |source: &mut dyn std::io::Read| -> std::io::Result<Vec<u8>> {
+            let mut buf = Vec::new();
+            source.take(max_payload as u64 + 1).read_to_end(&mut buf)?;
+            Ok(buf)
+        };
         let payload = match (&self.payload, &self.file) {
             (_, Some(path)) => {
-                std::fs::read(path).with_context(|| format!("reading payload file {}", path.display()))?
+                let mut file =
+                    std::fs::File::open(path).with_context(|| format!("reading payload file {}", path.display()))?;
+                let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+                if size > max_payload as u64 {
+                    bail!(
+                        "{} is {size} bytes, more than the {max_payload} bytes ferry accepts (relay.max_payload); \
+                         store large documents elsewhere and send a reference to them",
+                        path.display()
+                    );
+                }
+                read(&mut file).with_context(|| format!("reading payload file {}", path.display()))?
             }
             (Some(text), None) if text == "-" => {
-                let mut buf = Vec::new();
-                std::io::stdin().read_to_end(&mut buf).context("reading payload from standard input")?;
-                buf
+                read(&mut std::io::stdin().lock()).context("reading payload from standard input")?
             }
             (Some(text), None) => text.clone().into_bytes(),
             (None, None) => bail!("no payload: give it as an argument, `-` for standard input, or --file PATH"),

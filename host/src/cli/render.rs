@@ -123,7 +123,8 @@ pub fn reload(view: &ReloadView) -> String {
 }
 
 /// `ferry show`: every field, the payload as text when it is UTF-8, and the delivery history.
-pub fn event(view: &EventView) {
+pub fn event(view: &EventView) -> String {
+    let mut out = String::new();
     let event = &view.event;
     let time = |t: Option<chrono::DateTime<chrono::Utc>>| t.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
     let limit = match event.max_attempts {
@@ -150,10 +151,10 @@ pub fn event(view: &EventView) {
         ("headers", event.headers.clone()),
     ];
     for (name, value) in fields {
-        println!("{name:<13} {value}");
+        let _ = writeln!(out, "{name:<13} {value}");
     }
     let attempts = view.attempts_history.as_deref().unwrap_or_default();
-    println!("history       {} attempts recorded", attempts.len());
+    let _ = writeln!(out, "history       {} attempts recorded", attempts.len());
     for a in attempts {
         let plugin = match (&a.plugin, &a.plugin_hash) {
             (Some(name), Some(hash)) => format!("{name}@{}", &hash[..hash.len().min(12)]),
@@ -165,7 +166,8 @@ pub fn event(view: &EventView) {
             None => a.outcome.to_string(),
         };
         let error = a.error.as_deref().unwrap_or("").lines().next().unwrap_or("");
-        println!(
+        let _ = writeln!(
+            out,
             "  #{:<3} {}  {:>6} ms  {outcome:<28} {plugin:<26} {error}",
             a.attempt,
             a.started_at.to_rfc3339(),
@@ -173,9 +175,14 @@ pub fn event(view: &EventView) {
         );
     }
     match &view.payload {
-        Some(text) => println!("payload\n{text}"),
-        None => println!("payload       {} bytes, not UTF-8 text", event.payload.len()),
+        Some(text) => {
+            let _ = write!(out, "payload\n{text}");
+        }
+        None => {
+            let _ = write!(out, "payload       {} bytes, not UTF-8 text", event.payload.len());
+        }
     }
+    out
 }
 
 /// A one-line progress bar on standard error, drawn only when it is a terminal.

@@ -74,6 +74,10 @@ pub struct AdminConfig {
     /// The bearer token; see [`AdminConfig::bearer_token`].
     pub token: String,
     pub token_file: PathBuf,
+    /// Connections served at once; more are closed at once.
+    pub max_connections: u32,
+    /// How long a client has to send a request's headers.
+    pub header_timeout: Dur,
 }
 
 impl fmt::Debug for AdminConfig {
@@ -82,6 +86,8 @@ impl fmt::Debug for AdminConfig {
             .field("listen", &self.listen)
             .field("token", &if self.token.is_empty() { "" } else { "<redacted>" })
             .field("token_file", &self.token_file)
+            .field("max_connections", &self.max_connections)
+            .field("header_timeout", &self.header_timeout)
             .finish()
     }
 }
@@ -135,6 +141,8 @@ pub struct RelayConfig {
     pub recover_every: u32,
     pub shutdown_grace: Dur,
     pub instance_id: String,
+    /// Largest payload accepted at emit and loaded at claim.
+    pub max_payload: ByteSize,
 }
 
 /// The retry keys, all present in the defaults.
@@ -186,6 +194,8 @@ pub enum JitterKind {
 #[serde(deny_unknown_fields)]
 pub struct PluginsConfig {
     pub dir: PathBuf,
+    /// Largest plugin file loaded.
+    pub max_file_size: ByteSize,
     pub watch: bool,
     pub debounce: Dur,
     pub cache_dir: PathBuf,
@@ -205,7 +215,7 @@ pub struct PluginLimits {
 }
 
 /// What one plugin may touch. Everything not listed is denied.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxConfig {
     /// Guest path → host directory, pre-opened read-write for the plugin.
@@ -214,8 +224,9 @@ pub struct SandboxConfig {
     /// Environment variables the plugin sees.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
-    /// Whether the plugin's stdout and stderr reach ferry's.
-    #[serde(default = "yes")]
+    /// Whether the plugin's stdout and stderr reach ferry's (raw, unbounded: off by default; the
+    /// `logging` import is the bounded, tagged way for a plugin to be heard).
+    #[serde(default)]
     pub stdio: bool,
     /// `host:port` pairs the plugin may open TCP connections to.
     #[serde(default)]
@@ -231,27 +242,6 @@ pub struct SandboxConfig {
     pub memory: Option<ByteSize>,
     pub instances: Option<u32>,
     pub max_calls: Option<u64>,
-}
-
-fn yes() -> bool {
-    true
-}
-
-impl Default for SandboxConfig {
-    fn default() -> Self {
-        Self {
-            dirs: BTreeMap::new(),
-            env: BTreeMap::new(),
-            stdio: true,
-            tcp: Vec::new(),
-            dns: false,
-            http: Vec::new(),
-            timeout: None,
-            memory: None,
-            instances: None,
-            max_calls: None,
-        }
-    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -362,6 +352,9 @@ impl Config {
         if self.relay.recover_every == 0 {
             return Err("relay.recover_every must be at least 1".into());
         }
+        if self.relay.max_payload.0 == 0 || self.relay.max_payload.0 > 256 << 20 {
+            return Err("relay.max_payload must be between 1B and 256MiB".into());
+        }
         if !(1..=64).contains(&self.relay.workers) {
             return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));
         }
@@ -396,6 +389,15 @@ impl Config {
             }
             if self.admin.token.is_empty() && self.admin.token_file.as_os_str().is_empty() {
                 return Err("admin.token (or admin.token_file) must be set when admin.listen is set".into());
+            }
+            if !(1..=10_000).contains(&self.admin.max_connections) {
+                return Err(format!(
+                    "admin.max_connections must be between 1 and 10000, got {}",
+                    self.admin.max_connections
+                ));
+            }
+            if self.admin.header_timeout.0.is_zero() {
+                return Err("admin.header_timeout must be greater than 0".into());
             }
             if !self.admin.token.is_empty() && self.admin.token.chars().count() < MIN_TOKEN_LEN {
                 return Err(format!("admin.token must be at least {MIN_TOKEN_LEN} characters long"));

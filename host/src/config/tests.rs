@@ -70,7 +70,7 @@ fn defaults_are_valid_and_match_the_documented_values() {
     assert_eq!(p.max_attempts, 6);
     assert_eq!(p.backoff, Backoff::Exponential { initial: Duration::from_secs(1), max: Duration::from_secs(3600) });
     assert_eq!(p.jitter, Jitter::Symmetric { percent: 10 });
-    assert!(SandboxConfig::default().stdio, "an unconfigured plugin keeps its stdout, as documented");
+    assert!(!SandboxConfig::default().stdio, "a plugin's raw output is off unless granted");
 }
 
 #[test]

@@ -38,15 +38,32 @@ impl Instance {
         let name: Arc<str> = Arc::from(plugin.info.name.as_str());
         let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp);
         let mut store = runtime.store(name, &grants.sandbox, &grants.limits, &tcp).map_err(|e| format!("{e:#}"))?;
-        let bindings = plugin
-            .pre
-            .instantiate_async(&mut store)
-            .await
-            .map_err(|e| format!("plugin {} cannot be instantiated: {}", plugin.info.name, root_cause(&e)))?;
-        match bindings.ferry_transport_transport().call_init(&mut store, &route.plugin_config).await {
+        let timeout = grants.limits.timeout;
+        // The epoch deadline (set on the store) stops wasm code; this timeout also covers a guest
+        // parked in the host, so `init` can stall neither start-up nor a reload.
+        let start = async {
+            let bindings = plugin
+                .pre
+                .instantiate_async(&mut store)
+                .await
+                .map_err(|e| format!("plugin {} cannot be instantiated: {}", plugin.info.name, root_cause(&e)))?;
+            let init = bindings.ferry_transport_transport().call_init(&mut store, &route.plugin_config).await;
+            Ok::<_, String>((bindings, init))
+        };
+        let (bindings, init) = match tokio::time::timeout(timeout + EPOCH_TICK * 5, start).await {
+            Ok(started) => started?,
+            Err(_) => {
+                return Err(format!("plugin {} did not finish init within {timeout:?}", plugin.info.name));
+            }
+        };
+        match init {
             Ok(Ok(())) => Ok(Instance { store, bindings, hash: plugin.hash.clone(), calls: 0 }),
             Ok(Err(message)) => {
+                let message = crate::untrusted::clean(&message, crate::untrusted::MAX_REASON);
                 Err(format!("plugin {} rejected the config of route {}: {message}", plugin.info.name, route.name))
+            }
+            Err(trap) if trap.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => {
+                Err(format!("plugin {} did not finish init within {timeout:?}", plugin.info.name))
             }
             Err(trap) => Err(format!("plugin {} trapped in init: {}", plugin.info.name, root_cause(&trap))),
         }
@@ -89,6 +106,11 @@ impl RouteTransport {
     /// The plugin's name.
     pub fn plugin_name(&self) -> &str {
         &self.route.plugin
+    }
+
+    /// The longest one call may take.
+    pub fn timeout(&self) -> std::time::Duration {
+        self.limits.timeout
     }
 
     /// Makes sure an instance can be started for this route now: the plugin is loaded and

@@ -16,7 +16,7 @@ use super::bindings::TransportPluginPre;
 use super::pool::Instance;
 use super::runtime::Runtime;
 use super::sandbox::HostState;
-use super::{PluginInfo, WIT_VERSION, root_cause};
+use super::{EPOCH_TICK, PluginInfo, WIT_VERSION, root_cause};
 use crate::config::{PluginLimits, Sandbox, Settings};
 use crate::metrics::{Metrics, ReloadLabels};
 
@@ -217,17 +217,20 @@ impl Registry {
         }
         let plugin = self.runtime.load(path).await?;
         let name = plugin.info.name.clone();
-        if let Some(active) = self.get(&name) {
-            if active.path != plugin.path && active.path.exists() {
-                anyhow::bail!(
-                    "{} and {} both call themselves {name:?}; keeping the one already loaded",
-                    active.path.display(),
-                    path.display()
-                );
-            }
-            if active.hash == plugin.hash {
-                return Ok(Reloaded::Unchanged { name });
-            }
+        // Grants and route configs (secrets among them) go by plugin name. The name a component
+        // reports is its own claim; the file name is the operator's: they must agree, so a file
+        // cannot take another plugin's grants by calling itself by that plugin's name.
+        if path.file_stem().and_then(|s| s.to_str()) != Some(name.as_str()) {
+            anyhow::bail!(
+                "{} reports the plugin name {name:?}, which is not its file name; grants and routes follow \
+                 the name, so a plugin's file must be named after it: install it as {name}.wasm",
+                path.display()
+            );
+        }
+        if let Some(active) = self.get(&name)
+            && active.hash == plugin.hash
+        {
+            return Ok(Reloaded::Unchanged { name });
         }
         let plugin = Arc::new(plugin);
         let active = self.get(&name);
@@ -253,12 +256,14 @@ impl Registry {
     }
 }
 
-/// The `*.wasm` files directly in `dir`, sorted.
+/// The `*.wasm` entries directly in `dir`, sorted.
 pub fn wasm_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("reading plugins directory {}", dir.display()))?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|p| is_plugin_file(p) && p.is_file())
+        // Not only regular files: a FIFO or a device named `*.wasm` is listed too, and refused
+        // with a reason when read.
+        .filter(|p| is_plugin_file(p))
         .collect();
     files.sort();
     Ok(files)
@@ -274,7 +279,10 @@ impl Runtime {
     /// runs on a blocking thread so it never stalls the async runtime. Errors say in plain words
     /// what is wrong with the file.
     pub async fn load(&self, path: &Path) -> anyhow::Result<Plugin> {
-        let bytes = tokio::fs::read(path).await.with_context(|| format!("reading plugin {}", path.display()))?;
+        let (file, max) = (path.to_path_buf(), self.max_file_size);
+        let bytes = tokio::task::spawn_blocking(move || read_plugin_file(&file, max))
+            .await?
+            .with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex::encode(Sha256::digest(&bytes));
         let engine = self.engine.clone();
         let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
@@ -297,25 +305,56 @@ impl Runtime {
         let probe_limits =
             PluginLimits { timeout: Duration::from_secs(10), memory: 256 << 20, instances: 1, max_calls: 1 };
         let mut store = self.store(label, &Sandbox::default(), &probe_limits, &[])?;
-        let instance = pre
-            .instantiate_async(&mut store)
-            .await
-            .map_err(|e| anyhow::anyhow!("{} cannot be instantiated: {}", path.display(), root_cause(&e)))?;
-        let info = instance
-            .ferry_transport_transport()
-            .call_metadata(&mut store)
-            .await
-            .map_err(|e| anyhow::anyhow!("metadata() of {} failed: {}", path.display(), root_cause(&e)))?;
+        // The epoch deadline stops wasm code; this timeout also covers a guest parked in the host.
+        let metadata = async {
+            let instance = pre
+                .instantiate_async(&mut store)
+                .await
+                .map_err(|e| anyhow::anyhow!("{} cannot be instantiated: {}", path.display(), root_cause(&e)))?;
+            instance
+                .ferry_transport_transport()
+                .call_metadata(&mut store)
+                .await
+                .map_err(|e| anyhow::anyhow!("metadata() of {} failed: {}", path.display(), root_cause(&e)))
+        };
+        let mut info =
+            tokio::time::timeout(probe_limits.timeout + EPOCH_TICK * 5, metadata).await.map_err(|_| {
+                anyhow::anyhow!("metadata() of {} did not answer within {:?}", path.display(), probe_limits.timeout)
+            })??;
+        info.version = crate::untrusted::clean(&info.version, 64);
         if info.name.is_empty() || !info.name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
         {
             anyhow::bail!(
                 "{} reports the plugin name {:?}; names use lowercase letters, digits and '-'",
                 path.display(),
-                info.name
+                crate::untrusted::clean(&info.name, 64)
             );
         }
         Ok(Plugin { info, path: path.to_path_buf(), hash, loaded_at: Utc::now(), pre })
     }
+}
+
+/// Reads a plugin file: a regular file (or a symlink to one) of at most `max` bytes. It is opened
+/// without blocking, so a FIFO or device named `*.wasm` is refused at once instead of hanging the
+/// reload (and the watcher, and shutdown), and read only up to the cap.
+fn read_plugin_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let refuse = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(refuse("not a regular file; plugins are loaded from regular files only".into()));
+    }
+    if meta.len() > max {
+        return Err(refuse(format!("{} bytes, more than plugins.max_file_size ({max} bytes)", meta.len())));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(refuse(format!("grew past plugins.max_file_size ({max} bytes) while being read")));
+    }
+    Ok(bytes)
 }
 
 /// Refuses a component whose `ferry:transport/transport` export is of a semver-incompatible

@@ -24,6 +24,10 @@ pub struct Runtime {
     ticker_stop: Arc<AtomicBool>,
     /// Whether instances come from the pooling allocator (false: allocated on demand).
     pub pooling: bool,
+    /// Largest plugin file read (`plugins.max_file_size`).
+    pub(super) max_file_size: u64,
+    /// Whether a missing granted directory is created (by `serve`) or an error (when inspecting).
+    pub(super) create_dirs: bool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -96,6 +100,14 @@ impl Runtime {
                 }
             })
             .context("starting the epoch ticker")?;
-        Ok(Self { engine, linker, ticker_stop, pooling })
+        let max_file_size = config.plugins.max_file_size.0 as u64;
+        Ok(Self { engine, linker, ticker_stop, pooling, max_file_size, create_dirs: true })
+    }
+
+    /// This runtime for commands that only inspect plugins: a missing granted directory is an
+    /// error naming it, not created.
+    pub fn inspecting(mut self) -> Self {
+        self.create_dirs = false;
+        self
     }
 }

@@ -109,6 +109,7 @@ impl types::Host for HostState {}
 impl logging::Host for HostState {
     fn log(&mut self, level: logging::Level, message: String) {
         let plugin = &*self.plugin;
+        let message = crate::untrusted::clean(&message, crate::untrusted::MAX_LOG_LINE);
         match level {
             logging::Level::Trace => tracing::trace!(target: "ferry::plugin", plugin, "{message}"),
             logging::Level::Debug => tracing::debug!(target: "ferry::plugin", plugin, "{message}"),
@@ -136,8 +137,16 @@ impl Runtime {
             wasi.env(name, value);
         }
         for (guest, host) in &sandbox.dirs {
-            std::fs::create_dir_all(host)
-                .with_context(|| format!("creating {} for plugin {plugin}", host.display()))?;
+            if !host.is_dir() {
+                anyhow::ensure!(
+                    self.create_dirs,
+                    "sandbox.{plugin}.dirs: {} does not exist (`ferry serve` creates granted directories)",
+                    host.display()
+                );
+                std::fs::create_dir_all(host)
+                    .with_context(|| format!("creating {} for plugin {plugin}", host.display()))?;
+                tracing::info!(plugin = %plugin, dir = %host.display(), "created the directory granted to the plugin");
+            }
             wasi.preopened_dir(host, guest, FsPerms::ReadWrite)
                 .map_err(anyhow::Error::from)
                 .with_context(|| format!("granting {} to plugin {plugin} as {guest}", host.display()))?;

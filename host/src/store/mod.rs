@@ -37,6 +37,9 @@ pub enum StoreError {
     InvalidEvent(String),
     #[error("cannot open database {url}: {source}")]
     Connect { url: String, source: sqlx::Error },
+    /// The database does not exist and this command does not create one.
+    #[error("{0}")]
+    Missing(String),
     #[error("database migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database error: {0}")]
@@ -73,6 +76,8 @@ pub struct Claim {
     pub paused_routes: Vec<String>,
     /// Claim only events of this route (a half-open breaker's probe).
     pub only_route: Option<String>,
+    /// Payloads larger than this are not loaded: such an event comes back with a defect.
+    pub max_payload: u64,
 }
 
 /// Which FAILED events an operation applies to. Every field narrows the selection; the default
@@ -94,6 +99,16 @@ impl FailedFilter {
     pub fn is_everything(&self) -> bool {
         *self == FailedFilter::default()
     }
+}
+
+/// How an operator ends an event that is not finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndEvent<'a> {
+    /// Delete it, with its history.
+    Cancel,
+    /// Make it FAILED with reason `operator` and `note` as its last error, kept for inspection
+    /// and resend.
+    Fail { note: &'a str },
 }
 
 /// A bulk operation on FAILED events.
@@ -177,6 +192,11 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// Makes FAILED events PENDING again, due at `now`, with attempts and error reset (the
     /// operator's resend). Returns how many were FAILED and are now PENDING.
     async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
+
+    /// Ends event `id` by hand if it is PENDING or PROCESSING (see [`EndEvent`]); returns whether it
+    /// was. The write is conditional on the status, so it cannot race a claim: a claim in flight
+    /// loses its token, and the relay's late outcome is fenced off.
+    async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError>;
 
     /// Deletes up to `limit` SENT events processed before `before`. Returns how many went.
     async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError>;
@@ -269,13 +289,13 @@ pub fn redact_url(url: &str) -> String {
     url.to_string()
 }
 
-/// Opens the store named by `url` (`sqlite://…` or `postgres://…`). SQLite files are created when
-/// missing. Does not migrate.
-pub async fn connect(url: &str, max_connections: u32) -> Result<Arc<dyn Store>, StoreError> {
-    if url.starts_with("sqlite:") {
-        Ok(Arc::new(SqliteStore::connect(url, max_connections).await?))
-    } else {
-        Ok(Arc::new(PostgresStore::connect(url, max_connections).await?))
+/// Opens the store named by `url` (`sqlite://…` or `postgres://…`). A missing SQLite file is
+/// created when `create` is set, and an error naming the path otherwise. Does not migrate.
+pub async fn connect(url: &str, max_connections: u32, create: bool) -> Result<Arc<dyn Store>, StoreError> {
+    match (url.starts_with("sqlite:"), create) {
+        (true, true) => Ok(Arc::new(SqliteStore::connect(url, max_connections).await?)),
+        (true, false) => Ok(Arc::new(SqliteStore::connect_existing(url, max_connections).await?)),
+        (false, _) => Ok(Arc::new(PostgresStore::connect(url, max_connections).await?)),
     }
 }
 
@@ -293,7 +313,7 @@ fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
 /// Decodes one claimed row. A row that cannot be decoded (a column holding what ferry cannot
 /// represent) still comes back, as an event whose defect names the column, so the relay fails it
 /// alone instead of losing the whole batch.
-fn claimed_event<R>(row: &R) -> (DateTime<Utc>, ClaimedEvent)
+fn claimed_event<R>(row: &R, max_payload: u64) -> (DateTime<Utc>, ClaimedEvent)
 where
     R: Row,
     for<'c> &'c str: ColumnIndex<R>,
@@ -301,7 +321,7 @@ where
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
 {
     match ClaimedRow::from_row(row) {
-        Ok(decoded) => (decoded.next_attempt_at, decoded.into_event()),
+        Ok(decoded) => (decoded.next_attempt_at, decoded.into_event(max_payload)),
         Err(e) => {
             let id: i64 = row.try_get("id").unwrap_or(0);
             let defect = match e {

@@ -17,8 +17,8 @@ use tokio_util::sync::CancellationToken;
 use ferry_outbox::Outbox;
 
 use super::{
-    ATTEMPTS_SQL, Breaker, Claim, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered, Stats,
-    Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
+    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered,
+    Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
 };
 use crate::event::{AttemptRecord, CallLog, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
@@ -105,10 +105,14 @@ impl Store for PostgresStore {
                  FOR UPDATE SKIP LOCKED
              )
              UPDATE ferry_events e
-             SET status = 'PROCESSING', attempts = e.attempts + 1, last_status_at = $1,
+             SET status = 'PROCESSING', last_status_at = $1,
+                 -- Saturates: a hand-edited count at the limit must not fail the whole claim.
+                 attempts = CASE WHEN e.attempts < 2147483647 THEN e.attempts + 1 ELSE e.attempts END,
                  claimed_by = $3, claim_token = $4, lease_until = $5
              FROM picked WHERE e.id = picked.id
-             RETURNING e.id, e.route, e.event_type, e.ordering_key, e.payload, e.content_type,
+             RETURNING e.id, e.route, e.event_type, e.ordering_key,
+                       CASE WHEN octet_length(e.payload) <= $10 THEN e.payload END AS payload,
+                       octet_length(e.payload)::bigint AS payload_size, e.content_type,
                        e.headers::text AS headers, e.attempts, e.max_attempts, e.event_time,
                        e.created_at, e.next_attempt_at",
         )
@@ -121,9 +125,10 @@ impl Store for PostgresStore {
         .bind(&claim.blocking_routes)
         .bind(&claim.paused_routes)
         .bind(&claim.only_route)
+        .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
         .fetch_all(&self.pool)
         .await?;
-        Ok(in_claim_order(rows.iter().map(claimed_event).collect()))
+        Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, claim.max_payload)).collect()))
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
@@ -297,6 +302,31 @@ impl Store for PostgresStore {
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError> {
+        let done = match end {
+            EndEvent::Cancel => {
+                sqlx::query("DELETE FROM ferry_events WHERE id = $1 AND status IN ('PENDING', 'PROCESSING')")
+                    .bind(id)
+                    .execute(&self.pool)
+                    .await?
+            }
+            EndEvent::Fail { note } => {
+                sqlx::query(
+                    "UPDATE ferry_events
+                     SET status = 'FAILED', failure_reason = 'operator', last_error = $2, processed_at = $3,
+                         last_status_at = $3, claim_token = NULL, lease_until = NULL
+                     WHERE id = $1 AND status IN ('PENDING', 'PROCESSING')",
+                )
+                .bind(id)
+                .bind(note)
+                .bind(now)
+                .execute(&self.pool)
+                .await?
+            }
+        };
+        Ok(done.rows_affected() == 1)
     }
 
     async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {

@@ -16,8 +16,8 @@ use sqlx::{Row, SqlitePool};
 use ferry_outbox::Outbox;
 
 use super::{
-    ATTEMPTS_SQL, Breaker, Claim, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered, Stats,
-    Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
+    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered,
+    Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
 
@@ -30,16 +30,34 @@ pub struct SqliteStore {
 impl SqliteStore {
     /// Opens (creating if missing) the database at `url` (`sqlite://PATH`).
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        Self::open(url, max_connections, true).await
+    }
+
+    /// Opens the database at `url`, which must exist: commands that only read or change events
+    /// never create a database (or its directory) because of a mistyped path.
+    pub async fn connect_existing(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        Self::open(url, max_connections, false).await
+    }
+
+    async fn open(url: &str, max_connections: u32, create: bool) -> Result<Self, StoreError> {
         let connect_error = |source| StoreError::Connect { url: url.to_string(), source };
-        let options = SqliteConnectOptions::from_str(url)
-            .map_err(connect_error)?
-            .create_if_missing(true)
+        let options = SqliteConnectOptions::from_str(url).map_err(connect_error)?;
+        let path = options.get_filename().to_path_buf();
+        let in_memory = path.as_os_str().is_empty() || path.as_os_str() == ":memory:";
+        if !create && !in_memory && !path.is_file() {
+            return Err(StoreError::Missing(format!(
+                "no SQLite database at {}: `ferry migrate` (or `ferry serve`) creates it; check database.url",
+                path.display()
+            )));
+        }
+        let options = options
+            .create_if_missing(create)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             // Applications and `ferry emit` write to the same file; wait for the lock, don't fail.
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);
-        if let Some(parent) = options.get_filename().parent().filter(|p| !p.as_os_str().is_empty()) {
+        if let Some(parent) = path.parent().filter(|p| create && !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| connect_error(sqlx::Error::Io(e)))?;
         }
         // Switching a new file to WAL needs a moment of exclusive access, which the busy timeout
@@ -153,7 +171,9 @@ impl Store for SqliteStore {
                  ORDER BY e.next_attempt_at, e.id
                  LIMIT ?2
              )
-             RETURNING id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type,
+             RETURNING id, route, event_type, ordering_key,
+                       CASE WHEN length(CAST(payload AS BLOB)) <= ?10 THEN CAST(payload AS BLOB) END AS payload,
+                       length(CAST(payload AS BLOB)) AS payload_size, content_type,
                        headers, attempts, max_attempts, event_time, created_at, next_attempt_at",
         )
         .bind(ms(claim.now))
@@ -165,9 +185,10 @@ impl Store for SqliteStore {
         .bind(serde_json::to_string(&claim.blocking_routes).expect("strings serialize"))
         .bind(serde_json::to_string(&claim.paused_routes).expect("strings serialize"))
         .bind(&claim.only_route)
+        .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
         .fetch_all(&self.pool)
         .await?;
-        Ok(in_claim_order(rows.iter().map(claimed_event).collect()))
+        Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, claim.max_payload)).collect()))
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
@@ -282,6 +303,31 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected())
+    }
+
+    async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError> {
+        let done = match end {
+            EndEvent::Cancel => {
+                sqlx::query("DELETE FROM ferry_events WHERE id = ?1 AND status IN ('PENDING', 'PROCESSING')")
+                    .bind(id)
+                    .execute(&self.pool)
+                    .await?
+            }
+            EndEvent::Fail { note } => {
+                sqlx::query(
+                    "UPDATE ferry_events
+                     SET status = 'FAILED', failure_reason = 'operator', last_error = ?2, processed_at = ?3,
+                         last_status_at = ?3, claim_token = NULL, lease_until = NULL
+                     WHERE id = ?1 AND status IN ('PENDING', 'PROCESSING')",
+                )
+                .bind(id)
+                .bind(note)
+                .bind(ms(now))
+                .execute(&self.pool)
+                .await?
+            }
+        };
+        Ok(done.rows_affected() == 1)
     }
 
     async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {

@@ -17,10 +17,16 @@
 //!   variable named by the `name` header, to observe what environment the plugin sees;
 //! - `read` → reads the file named by the `path` header: success if it can, permanent failure
 //!   with the error otherwise;
+//! - `long-reason` → permanent failure whose reason is as many bytes as the `bytes` header says,
+//!   starting with a newline and a forged log line, to test that reasons are bounded and escaped;
+//! - `log` → logs the `message` header through ferry's logging import `times` times (default 1),
+//!   then succeeds, to test that plugin log lines are bounded and cannot forge lines;
 //! - anything else → success.
 //!
 //! Config:
 //! - `reject` — any value makes `init` fail, to test routes whose plugin refuses its config;
+//! - `init` — `spin` loops forever in `init`, `sleep` sleeps a minute there (the host must time
+//!   both out);
 //! - `record` — a file (in a pre-opened directory) to which every successful delivery appends a
 //!   line `id key attempt nanos` (nanos: wall-clock time of the call), so tests can count
 //!   deliveries per event and check their order across instances;
@@ -57,6 +63,12 @@ impl Guest for Scripted {
         for (key, value) in config {
             match key.as_str() {
                 "reject" => return Err(format!("reject: told to refuse ({value})")),
+                "init" if value == "spin" =>
+                {
+                    #[allow(clippy::empty_loop)]
+                    loop {}
+                }
+                "init" if value == "sleep" => std::thread::sleep(Duration::from_secs(60)),
                 "record" => {
                     let file = OpenOptions::new()
                         .create(true)
@@ -150,6 +162,17 @@ fn outcome(event: &Event) -> Outcome {
             Ok(_) => Outcome::Success,
             Err(e) => refused(format!("read {}: {e}", header("path"))),
         },
+        "long-reason" => {
+            let bytes: usize = header("bytes").parse().unwrap_or(1024);
+            let forged = "\n2026-01-01T00:00:00Z ERROR ferry: forged line \u{1b}[31m";
+            Outcome::Permanent(Failure { reason: format!("{forged}{}", "x".repeat(bytes)), retry_after_ms: None })
+        }
+        "log" => {
+            for _ in 0..header("times").parse::<usize>().unwrap_or(1) {
+                ferry::transport::logging::log(ferry::transport::logging::Level::Warn, &header("message"));
+            }
+            Outcome::Success
+        }
         "transient" => Outcome::Transient(failure("transient")),
         "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),
         "permanent" => Outcome::Permanent(failure("permanent")),

@@ -1,0 +1,290 @@
+//! Rows are untrusted data: applications and operators write them by hand. A row ferry cannot
+//! decode fails alone, with reason `invalid_event` naming the column, while the rest of its batch
+//! is delivered; nothing reachable from a row panics; the schema refuses at INSERT what it cheaply
+//! can; the README's plain INSERT works with the SQLite applications link; and operators can end
+//! an event that is not FAILED.
+
+use ferry::NewEvent;
+use ferry::clock::Clock as _;
+use ferry::event::{FailureReason, Status};
+use ferry::store::{Claim, EndEvent};
+use rand::{Rng as _, SeedableRng as _};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{Backend, Stepped, TestDb, plugins_dir};
+use crate::e2e::run_ferry;
+
+/// Ferry on a manual clock with the scripted plugin on route `s`.
+async fn stepped(db: TestDb) -> Stepped {
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    Stepped::start(db, &format!("[plugins]\ndir = {plugins:?}\n[route.s]\nplugin = \"scripted\"\n")).await
+}
+
+/// Runs `sql` on the test database as an operator at a SQL prompt would.
+async fn sql(db: &TestDb, sql: &str) -> Result<u64, sqlx::Error> {
+    match db.backend {
+        Backend::Sqlite => {
+            sqlx::query(sql).execute(db.sqlite.as_ref().unwrap().pool()).await.map(|r| r.rows_affected())
+        }
+        Backend::Postgres => {
+            sqlx::query(sql).execute(db.postgres.as_ref().unwrap().pool()).await.map(|r| r.rows_affected())
+        }
+    }
+}
+
+async fn insert(s: &Stepped, event_type: &str) -> i64 {
+    s.db.store.insert(&NewEvent::new("s", event_type, "{}"), s.clock.now()).await.unwrap()
+}
+
+async fn malformed_rows_fail_alone_and_the_rest_is_delivered(db: TestDb) {
+    let s = stepped(db).await;
+    let good: Vec<i64> = [insert(&s, "ok").await, insert(&s, "ok").await, insert(&s, "ok").await].into();
+    let (a, b, c) = (insert(&s, "ok").await, insert(&s, "ok").await, insert(&s, "ok").await);
+    // What a hand-edited row can hold that ferry cannot represent. The checks added for this
+    // refuse such values at INSERT; rows edited by hand (or stored before) still reach the relay.
+    let edits = match s.db.backend {
+        Backend::Sqlite => vec![
+            (a, "event_time", format!("UPDATE ferry_events SET event_time = 'yesterday' WHERE id = {a}")),
+            (b, "max_attempts", format!("UPDATE ferry_events SET max_attempts = 9223372036854775807 WHERE id = {b}")),
+            (c, "created_at", format!("UPDATE ferry_events SET created_at = 1e300 WHERE id = {c}")),
+        ],
+        Backend::Postgres => {
+            sql(&s.db, "ALTER TABLE ferry_events DROP CONSTRAINT ferry_events_finite_times").await.unwrap();
+            vec![
+                (a, "event_time", format!("UPDATE ferry_events SET event_time = 'infinity' WHERE id = {a}")),
+                (b, "created_at", format!("UPDATE ferry_events SET created_at = '-infinity' WHERE id = {b}")),
+                (c, "event_time", format!("UPDATE ferry_events SET event_time = '294276-12-31' WHERE id = {c}")),
+            ]
+        }
+    };
+    for (_, _, edit) in &edits {
+        assert_eq!(sql(&s.db, edit).await.unwrap(), 1, "{edit}");
+    }
+    let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(stats.claimed, 6, "the whole batch is claimed: {stats:?}");
+    for id in &good {
+        assert_eq!(s.db.store.get(*id).await.unwrap().unwrap().status, Status::Sent, "good event {id}");
+    }
+    for (id, column, _) in &edits {
+        let (status, reason, error): (String, Option<String>, Option<String>) = match s.db.backend {
+            Backend::Sqlite => {
+                sqlx::query_as("SELECT status, failure_reason, last_error FROM ferry_events WHERE id = ?")
+                    .bind(id)
+                    .fetch_one(s.db.sqlite.as_ref().unwrap().pool())
+                    .await
+                    .unwrap()
+            }
+            Backend::Postgres => {
+                sqlx::query_as("SELECT status, failure_reason, last_error FROM ferry_events WHERE id = $1")
+                    .bind(id)
+                    .fetch_one(s.db.postgres.as_ref().unwrap().pool())
+                    .await
+                    .unwrap()
+            }
+        };
+        let error = error.unwrap_or_default();
+        assert_eq!((status.as_str(), reason.as_deref()), ("FAILED", Some("invalid_event")), "event {id}: {error}");
+        assert!(error.contains(column) && error.contains(&format!("event {id}")), "names {column}: {error}");
+    }
+    // Nothing is re-claimed: the malformed rows ended.
+    assert_eq!(s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap().claimed, 0);
+
+    // The binary shows such a row without panicking, and the error names the column.
+    let config = s.db.dir.path().join("show.toml");
+    std::fs::write(&config, format!("[database]\nurl = {:?}\n", s.db.url)).unwrap();
+    let (code, stdout, stderr) = run_ferry(&config, &["show", &a.to_string()]);
+    assert_ne!(code, Some(101), "ferry show panicked: {stderr}");
+    assert!(code == Some(0) || stderr.contains("event_time"), "{code:?} {stdout} {stderr}");
+}
+
+async fn the_schema_refuses_what_ferry_cannot_represent(db: TestDb) {
+    let attempts = match db.backend {
+        Backend::Sqlite => [
+            "INSERT INTO ferry_events (route, event_type, payload, event_time) VALUES ('s', 't', x'00', 'soon')",
+            "INSERT INTO ferry_events (route, event_type, payload, max_attempts) VALUES ('s', 't', x'00', 9223372036854775807)",
+            "INSERT INTO ferry_events (route, event_type, payload, next_attempt_at) VALUES ('s', 't', x'00', 1.5)",
+        ],
+        Backend::Postgres => [
+            "INSERT INTO ferry_events (route, event_type, payload, event_time) VALUES ('s', 't', '\\x00', 'infinity')",
+            "INSERT INTO ferry_events (route, event_type, payload, next_attempt_at) VALUES ('s', 't', '\\x00', '-infinity')",
+            "INSERT INTO ferry_events (route, event_type, payload, max_attempts) VALUES ('s', 't', '\\x00', -1)",
+        ],
+    };
+    for statement in attempts {
+        let refused = sql(&db, statement).await.expect_err(statement).to_string();
+        assert!(refused.contains("ferry_events"), "{statement}: {refused}");
+    }
+    let plain = "INSERT INTO ferry_events (route, event_type, payload) VALUES ('orders', 'order.paid', '{\"id\":42}')";
+    assert_eq!(sql(&db, plain).await.unwrap(), 1, "the README's INSERT");
+}
+
+async fn operators_cancel_or_fail_an_event_fenced_against_its_claim(db: TestDb) {
+    let s = stepped(db).await;
+    let (pending, claimed, sent) = (insert(&s, "ok").await, insert(&s, "ok").await, insert(&s, "ok").await);
+    let now = s.clock.now();
+    let claim = |limit, token: &str| Claim {
+        now,
+        limit,
+        lease_until: now + chrono::Duration::minutes(5),
+        instance: "elsewhere".into(),
+        token: token.into(),
+        ordered_routes: vec![],
+        blocking_routes: vec![],
+        paused_routes: vec![],
+        only_route: None,
+        max_payload: 1 << 20,
+    };
+    // `sent` is delivered; `claimed` is held by a relay elsewhere.
+    sql(&s.db, &format!("UPDATE ferry_events SET status = 'SENT' WHERE id = {sent}")).await.unwrap();
+    let held = s.db.store.claim(&claim(2, "theirs")).await.unwrap();
+    assert_eq!(held.iter().map(|e| e.id).collect::<Vec<_>>(), vec![pending, claimed]);
+    s.db.store.release("theirs", &[pending], now).await.unwrap();
+
+    let config = s.db.dir.path().join("ops.toml");
+    std::fs::write(&config, format!("[database]\nurl = {:?}\n[route.s]\nplugin = \"scripted\"\n", s.db.url)).unwrap();
+    let ferry = |args: &[&str]| run_ferry(&config, args);
+
+    let (code, out, err) = ferry(&["event", "fail", &claimed.to_string(), "--reason", "receiver retired", "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let view: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((view["status"].as_str(), view["failure_reason"].as_str()), (Some("FAILED"), Some("operator")));
+    assert_eq!(view["last_error"], "receiver retired");
+    // The relay that held the claim finishes late: its outcome is fenced off.
+    let late = ferry::event::Completion {
+        id: claimed,
+        disposition: ferry::event::Disposition::Sent,
+        max_attempts: 3,
+        attempt: Default::default(),
+    };
+    assert_eq!(s.db.store.complete("theirs", now, &[late]).await.unwrap(), 0, "the late outcome is not written");
+    let row = s.db.store.get(claimed).await.unwrap().unwrap();
+    assert_eq!((row.status, row.failure_reason), (Status::Failed, Some(FailureReason::Operator)));
+
+    let (code, out, err) = ferry(&["event", "cancel", &pending.to_string()]);
+    assert_eq!((code, out.trim()), (Some(0), format!("event {pending} cancelled").as_str()), "{err}");
+    assert!(s.db.store.get(pending).await.unwrap().is_none(), "cancelled events are deleted");
+
+    for (id, status) in [(sent, "SENT"), (claimed, "FAILED")] {
+        let (code, _, err) = ferry(&["event", "cancel", &id.to_string()]);
+        assert_eq!(code, Some(1));
+        assert!(
+            err.contains(&format!("event {id} is {status}")) && err.contains("only PENDING or PROCESSING"),
+            "{err}"
+        );
+    }
+    let (code, _, err) = ferry(&["event", "fail", "999999"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no event with id 999999"), "{err}");
+    // Only the two store-level statuses count: EndEvent is what both front-ends call.
+    assert!(!s.db.store.end_event(sent, EndEvent::Cancel, now).await.unwrap());
+}
+
+/// A random value of a random kind for a column, as someone at a SQL prompt might store.
+fn garbage(rng: &mut rand::rngs::StdRng, backend: Backend, column: &str) -> String {
+    let time = column.ends_with("_at") || column == "event_time";
+    match backend {
+        Backend::Sqlite => match rng.random_range(0..7) {
+            0 => "'not a time'".into(),
+            1 => "x'00ff'".into(),
+            2 => format!("{}", rng.random::<f64>() * 1e18),
+            3 => format!("{}", rng.random::<i64>()),
+            4 => "-1".into(),
+            5 if time => "0".into(),
+            _ => "NULL".into(),
+        },
+        Backend::Postgres if time => ["'infinity'", "'-infinity'", "'294276-12-31'", "'4713-01-01 BC'", "'2026-07-01'"]
+            [rng.random_range(0..5)]
+        .into(),
+        Backend::Postgres => ["0", "2147483647", "-5", "NULL", "7"][rng.random_range(0..5)].into(),
+    }
+}
+
+async fn random_column_values_never_stop_the_relay(db: TestDb) {
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let s = stepped(db).await;
+    match s.db.backend {
+        Backend::Sqlite => {
+            sql(&s.db, "DROP TRIGGER ferry_events_representable").await.unwrap();
+        }
+        Backend::Postgres => {
+            for constraint in
+                ["ferry_events_finite_times", "ferry_events_attempts_check", "ferry_events_max_attempts_check"]
+            {
+                sql(&s.db, &format!("ALTER TABLE ferry_events DROP CONSTRAINT {constraint}")).await.unwrap();
+            }
+        }
+    }
+    let columns = ["event_time", "created_at", "attempts", "max_attempts", "next_attempt_at", "last_status_at"];
+    let mut good = Vec::new();
+    for round in 0..40 {
+        let id = insert(&s, "ok").await;
+        if round % 2 == 0 {
+            good.push(id);
+            continue;
+        }
+        for _ in 0..rng.random_range(1..3) {
+            let column = columns[rng.random_range(0..columns.len())];
+            let value = garbage(&mut rng, s.db.backend, column);
+            // NOT NULL columns refuse NULL: that is the schema holding, not ferry.
+            let _ = sql(&s.db, &format!("UPDATE ferry_events SET {column} = {value} WHERE id = {id}")).await;
+        }
+    }
+    for _ in 0..3 {
+        s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        s.clock.advance(std::time::Duration::from_secs(3600));
+    }
+    for id in good {
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+        assert_eq!(row.status, Status::Sent, "seed {seed}: good event {id}");
+    }
+    let processing: i64 = match s.db.backend {
+        Backend::Sqlite => sqlx::query_scalar("SELECT COUNT(*) FROM ferry_events WHERE status = 'PROCESSING'")
+            .fetch_one(s.db.sqlite.as_ref().unwrap().pool())
+            .await
+            .unwrap(),
+        Backend::Postgres => sqlx::query_scalar("SELECT COUNT(*) FROM ferry_events WHERE status = 'PROCESSING'")
+            .fetch_one(s.db.postgres.as_ref().unwrap().pool())
+            .await
+            .unwrap(),
+    };
+    assert_eq!(processing, 0, "seed {seed}: every claimed row ended");
+}
+
+crate::both_backends!(
+    malformed_rows_fail_alone_and_the_rest_is_delivered,
+    the_schema_refuses_what_ferry_cannot_represent,
+    operators_cancel_or_fail_an_event_fenced_against_its_claim,
+    random_column_values_never_stop_the_relay,
+);
+
+/// The README's INSERT, through the `sqlite3` program Debian ships (3.40, older than the
+/// `unixepoch('subsec')` the first schema's defaults needed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_insert_works_with_the_system_sqlite3() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let path = db.url.strip_prefix("sqlite://").unwrap();
+    let readme = std::fs::read_to_string(crate::common::repo_root().join("README.md")).unwrap();
+    let insert = readme
+        .lines()
+        .skip_while(|l| *l != "-- SQLite")
+        .nth(1)
+        .expect("the README shows a SQLite INSERT after `-- SQLite`")
+        .to_string();
+    let out = std::process::Command::new("sqlite3")
+        .arg(path)
+        .arg(&insert)
+        .output()
+        .expect("the sqlite3 program (Debian: apt-get install sqlite3; scripts/test installs it)");
+    assert!(out.status.success(), "{insert}: {}", String::from_utf8_lossy(&out.stderr));
+    let version = std::process::Command::new("sqlite3").arg("--version").output().unwrap();
+    let counts = db.store.counts().await.unwrap();
+    assert_eq!(counts[&Status::Pending], 1, "sqlite3 {}", String::from_utf8_lossy(&version.stdout));
+    let stored: (i64, i64) = sqlx::query_as("SELECT created_at, next_attempt_at FROM ferry_events")
+        .fetch_one(db.sqlite.as_ref().unwrap().pool())
+        .await
+        .unwrap();
+    let now = chrono::Utc::now().timestamp_millis();
+    assert!((now - stored.0).abs() < 60_000 && stored.0 == stored.1, "defaults are now, in milliseconds: {stored:?}");
+}

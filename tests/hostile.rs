@@ -193,6 +193,25 @@ async fn a_plugin_that_stalls_in_init_cannot_stall_start_up() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_whose_metadata_never_answers_is_refused_after_the_deadline() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    std::fs::copy(built_plugin("ferry_test_stall"), plugins.join("stall.wasm")).unwrap();
+    let config =
+        db.config(&format!("[plugins]\ndir = {plugins:?}\ntimeout = \"300ms\"\n[route.s]\nplugin = \"scripted\"\n"));
+    let started = Instant::now();
+    let ferry = tokio::time::timeout(Duration::from_secs(20), Ferry::start(&config, Arc::new(SystemClock)))
+        .await
+        .expect("start-up does not wait for metadata()")
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    let (loaded, errors) = ferry.registry.status();
+    assert_eq!(loaded.len(), 1, "the other plugin loaded");
+    let refused = &errors[&plugins.join("stall.wasm")];
+    assert!(refused.contains("metadata()") && refused.contains("did not answer"), "{refused}");
+}
+
 #[test]
 fn serve_stops_on_sigterm_while_a_plugin_stalls_start_up() {
     let dir = tempfile::tempdir().unwrap();

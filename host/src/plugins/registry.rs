@@ -5,7 +5,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
@@ -302,8 +301,7 @@ impl Runtime {
             )
         })?;
         let label: Arc<str> = Arc::from(path.file_name().and_then(|n| n.to_str()).unwrap_or("plugin"));
-        let probe_limits =
-            PluginLimits { timeout: Duration::from_secs(10), memory: 256 << 20, instances: 1, max_calls: 1 };
+        let probe_limits = PluginLimits { timeout: self.load_timeout, memory: 256 << 20, instances: 1, max_calls: 1 };
         let mut store = self.store(label, &Sandbox::default(), &probe_limits, &[])?;
         // The epoch deadline stops wasm code; this timeout also covers a guest parked in the host.
         let metadata = async {

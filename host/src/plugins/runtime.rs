@@ -28,6 +28,8 @@ pub struct Runtime {
     pub(super) max_file_size: u64,
     /// Whether a missing granted directory is created (by `serve`) or an error (when inspecting).
     pub(super) create_dirs: bool,
+    /// The deadline of `metadata` when a file is loaded (`plugins.timeout`).
+    pub(super) load_timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -101,7 +103,8 @@ impl Runtime {
             })
             .context("starting the epoch ticker")?;
         let max_file_size = config.plugins.max_file_size.0 as u64;
-        Ok(Self { engine, linker, ticker_stop, pooling, max_file_size, create_dirs: true })
+        let load_timeout = config.plugins.timeout.0;
+        Ok(Self { engine, linker, ticker_stop, pooling, max_file_size, create_dirs: true, load_timeout })
     }
 
     /// This runtime for commands that only inspect plugins: a missing granted directory is an

@@ -1,11 +1,17 @@
-//! Ferry's throughput against its SQL floor, on PostgreSQL and SQLite, at batch sizes 100, 500
-//! and 1000. The plugin accepts everything (the `scripted` test transport), so what is measured is
+//! Ferry's throughput against two floors, on PostgreSQL and SQLite, at batch sizes 100, 500 and
+//! 1000. The plugin accepts everything (the `scripted` test transport), so what is measured is
 //! ferry itself: claim, hand the batch to a wasm component, record the outcomes and history.
 //!
-//! The floor is the same claim and complete statements without ferry, with the same concurrency
-//! (two claimers, as ferry's two workers): on PostgreSQL `benches/sql/floor.pgbench` under
-//! pgbench; on SQLite, which pgbench cannot drive, ferry's own `Store::claim` and
-//! `Store::complete` called in a loop, without the relay or a plugin.
+//! - The **minimal floor** is independent of ferry: a fenced outbox at its leanest
+//!   (`benches/sql/minimal.sql`: only the outbox columns, two partial indexes; one claim UPDATE
+//!   of a SKIP LOCKED sub-select, one completion UPDATE by claim token). On PostgreSQL
+//!   `benches/sql/minimal.pgbench` under pgbench with two clients (ferry's two workers); on SQLite
+//!   the same two statements in an in-process loop on one connection. Ferry ÷ this floor is the
+//!   headline: what the design costs against what any fenced outbox must pay.
+//! - **Ferry's own floor** is ferry's claim and complete statements (history rows included)
+//!   without the relay or a plugin: on PostgreSQL `benches/sql/floor.pgbench` under pgbench; on
+//!   SQLite `Store::claim` and `Store::complete` in a loop. Ferry ÷ this one measures the relay's
+//!   overhead over its own statements.
 //!
 //! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite]` (needs PostgreSQL
 //! and pgbench as for the tests, and the plugins from `scripts/build-plugins`). Every figure is N
@@ -26,7 +32,7 @@ use ferry::store::{Claim, Store};
 
 const BATCHES: [u32; 3] = [100, 500, 1000];
 
-/// `cargo bench --bench throughput -- [--events N] [--only postgres|sqlite]`
+/// `cargo bench --bench throughput -- [--events N] [--only postgres|sqlite] [--batch N]`
 #[derive(clap::Parser)]
 struct Options {
     /// Events per measurement.
@@ -35,6 +41,9 @@ struct Options {
     /// Measure one backend only.
     #[arg(long, value_parser = ["postgres", "sqlite"])]
     only: Option<String>,
+    /// Measure one batch size only (default: 100, 500 and 1000).
+    #[arg(long)]
+    batch: Option<u32>,
     /// Passed by `cargo bench` to every benchmark binary.
     #[arg(long, hide = true)]
     bench: bool,
@@ -176,6 +185,108 @@ async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
     events as f64 / started.elapsed().as_secs_f64()
 }
 
+/// Events per second through the minimal outbox floor (see the module's documentation).
+async fn minimal_floor(backend: Backend, batch: u32, events: usize) -> f64 {
+    let db = TestDb::new(backend).await;
+    let schema = std::fs::read_to_string(repo_root().join("benches/sql/minimal.sql")).expect("minimal.sql");
+    let payload = format!("{{\"n\":0,\"padding\":\"{}\"}}", "x".repeat(200));
+    match backend {
+        Backend::Postgres => {
+            let pool = db.postgres.as_ref().unwrap().pool();
+            sqlx::raw_sql(&schema).execute(pool).await.expect("minimal schema");
+            sqlx::query(
+                "INSERT INTO floor_events (route, event_type, payload)
+                 SELECT 'bench', 'bench.event', convert_to($2, 'UTF8') FROM generate_series(1, $1)",
+            )
+            .bind(events as i64)
+            .bind(&payload)
+            .execute(pool)
+            .await
+            .expect("fill");
+            sqlx::query("ANALYZE floor_events").execute(pool).await.expect("analyze");
+            let started = Instant::now();
+            let per_client = events.div_ceil(batch as usize).div_ceil(2);
+            let out = Command::new("pgbench")
+                .args([
+                    "-n",
+                    "-c",
+                    "2",
+                    "-j",
+                    "2",
+                    "-t",
+                    &per_client.to_string(),
+                    "-D",
+                    &format!("batch={batch}"),
+                    "-f",
+                ])
+                .arg(repo_root().join("benches/sql/minimal.pgbench"))
+                .arg(&db.url)
+                .output()
+                .expect("pgbench runs (install PostgreSQL's client programs)");
+            assert!(out.status.success(), "pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+            let elapsed = started.elapsed();
+            let sent: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM floor_events WHERE status = 'SENT'")
+                .fetch_one(pool)
+                .await
+                .expect("count");
+            assert_eq!(sent as usize, events, "the minimal floor delivered every event");
+            events as f64 / elapsed.as_secs_f64()
+        }
+        Backend::Sqlite => {
+            // SQLite's dialect: integer milliseconds, no BIGSERIAL, BLOB for BYTEA.
+            let schema = schema
+                .replace("BIGSERIAL PRIMARY KEY", "INTEGER PRIMARY KEY")
+                .replace("BYTEA", "BLOB")
+                .replace("JSONB", "TEXT")
+                .replace("TIMESTAMPTZ NOT NULL DEFAULT now()", "INTEGER NOT NULL DEFAULT 0")
+                .replace("TIMESTAMPTZ", "INTEGER");
+            let pool = db.sqlite.as_ref().unwrap().pool();
+            sqlx::raw_sql(&schema).execute(pool).await.expect("minimal schema");
+            sqlx::query(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+                 INSERT INTO floor_events (route, event_type, payload) SELECT 'bench', 'bench.event', ?2 FROM n",
+            )
+            .bind(events as i64)
+            .bind(payload.into_bytes())
+            .execute(pool)
+            .await
+            .expect("fill");
+            let started = Instant::now();
+            let mut conn = pool.acquire().await.expect("a connection");
+            for round in 0u64.. {
+                let now = chrono::Utc::now().timestamp_millis();
+                let token = format!("min-{round}");
+                let claimed = sqlx::query(
+                    "UPDATE floor_events SET status = 'PROCESSING', attempts = attempts + 1, claim_token = ?1,
+                         lease_until = ?2
+                     WHERE id IN (SELECT id FROM floor_events WHERE status = 'PENDING' AND next_attempt_at <= ?3
+                                  ORDER BY next_attempt_at, id LIMIT ?4)
+                     RETURNING id, route, event_type, payload, headers, attempts",
+                )
+                .bind(&token)
+                .bind(now + 300_000)
+                .bind(now)
+                .bind(i64::from(batch))
+                .fetch_all(&mut *conn)
+                .await
+                .expect("claim");
+                if claimed.is_empty() {
+                    break;
+                }
+                sqlx::query(
+                    "UPDATE floor_events SET status = 'SENT', claim_token = NULL, lease_until = NULL
+                     WHERE claim_token = ?1 AND status = 'PROCESSING'",
+                )
+                .bind(&token)
+                .execute(&mut *conn)
+                .await
+                .expect("complete");
+            }
+            events as f64 / started.elapsed().as_secs_f64()
+        }
+    }
+}
+
 /// Claims and completes batches until none is left: ferry's statements without the relay.
 async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
     for round in 0.. {
@@ -218,29 +329,42 @@ async fn main() {
         .into_iter()
         .filter(|(_, name)| options.only.as_deref().is_none_or(|o| o == *name))
         .collect();
+    let batches: Vec<u32> = options.batch.map_or(BATCHES.to_vec(), |b| vec![b]);
     let mut rows = Vec::new();
     for (backend, name) in backends {
-        for batch in BATCHES {
-            // Floor and ferry alternate within one run, so both see the same machine.
-            let floor_rate = floor(backend, batch, options.events).await;
+        for &batch in &batches {
+            // The floors and ferry alternate within one run, so all see the same machine.
+            let minimal = minimal_floor(backend, batch, options.events).await;
+            let own = floor(backend, batch, options.events).await;
             let ferry_rate = through_ferry(backend, batch, options.events).await;
-            eprintln!("{name} batch {batch}: floor {floor_rate:.0}/s, ferry {ferry_rate:.0}/s");
-            rows.push((name, batch, floor_rate, ferry_rate));
+            eprintln!(
+                "{name} batch {batch}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {ferry_rate:.0}/s"
+            );
+            rows.push((name, batch, minimal, own, ferry_rate));
         }
     }
-    println!("| database | batch size | SQL floor events/s | ferry events/s | ferry / floor |");
-    println!("| --- | ---: | ---: | ---: | ---: |");
-    for (name, batch, floor_rate, ferry_rate) in &rows {
-        println!("| {name} | {batch} | {floor_rate:.0} | {ferry_rate:.0} | {:.0}% |", 100.0 * ferry_rate / floor_rate);
+    println!(
+        "| database | batch size | minimal floor events/s | ferry's own floor events/s | ferry events/s | ferry / minimal floor | ferry / own floor |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for (name, batch, minimal, own, ferry_rate) in &rows {
+        println!(
+            "| {name} | {batch} | {minimal:.0} | {own:.0} | {ferry_rate:.0} | **{:.2}×** | {:.2}× |",
+            ferry_rate / minimal,
+            ferry_rate / own
+        );
     }
+    let ratio = |a: f64, b: f64| ((a / b) * 1000.0).round() / 1000.0;
     let json = serde_json::json!({
         "events": options.events,
-        "results": rows.iter().map(|(name, batch, floor_rate, ferry_rate)| serde_json::json!({
+        "results": rows.iter().map(|(name, batch, minimal, own, ferry_rate)| serde_json::json!({
             "database": name,
             "batch_size": batch,
-            "floor_events_per_second": floor_rate.round(),
+            "minimal_floor_events_per_second": minimal.round(),
+            "floor_events_per_second": own.round(),
             "ferry_events_per_second": ferry_rate.round(),
-            "ratio": ((ferry_rate / floor_rate) * 1000.0).round() / 1000.0,
+            "ratio_to_minimal_floor": ratio(*ferry_rate, *minimal),
+            "ratio": ratio(*ferry_rate, *own),
         })).collect::<Vec<_>>(),
     });
     let out = repo_root().join("target/bench");

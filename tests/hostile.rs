@@ -55,6 +55,21 @@ async fn a_poison_event_is_isolated_and_only_it_is_charged() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_hears_of_a_poison_event_once() {
+    let s = stepped("[retry]\njitter = \"none\"\n").await;
+    // Permanent failures say nothing about the endpoint; before bisection the trap charged all
+    // five events, and three failures open this breaker.
+    let mut batch: Vec<NewEvent> = (0..4).map(|_| NewEvent::new("s", "permanent", "{}")).collect();
+    batch.push(NewEvent::new("s", "trap", "{}"));
+    let rows = s.deliver(&batch).await;
+    assert!(rows[..4].iter().all(|r| r.failure_reason == Some(FailureReason::Permanent)), "{rows:?}");
+    assert_eq!(rows[4].status, Status::Pending);
+    let breakers = s.db.store.breakers().await.unwrap();
+    assert_eq!(breakers.len(), 1);
+    assert_eq!((breakers[0].consecutive_failures, breakers[0].opened_at), (1, None), "{breakers:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payloads_over_the_limit_are_refused_at_emit_and_failed_alone_at_claim() {
     let s = stepped("[relay]\nmax_payload = \"4KiB\"\n").await;
     // A row inserted by SQL, bypassing every emit path, is not even loaded.
@@ -89,6 +104,10 @@ async fn payloads_over_the_limit_are_refused_at_emit_and_failed_alone_at_claim()
     let (code, _, err) = run_ferry(&config, &["emit", "s", "big", "--file", file.to_str().unwrap()]);
     assert_eq!(code, Some(1));
     assert!(err.contains("65536 bytes") && err.contains("relay.max_payload"), "{err}");
+    // A source without a size is read only up to the limit; the operation refuses it.
+    let (code, _, err) = run_ferry(&config, &["emit", "s", "big", "--file", "/dev/zero"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("4097 bytes") && err.contains("relay.max_payload"), "{err}");
     let (code, _, err) = run_ferry(&config, &["emit", "s", "big", &"y".repeat(5000)]);
     assert_eq!(code, Some(1));
     assert!(err.contains("5000 bytes") && err.contains("relay.max_payload"), "{err}");
@@ -226,7 +245,12 @@ fn serve_stops_on_sigterm_while_a_plugin_stalls_start_up() {
     )
     .unwrap();
     let mut serve = crate::common::spawn_serve(&config, &dir.path().join("serve.log"));
-    std::thread::sleep(Duration::from_millis(1500));
+    // The database is opened before the plugins load: once it exists, start-up is in init.
+    let opened = Instant::now() + Duration::from_secs(15);
+    while !dir.path().join("f.db").exists() {
+        assert!(Instant::now() < opened, "ferry serve never opened its database");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let sent = Instant::now();
     assert!(std::process::Command::new("kill").args(["-TERM", &serve.id().to_string()]).status().unwrap().success());
     let deadline = Instant::now() + Duration::from_secs(15);

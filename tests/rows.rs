@@ -50,7 +50,6 @@ async fn malformed_rows_fail_alone_and_the_rest_is_delivered(db: TestDb) {
             (c, "created_at", format!("UPDATE ferry_events SET created_at = 1e300 WHERE id = {c}")),
         ],
         Backend::Postgres => {
-            sql(&s.db, "ALTER TABLE ferry_events DROP CONSTRAINT ferry_events_finite_times").await.unwrap();
             vec![
                 (a, "event_time", format!("UPDATE ferry_events SET event_time = 'infinity' WHERE id = {a}")),
                 (b, "created_at", format!("UPDATE ferry_events SET created_at = '-infinity' WHERE id = {b}")),
@@ -90,12 +89,18 @@ async fn malformed_rows_fail_alone_and_the_rest_is_delivered(db: TestDb) {
     // Nothing is re-claimed: the malformed rows ended.
     assert_eq!(s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap().claimed, 0);
 
-    // The binary shows such a row without panicking, and the error names the column.
+    // The binary shows such a row, naming what cannot be read, and lists them all.
     let config = s.db.dir.path().join("show.toml");
     std::fs::write(&config, format!("[database]\nurl = {:?}\n", s.db.url)).unwrap();
     let (code, stdout, stderr) = run_ferry(&config, &["show", &a.to_string()]);
-    assert_ne!(code, Some(101), "ferry show panicked: {stderr}");
-    assert!(code == Some(0) || stderr.contains("event_time"), "{code:?} {stdout} {stderr}");
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("unreadable") && stdout.contains("event_time cannot be read"), "{stdout}");
+    let (code, stdout, stderr) = run_ferry(&config, &["failed", "list", "--json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let page: Value = serde_json::from_str(&stdout).unwrap();
+    let listed: Vec<i64> = page["events"].as_array().unwrap().iter().map(|e| e["id"].as_i64().unwrap()).collect();
+    assert_eq!(listed, vec![a, b, c], "every malformed row is listed");
+    assert!(page["events"][0]["defect"].as_str().unwrap().contains("event_time"), "{page}");
 }
 
 async fn the_schema_refuses_what_ferry_cannot_represent(db: TestDb) {
@@ -108,7 +113,7 @@ async fn the_schema_refuses_what_ferry_cannot_represent(db: TestDb) {
         Backend::Postgres => [
             "INSERT INTO ferry_events (route, event_type, payload, event_time) VALUES ('s', 't', '\\x00', 'infinity')",
             "INSERT INTO ferry_events (route, event_type, payload, next_attempt_at) VALUES ('s', 't', '\\x00', '-infinity')",
-            "INSERT INTO ferry_events (route, event_type, payload, max_attempts) VALUES ('s', 't', '\\x00', -1)",
+            "INSERT INTO ferry_events (route, event_type, payload, created_at) VALUES ('s', 't', '\\x00', '294276-12-31')",
         ],
     };
     for statement in attempts {
@@ -209,9 +214,7 @@ async fn random_column_values_never_stop_the_relay(db: TestDb) {
             sql(&s.db, "DROP TRIGGER ferry_events_representable").await.unwrap();
         }
         Backend::Postgres => {
-            for constraint in
-                ["ferry_events_finite_times", "ferry_events_attempts_check", "ferry_events_max_attempts_check"]
-            {
+            for constraint in ["ferry_events_attempts_check", "ferry_events_max_attempts_check"] {
                 sql(&s.db, &format!("ALTER TABLE ferry_events DROP CONSTRAINT {constraint}")).await.unwrap();
             }
         }
@@ -279,6 +282,16 @@ async fn the_readme_insert_works_with_the_system_sqlite3() {
         .expect("the sqlite3 program (Debian: apt-get install sqlite3; scripts/test installs it)");
     assert!(out.status.success(), "{insert}: {}", String::from_utf8_lossy(&out.stderr));
     let version = std::process::Command::new("sqlite3").arg("--version").output().unwrap();
+    // The defaults of the first schema yield NULL on this sqlite3: the bug is reproducible here.
+    let old_default = std::process::Command::new("sqlite3")
+        .args([":memory:", "SELECT COALESCE(CAST(unixepoch('subsec') * 1000 AS INTEGER), 'NULL')"])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&old_default.stdout).trim() == "NULL" || !old_default.status.success(),
+        "this test needs a sqlite3 older than 3.42 (Debian 12's 3.40), on which unixepoch('subsec') is NULL; got {}",
+        String::from_utf8_lossy(&version.stdout)
+    );
     let counts = db.store.counts().await.unwrap();
     assert_eq!(counts[&Status::Pending], 1, "sqlite3 {}", String::from_utf8_lossy(&version.stdout));
     let stored: (i64, i64) = sqlx::query_as("SELECT created_at, next_attempt_at FROM ferry_events")

@@ -75,11 +75,6 @@ pub struct Breaker {
     pub updated_at: DateTime<Utc>,
 }
 
-/// `at + d`, saturating instead of overflowing.
-fn after(at: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
-    chrono::Duration::from_std(d).ok().and_then(|d| at.checked_add_signed(d)).unwrap_or(DateTime::<Utc>::MAX_UTC)
-}
-
 impl Breaker {
     /// A closed breaker with no history, for routes without a row.
     pub fn closed(route: &str, now: DateTime<Utc>) -> Breaker {
@@ -103,7 +98,7 @@ impl Breaker {
     pub fn state(&self, now: DateTime<Utc>, cooldown: Duration) -> BreakerState {
         match self.opened_at {
             None => BreakerState::Closed,
-            Some(at) if !self.manual && after(at, cooldown) <= now => BreakerState::HalfOpen,
+            Some(at) if !self.manual && crate::clock::later(at, cooldown) <= now => BreakerState::HalfOpen,
             Some(_) => BreakerState::Open,
         }
     }

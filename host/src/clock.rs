@@ -54,6 +54,17 @@ impl Clock for ManualClock {
     }
 }
 
+/// `at + d`, saturating at the latest representable time instead of overflowing (a configured
+/// duration of years must not panic the relay).
+pub fn later(at: DateTime<Utc>, d: std::time::Duration) -> DateTime<Utc> {
+    Duration::from_std(d).ok().and_then(|d| at.checked_add_signed(d)).unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// `at - d`, saturating at the earliest representable time.
+pub fn earlier(at: DateTime<Utc>, d: std::time::Duration) -> DateTime<Utc> {
+    Duration::from_std(d).ok().and_then(|d| at.checked_sub_signed(d)).unwrap_or(DateTime::<Utc>::MIN_UTC)
+}
+
 /// Drops sub-millisecond precision so values round-trip through SQLite (integer milliseconds) and
 /// PostgreSQL (microseconds) unchanged.
 pub fn truncate_ms(t: DateTime<Utc>) -> DateTime<Utc> {
@@ -72,5 +83,13 @@ mod tests {
         let before = clock.now();
         clock.advance(std::time::Duration::from_secs(90));
         assert_eq!(clock.now() - before, Duration::seconds(90));
+    }
+
+    #[test]
+    fn arithmetic_saturates() {
+        let now = Utc::now();
+        assert_eq!(later(now, std::time::Duration::MAX), DateTime::<Utc>::MAX_UTC);
+        assert_eq!(earlier(now, std::time::Duration::MAX), DateTime::<Utc>::MIN_UTC);
+        assert_eq!(later(now, std::time::Duration::from_secs(1)) - now, Duration::seconds(1));
     }
 }

@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 pub use ferry_outbox::NewEvent;
 use serde::{Deserialize, Serialize};
 
-use crate::store::codec::{Count, DbTime, MaybeCount, MaybeTime};
+use crate::store::codec::{Count, DbTime, Lenient, MaybeCount, MaybeTime};
 
 /// Where an event is in its life. Stored as the upper-case names below.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -174,11 +174,12 @@ pub struct ClaimedEvent {
 }
 
 impl ClaimedEvent {
-    /// A claimed row that could not be decoded: only its id is known, and `defect` says why.
-    pub fn defective(id: i64, defect: String) -> ClaimedEvent {
+    /// A claimed row that could not be decoded: only its id (and route, when readable) is known,
+    /// and `defect` says why.
+    pub fn defective(id: i64, route: String, defect: String) -> ClaimedEvent {
         ClaimedEvent {
             id,
-            route: String::new(),
+            route,
             event_type: String::new(),
             ordering_key: None,
             payload: Vec::new(),
@@ -328,6 +329,69 @@ pub struct EventRecord {
     pub claim_token: Option<String>,
     #[sqlx(try_from = "MaybeTime")]
     pub lease_until: Option<DateTime<Utc>>,
+    /// Set when a column holds what ferry cannot represent: which, and why. The others are shown
+    /// as stored; an unreadable one as its zero value.
+    #[sqlx(skip)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub defect: Option<String>,
+}
+
+/// A stored row read for inspection: every column leniently, so an unreadable one is reported
+/// instead of failing the read (and, in a list, the whole page).
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct StoredRow {
+    id: i64,
+    route: Lenient<String>,
+    event_type: Lenient<String>,
+    ordering_key: Lenient<Option<String>>,
+    payload: Lenient<Vec<u8>>,
+    content_type: Lenient<String>,
+    headers: Lenient<String>,
+    status: Lenient<Status>,
+    attempts: Lenient<Count>,
+    max_attempts: Lenient<MaybeCount>,
+    event_time: Lenient<DbTime>,
+    created_at: Lenient<DbTime>,
+    last_status_at: Lenient<DbTime>,
+    next_attempt_at: Lenient<DbTime>,
+    processed_at: Lenient<MaybeTime>,
+    last_error: Lenient<Option<String>>,
+    failure_reason: Lenient<Option<FailureReason>>,
+    claimed_by: Lenient<Option<String>>,
+    claim_token: Lenient<Option<String>>,
+    lease_until: Lenient<MaybeTime>,
+}
+
+impl StoredRow {
+    pub(crate) fn into_record(self) -> EventRecord {
+        let mut d = Vec::new();
+        let zero = DbTime(DateTime::<Utc>::UNIX_EPOCH);
+        let record = EventRecord {
+            id: self.id,
+            route: self.route.or("route", String::new(), &mut d),
+            event_type: self.event_type.or("event_type", String::new(), &mut d),
+            ordering_key: self.ordering_key.or("ordering_key", None, &mut d),
+            payload: self.payload.or("payload", Vec::new(), &mut d),
+            content_type: self.content_type.or("content_type", String::new(), &mut d),
+            headers: self.headers.or("headers", "{}".into(), &mut d),
+            status: self.status.or("status", Status::Failed, &mut d),
+            attempts: self.attempts.or("attempts", Count(0), &mut d).0,
+            max_attempts: self.max_attempts.or("max_attempts", MaybeCount(None), &mut d).0,
+            event_time: self.event_time.or("event_time", zero, &mut d).0,
+            created_at: self.created_at.or("created_at", zero, &mut d).0,
+            last_status_at: self.last_status_at.or("last_status_at", zero, &mut d).0,
+            next_attempt_at: self.next_attempt_at.or("next_attempt_at", zero, &mut d).0,
+            processed_at: self.processed_at.or("processed_at", MaybeTime(None), &mut d).0,
+            last_error: self.last_error.or("last_error", None, &mut d),
+            failure_reason: self.failure_reason.or("failure_reason", None, &mut d),
+            claimed_by: self.claimed_by.or("claimed_by", None, &mut d),
+            claim_token: self.claim_token.or("claim_token", None, &mut d),
+            lease_until: self.lease_until.or("lease_until", MaybeTime(None), &mut d).0,
+            defect: None,
+        };
+        let defect = (!d.is_empty()).then(|| crate::untrusted::clean(&d.join("; "), crate::untrusted::MAX_REASON));
+        EventRecord { defect, ..record }
+    }
 }
 
 /// The columns of a claimed row, as the claim statements return them.

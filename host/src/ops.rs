@@ -26,6 +26,15 @@ pub const MAX_PAGE: u32 = 10_000;
 /// The last error of an event failed by hand when the operator gives no reason.
 pub const FAILED_BY_HAND: &str = "failed by an operator";
 
+/// The reason of a breaker opened by hand when the operator gives none.
+pub const OPENED_BY_HAND: &str = "opened by an operator";
+
+/// FAILED events per page when the front-end asks for no particular number.
+pub const DEFAULT_PAGE: u32 = 50;
+
+/// The latency window of `stats` when none is given.
+pub const DEFAULT_WINDOW: Duration = Duration::from_secs(3600);
+
 /// Longest latency window accepted.
 pub const MAX_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
 
@@ -145,6 +154,22 @@ impl Ops {
         self.clock.now()
     }
 
+    /// The time an event given `delay` is due, counted from `now`.
+    pub fn deliver_after(&self, now: DateTime<Utc>, delay: Duration) -> Result<DateTime<Utc>, OpError> {
+        chrono::Duration::from_std(delay)
+            .ok()
+            .and_then(|d| now.checked_add_signed(d))
+            .ok_or_else(|| OpError::Invalid(format!("{} is too long", self.front.name("delay"))))
+    }
+
+    /// Refuses an event id that cannot exist.
+    fn check_id(&self, id: i64) -> Result<(), OpError> {
+        if id < 1 {
+            return Err(OpError::Invalid(format!("event id must be a positive integer, got {id}")));
+        }
+        Ok(())
+    }
+
     /// Inserts `event` (outside any application transaction) into a configured route, created at
     /// `now` (from [`Ops::now`], so a delay counted from it is exact).
     pub async fn emit(&self, event: NewEvent, now: DateTime<Utc>) -> Result<Created, OpError> {
@@ -165,6 +190,7 @@ impl Ops {
 
     /// One event with its delivery history.
     pub async fn show(&self, id: i64) -> Result<EventView, OpError> {
+        self.check_id(id)?;
         let event = self.store.get(id).await?.ok_or_else(|| OpError::NotFound(format!("no event with id {id}")))?;
         let attempts = self.store.attempts(id).await?;
         Ok(EventView::new(event, Some(attempts)))
@@ -172,6 +198,7 @@ impl Ops {
 
     /// Makes FAILED event `id` PENDING again, attempts and error reset.
     pub async fn resend(&self, id: i64) -> Result<(), OpError> {
+        self.check_id(id)?;
         let Some(event) = self.store.get(id).await? else {
             return Err(OpError::NotFound(format!("no event with id {id}")));
         };
@@ -189,6 +216,7 @@ impl Ops {
     /// (reason `operator`, `note` as its last error). A delivery in flight loses its claim, so
     /// its outcome is not recorded. Returns the event as it is afterwards (`None`: deleted).
     pub async fn end_event(&self, id: i64, end: EndEvent<'_>) -> Result<Option<EventView>, OpError> {
+        self.check_id(id)?;
         let verb = match end {
             EndEvent::Cancel => "cancelled",
             EndEvent::Fail { .. } => "failed",
@@ -227,13 +255,14 @@ impl Ops {
         Ok(FailedCount { failed: self.store.count_failed(&filter.validate(self.front)?).await? })
     }
 
-    /// A page of FAILED events in id order, after id `after`.
+    /// A page of FAILED events in id order, after id `after`, `limit` ([`DEFAULT_PAGE`]) at most.
     pub async fn failed_list(
         &self,
         filter: FilterInput,
         after: Option<i64>,
-        limit: u32,
+        limit: Option<u32>,
     ) -> Result<FailedPage, OpError> {
+        let limit = limit.unwrap_or(DEFAULT_PAGE);
         if !(1..=MAX_PAGE).contains(&limit) {
             return Err(OpError::Invalid(format!(
                 "{} must be between 1 and {MAX_PAGE}, got {limit}",
@@ -329,8 +358,9 @@ impl Ops {
             .collect())
     }
 
-    /// The monitoring figures, latency over the last `window`.
-    pub async fn stats(&self, window: Duration) -> Result<StatsView, OpError> {
+    /// The monitoring figures, latency over the last `window` ([`DEFAULT_WINDOW`]).
+    pub async fn stats(&self, window: Option<Duration>) -> Result<StatsView, OpError> {
+        let window = window.unwrap_or(DEFAULT_WINDOW);
         if window.is_zero() || window > MAX_WINDOW {
             return Err(OpError::Invalid(format!(
                 "{} must be longer than 0 and at most 30d",
@@ -338,7 +368,7 @@ impl Ops {
             )));
         }
         let now = self.clock.now();
-        let since = chrono::Duration::from_std(window).ok().and_then(|w| now.checked_sub_signed(w)).unwrap_or(now);
+        let since = crate::clock::earlier(now, window);
         Ok(StatsView::from(&self.store.stats(now, Some(since)).await?))
     }
 

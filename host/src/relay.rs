@@ -229,7 +229,7 @@ impl Relay {
     /// held for long; at most ten statements per call, the rest waits for the next call.
     pub async fn purge(&self) -> Result<u64, StoreError> {
         let Some(retain) = self.retain_sent else { return Ok(0) };
-        let before = self.clock.now() - chrono::Duration::from_std(retain).unwrap_or(chrono::Duration::MAX);
+        let before = crate::clock::earlier(self.clock.now(), retain);
         let mut purged = 0;
         for _ in 0..10 {
             let n = self.store.purge_sent(before, self.purge_batch).await?;
@@ -266,7 +266,7 @@ impl Relay {
         let claim = Claim {
             now,
             limit: self.batch_size,
-            lease_until: now + chrono::Duration::from_std(self.lease).unwrap_or(chrono::Duration::MAX),
+            lease_until: crate::clock::later(now, self.lease),
             instance: self.instance.clone(),
             token: token.clone(),
             ordered_routes: self.ordered_routes.clone(),
@@ -326,7 +326,7 @@ impl Relay {
     /// For each route whose breaker has cooled down, takes the half-open probe (one instance
     /// wins it) and claims one event to try the route with.
     async fn probes(&self, claim: &Claim, breakers: &[Breaker]) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let cooled = claim.now - chrono::Duration::from_std(self.breaker_cooldown).unwrap_or(chrono::Duration::MAX);
+        let cooled = crate::clock::earlier(claim.now, self.breaker_cooldown);
         let mut probes = Vec::new();
         for breaker in breakers {
             if !breaker.probe_due(claim.now, self.breaker_cooldown)
@@ -447,7 +447,7 @@ impl Relay {
         for event in events {
             if let Some(defect) = &event.defect {
                 let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
-                completions.push(self.fail(event, &call, FailureReason::InvalidEvent, defect.clone()));
+                completions.push(self.fail(event, &call, FailureReason::InvalidEvent, reason(defect)));
             } else {
                 by_route.entry(&event.route).or_default().push(event);
             }
@@ -472,9 +472,10 @@ impl Relay {
     /// Delivers one route's `batch`. When a call fails as a whole (the plugin trapped, timed out,
     /// ran out of memory or answered wrongly), one event may be at fault: the batch is split in
     /// halves and each delivered on its own, down to the event that faults alone, so only it is
-    /// charged and the others get their own outcomes. Splitting stops when faults go on for more
-    /// levels than the batch has (the plugin fails whatever it is given) or when another call
-    /// might outlast the claim's lease (`lease_ends`); what is left is charged with the fault.
+    /// charged and the others get their own outcomes. Splitting stops after twice as many faulted
+    /// calls as the batch has levels (a plugin that fails whatever it is given: a few events at
+    /// fault cost about one level each), or when another call might outlast the claim's lease
+    /// (`lease_ends`); what is left is charged with the fault.
     async fn deliver_isolating(
         &self,
         transport: &RouteTransport,
@@ -482,7 +483,7 @@ impl Relay {
         lease_ends: std::time::Instant,
     ) -> Vec<Completion> {
         let levels = usize::BITS - batch.len().leading_zeros() + 1;
-        let mut faults_in_a_row = 0;
+        let mut faults = 0;
         let mut parts = vec![batch];
         let mut completions = Vec::new();
         while let Some(part) = parts.pop() {
@@ -497,9 +498,9 @@ impl Relay {
             );
             let result = match delivery.result {
                 Err(DeliverError::Fault(fault)) => {
-                    faults_in_a_row += 1;
+                    faults += 1;
                     let time_left = std::time::Instant::now() + transport.timeout() * 2 < lease_ends;
-                    if part.len() > 1 && faults_in_a_row <= levels && time_left {
+                    if part.len() > 1 && faults <= 2 * levels && time_left {
                         tracing::info!(
                             route = %part[0].route,
                             events = part.len(),
@@ -513,10 +514,7 @@ impl Relay {
                     }
                     Err(DeliverError::Fault(fault))
                 }
-                other => {
-                    faults_in_a_row = 0;
-                    other
-                }
+                other => other,
             };
             completions.extend(self.judge(&part, &call, result));
         }
@@ -582,7 +580,7 @@ impl Relay {
         let unit: f64 = rand::rng().random();
         match policy.decide(event.attempt, max, hint, unit) {
             RetryDecision::RetryAfter(delay) => {
-                let at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
+                let at = crate::clock::later(now, delay);
                 self.complete(event, call, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
             }
             RetryDecision::GiveUp => self.fail(event, call, exhausted, error),

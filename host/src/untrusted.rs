@@ -23,6 +23,18 @@ pub fn clean(text: &str, max: usize) -> String {
     out
 }
 
+/// `text` for a terminal: control characters escaped except line breaks and tabs, so a stored
+/// value cannot move the cursor or repaint the screen; not cut.
+pub fn printable(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let escape = c.is_control() && c != '\n' && c != '\t';
+            let piece: Vec<char> = if escape { c.escape_default().collect() } else { vec![c] };
+            piece
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -36,5 +48,6 @@ mod tests {
         assert!(cut.starts_with("ééééé…"), "{cut}");
         assert!(cut.ends_with("(1990 more bytes)"), "{cut}");
         assert_eq!(clean("", 0), "");
+        assert_eq!(printable("a\n\tb\u{1b}[2J\r"), "a\n\tb\\u{1b}[2J\\r");
     }
 }

@@ -1,11 +1,24 @@
--- Rows are untrusted data: applications and operators insert them by hand. These checks refuse,
--- at INSERT, values ferry cannot represent (an infinite time, a negative attempt limit) instead of
--- leaving the relay to find them undecodable later. They are NOT VALID, so rows already stored are
--- not re-checked: the relay fails such a row alone, with reason invalid_event naming the column.
-ALTER TABLE ferry_events ADD CONSTRAINT ferry_events_finite_times CHECK (
-    isfinite(event_time) AND isfinite(created_at) AND isfinite(last_status_at) AND isfinite(next_attempt_at)
-    AND (processed_at IS NULL OR isfinite(processed_at)) AND (lease_until IS NULL OR isfinite(lease_until))
-) NOT VALID;
+-- Rows are untrusted data: applications and operators insert them by hand. This trigger refuses,
+-- at INSERT, times ferry cannot represent (`infinity`, or outside the years 1 to 9999) instead of
+-- leaving the relay to find them undecodable later. It is a trigger, not a CHECK, on purpose: a
+-- CHECK also applies to UPDATEs, so a row stored before it (or edited by hand) would make the
+-- claim's UPDATE fail for its whole batch; the relay instead fails such a row alone, with reason
+-- invalid_event naming the column.
+CREATE FUNCTION ferry_events_representable() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT (NEW.event_time >= '0001-01-01 00:00:00+00' AND NEW.event_time < '10000-01-01 00:00:00+00'
+        AND NEW.created_at >= '0001-01-01 00:00:00+00' AND NEW.created_at < '10000-01-01 00:00:00+00'
+        AND NEW.last_status_at >= '0001-01-01 00:00:00+00' AND NEW.last_status_at < '10000-01-01 00:00:00+00'
+        AND NEW.next_attempt_at >= '0001-01-01 00:00:00+00' AND NEW.next_attempt_at < '10000-01-01 00:00:00+00')
+    THEN
+        RAISE EXCEPTION 'ferry_events: times must lie between the years 1 and 9999 (not infinity)'
+            USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER ferry_events_representable BEFORE INSERT ON ferry_events
+    FOR EACH ROW EXECUTE FUNCTION ferry_events_representable();
 
 -- 'operator': an operator ended the event by hand (`ferry event fail`).
 ALTER TABLE ferry_events DROP CONSTRAINT ferry_events_failure_reason_check;

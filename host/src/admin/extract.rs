@@ -127,9 +127,9 @@ impl<S: Send + Sync> FromRequestParts<S> for EventId {
         let Path(raw) = Path::<String>::from_request_parts(parts, state)
             .await
             .map_err(|r: PathRejection| ApiError::bad_request(r.body_text()))?;
+        // Positive or not is the operation's to say, as for the CLI.
         raw.parse::<i64>()
             .ok()
-            .filter(|id| *id > 0)
             .map(EventId)
             .ok_or_else(|| ApiError::bad_request(format!("event id must be a positive integer, got {raw:?}")))
     }

@@ -78,10 +78,11 @@ pub(super) async fn stats(
     State(admin): State<Admin>,
     Params(params): Params<StatsParams>,
 ) -> Result<Json<StatsView>, ApiError> {
-    let window = match params.window.as_deref() {
-        None => std::time::Duration::from_secs(3600),
-        Some(text) => parse_duration(text).map_err(|e| ApiError::bad_request(format!("window: {e}")))?,
-    };
+    let window = params
+        .window
+        .as_deref()
+        .map(|text| parse_duration(text).map_err(|e| ApiError::bad_request(format!("window: {e}"))))
+        .transpose()?;
     Ok(Json(admin.ops.stats(window).await?))
 }
 
@@ -119,7 +120,7 @@ fn rfc3339(field: &str, text: &str) -> Result<DateTime<Utc>, ApiError> {
 }
 
 impl EnqueueRequest {
-    fn into_event(self, now: DateTime<Utc>) -> Result<NewEvent, ApiError> {
+    fn into_event(self, ops: &ops::Ops, now: DateTime<Utc>) -> Result<NewEvent, ApiError> {
         let (payload, default_type) = match (self.payload, self.payload_base64) {
             (Some(_), Some(_)) => return Err(ApiError::bad_request("give either payload or payload_base64, not both")),
             (None, None) => return Err(ApiError::bad_request("missing payload (or payload_base64)")),
@@ -144,9 +145,7 @@ impl EnqueueRequest {
             (Some(text), None) => event.not_before = Some(rfc3339("deliver_at", text)?),
             (None, Some(text)) => {
                 let delay = parse_duration(text).map_err(|e| ApiError::bad_request(format!("delay: {e}")))?;
-                let delay =
-                    chrono::Duration::from_std(delay).map_err(|_| ApiError::bad_request("delay is too long"))?;
-                event.not_before = Some(now + delay);
+                event.not_before = Some(ops.deliver_after(now, delay)?);
             }
             (None, None) => {}
         }
@@ -159,7 +158,7 @@ pub(super) async fn enqueue(
     Body(request): Body<EnqueueRequest>,
 ) -> Result<(StatusCode, Json<Created>), ApiError> {
     let now = admin.ops.now();
-    let event = request.into_event(now)?;
+    let event = request.into_event(&admin.ops, now)?;
     Ok((StatusCode::CREATED, Json(admin.ops.emit(event, now).await?)))
 }
 
@@ -234,7 +233,7 @@ pub(super) async fn failed_list(
     Params(params): Params<FilterParams>,
 ) -> Result<Json<FailedPage>, ApiError> {
     params.only(&["after", "limit"])?;
-    Ok(Json(admin.ops.failed_list(params.input()?, params.after, params.limit.unwrap_or(50)).await?))
+    Ok(Json(admin.ops.failed_list(params.input()?, params.after, params.limit).await?))
 }
 
 pub(super) async fn failed_count(
@@ -293,7 +292,7 @@ pub(super) async fn breaker_open(
     RouteName(route): RouteName,
     Body(body): Body<OpenRequest>,
 ) -> Result<Json<BreakerView>, ApiError> {
-    let reason = body.reason.unwrap_or_else(|| "opened by an operator".to_string());
+    let reason = body.reason.unwrap_or_else(|| ops::OPENED_BY_HAND.to_string());
     Ok(Json(admin.ops.set_breaker(&route, true, &reason).await?))
 }
 

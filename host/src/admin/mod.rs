@@ -84,7 +84,11 @@ impl Admin {
             .route("/v1/breakers", get(breakers))
             .route("/v1/breakers/{route}/open", post(breaker_open))
             .route("/v1/breakers/{route}/close", post(breaker_close))
-            .route_layer(axum::middleware::from_fn_with_state(self.clone(), authorize));
+            .route_layer(axum::middleware::from_fn_with_state(self.clone(), authorize))
+            // Room for the largest payload ferry accepts, base64-encoded in JSON.
+            .layer(axum::extract::DefaultBodyLimit::max(
+                self.ops.settings.config.relay.max_payload.0 / 3 * 4 + (64 << 10),
+            ));
         Router::new()
             .route("/health/live", get(live))
             .route("/health/ready", get(ready))

@@ -34,29 +34,31 @@ pub async fn request(
     let response = tokio::time::timeout(TIMEOUT, exchange)
         .await
         .with_context(|| format!("the admin API at {address} did not answer within {TIMEOUT:?}"))??;
-    let text = String::from_utf8_lossy(&response);
-    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+    let Some(split) = response.windows(4).position(|w| w == b"\r\n\r\n") else {
         bail!("the admin API at {address} sent an incomplete answer");
     };
+    let head = String::from_utf8_lossy(&response[..split]);
+    let body = &response[split + 4..];
     let status = head
         .split_whitespace()
         .nth(1)
         .and_then(|code| code.parse().ok())
         .with_context(|| format!("the admin API at {address} sent no HTTP status line"))?;
     let chunked = head.lines().any(|l| l.to_ascii_lowercase().starts_with("transfer-encoding: chunked"));
-    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
+    let body = if chunked { dechunk(body) } else { body.to_vec() };
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
-/// Joins the chunks of a chunked body.
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let size = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].strip_prefix("\r\n").unwrap_or(&rest[size..]);
+/// Joins the chunks of a chunked body (bytes, so a chunk may end inside a character).
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") {
+        let size_line = String::from_utf8_lossy(&body[..line_end]);
+        let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16).unwrap_or(0);
+        let rest = &body[line_end + 2..];
+        let Some(chunk) = rest.get(..size).filter(|_| size > 0) else { break };
+        out.extend_from_slice(chunk);
+        body = rest[size..].strip_prefix(b"\r\n").unwrap_or(&rest[size..]);
     }
     out
 }
@@ -65,7 +67,9 @@ fn dechunk(mut body: &str) -> String {
 mod tests {
     #[test]
     fn chunked_bodies_are_joined() {
-        assert_eq!(super::dechunk("5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"), "hello world");
-        assert_eq!(super::dechunk("0\r\n\r\n"), "");
+        assert_eq!(super::dechunk(b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"), b"hello world");
+        assert_eq!(super::dechunk(b"0\r\n\r\n"), b"");
+        assert_eq!(super::dechunk(b"1\r\n\xc3\r\n1\r\n\xa9\r\n0\r\n\r\n"), "é".as_bytes(), "split characters");
+        assert_eq!(super::dechunk(b"ff\r\nshort"), b"", "a chunk longer than the body");
     }
 }

@@ -80,9 +80,9 @@ pub enum Command {
     /// Monitoring figures: events per route and status, oldest pending event, claim lag, stuck
     /// claims, events on their last attempt, and delivery latency percentiles.
     Stats {
-        /// Measure latency over events delivered this long ago or less.
-        #[arg(long, default_value = "1h", value_parser = parse_duration)]
-        window: std::time::Duration,
+        /// Measure latency over events delivered this long ago or less (default 1h).
+        #[arg(long, value_parser = parse_duration)]
+        window: Option<std::time::Duration>,
     },
 }
 
@@ -129,9 +129,9 @@ pub enum FailedCommand {
         /// Start after this id (the last id of the previous page).
         #[arg(long)]
         after: Option<i64>,
-        /// Events per page.
-        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-        limit: u32,
+        /// Events per page (default 50, at most 10000).
+        #[arg(long)]
+        limit: Option<u32>,
     },
     /// Make the matching FAILED events PENDING again (attempts and error reset).
     Resend {
@@ -172,7 +172,7 @@ pub enum BreakerCommand {
     Open {
         route: String,
         /// Why, shown in `breaker list`.
-        #[arg(long, default_value = "opened by an operator")]
+        #[arg(long, default_value = ops::OPENED_BY_HAND)]
         reason: String,
     },
     /// Close a route's breaker (by hand or not) and reset its failure count.
@@ -239,7 +239,6 @@ impl Cli {
     }
 }
 
-/// Runs the parsed command.
 /// The operations over this invocation's database, answering as the CLI.
 async fn ops(config: &Config) -> anyhow::Result<Ops> {
     let settings = Arc::new(config.settings()?);
@@ -283,7 +282,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Emit(args) => {
             let ops = ops(&config).await?;
             let now = ops.now();
-            let event = args.into_event(now, config.relay.max_payload.0)?;
+            let event = args.into_event(&ops, now, config.relay.max_payload.0)?;
             let created: Created = ops.emit(event, now).await.map_err(failed)?;
             say(json, &created, |c| c.id.to_string())
         }
@@ -299,9 +298,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
             let resent = (ids.len() - errors.len()) as u64;
-            say(json, &serde_json::json!({ "resent": resent, "requested": ids.len() }), |_| {
-                format!("{resent} of {} events resent", ids.len())
-            })?;
+            say(json, &Resent { resent }, |_| format!("{resent} of {} events resent", ids.len()))?;
             if !errors.is_empty() {
                 bail!("{}", errors.join("; "));
             }
@@ -328,7 +325,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Health { live } => health(&config, live, json).await,
         Command::Stats { window } => {
             let stats = ops(&config).await?.stats(window).await.map_err(failed)?;
-            say(json, &stats, |s| render::stats(s, window))
+            say(json, &stats, |s| render::stats(s, window.unwrap_or(ops::DEFAULT_WINDOW)))
         }
     }
 }
@@ -454,7 +451,7 @@ impl EmitArgs {
     /// The event to emit at `now` (deferral is counted from it). A file or standard input is read
     /// only up to one byte past `max_payload`, so an oversized payload is refused (by the
     /// operation, which names the limit) without reading all of it.
-    fn into_event(self, now: chrono::DateTime<chrono::Utc>, max_payload: usize) -> anyhow::Result<NewEvent> {
+    fn into_event(self, ops: &Ops, now: chrono::DateTime<chrono::Utc>, max_payload: usize) -> anyhow::Result<NewEvent> {
         let read = |source: &mut dyn std::io::Read| -> std::io::Result<Vec<u8>> {
             let mut buf = Vec::new();
             source.take(max_payload as u64 + 1).read_to_end(&mut buf)?;
@@ -489,8 +486,7 @@ impl EmitArgs {
             event = event.with_header(name, value);
         }
         if let Some(delay) = self.delay {
-            let delay = chrono::Duration::from_std(delay).context("--delay is too long")?;
-            event = event.not_before(now + delay);
+            event = event.not_before(ops.deliver_after(now, delay).map_err(failed)?);
         }
         Ok(event)
     }

@@ -64,12 +64,12 @@ pub fn failed_page(page: &FailedPage) -> String {
             out,
             "\n{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} {}",
             e.id,
-            e.route,
-            e.event_type,
+            crate::untrusted::clean(&e.route, 64),
+            crate::untrusted::clean(&e.event_type, 64),
             e.created_at.to_rfc3339(),
             e.attempts,
             e.failure_reason.map_or("-", |r| r.as_str()),
-            e.last_error.as_deref().unwrap_or("-").lines().next().unwrap_or("")
+            crate::untrusted::clean(e.last_error.as_deref().unwrap_or("-").lines().next().unwrap_or(""), 200)
         );
     }
     if let Some(next) = page.next_after {
@@ -132,12 +132,13 @@ pub fn event(view: &EventView) -> String {
         Some(0) => "unlimited".to_string(),
         Some(m) => m.to_string(),
     };
+    let text = |t: &str| crate::untrusted::clean(t, 4096);
     let fields = [
         ("id", event.id.to_string()),
         ("status", event.status.to_string()),
-        ("route", event.route.clone()),
-        ("type", event.event_type.clone()),
-        ("key", event.ordering_key.clone().unwrap_or_else(|| "-".into())),
+        ("route", text(&event.route)),
+        ("type", text(&event.event_type)),
+        ("key", event.ordering_key.as_deref().map_or("-".into(), text)),
         ("attempts", format!("{} of {limit}", event.attempts)),
         ("event time", time(Some(event.event_time))),
         ("created", time(Some(event.created_at))),
@@ -145,10 +146,11 @@ pub fn event(view: &EventView) -> String {
         ("next attempt", time(Some(event.next_attempt_at))),
         ("processed", time(event.processed_at)),
         ("failure", event.failure_reason.map_or("-".into(), |r| r.to_string())),
-        ("last error", event.last_error.clone().unwrap_or_else(|| "-".into())),
-        ("claimed by", event.claimed_by.clone().unwrap_or_else(|| "-".into())),
-        ("content type", event.content_type.clone()),
-        ("headers", event.headers.clone()),
+        ("last error", event.last_error.as_deref().map_or("-".into(), text)),
+        ("claimed by", event.claimed_by.as_deref().map_or("-".into(), text)),
+        ("content type", text(&event.content_type)),
+        ("headers", text(&event.headers)),
+        ("unreadable", event.defect.clone().unwrap_or_else(|| "-".into())),
     ];
     for (name, value) in fields {
         let _ = writeln!(out, "{name:<13} {value}");
@@ -165,7 +167,7 @@ pub fn event(view: &EventView) -> String {
             Some(reason) => format!("{} ({reason})", a.outcome),
             None => a.outcome.to_string(),
         };
-        let error = a.error.as_deref().unwrap_or("").lines().next().unwrap_or("");
+        let error = text(a.error.as_deref().unwrap_or("").lines().next().unwrap_or(""));
         let _ = writeln!(
             out,
             "  #{:<3} {}  {:>6} ms  {outcome:<28} {plugin:<26} {error}",
@@ -175,8 +177,8 @@ pub fn event(view: &EventView) -> String {
         );
     }
     match &view.payload {
-        Some(text) => {
-            let _ = write!(out, "payload\n{text}");
+        Some(payload) => {
+            let _ = write!(out, "payload\n{}", crate::untrusted::printable(payload));
         }
         None => {
             let _ = write!(out, "payload       {} bytes, not UTF-8 text", event.payload.len());

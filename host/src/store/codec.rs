@@ -143,6 +143,44 @@ impl<'r> Decode<'r, Postgres> for Count {
     }
 }
 
+/// A column read for display, whatever it holds: the value when it decodes as `T`, else why it
+/// does not. Inspection (`ferry show`, lists) uses it so one unreadable column does not hide the
+/// rest of the row, or fail a whole page.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Lenient<T>(pub Result<T, String>);
+
+impl<T> Lenient<T> {
+    /// The value, or `fallback` with the reason added to `defects` under `column`.
+    pub fn or(self, column: &str, fallback: T, defects: &mut Vec<String>) -> T {
+        self.0.unwrap_or_else(|why| {
+            defects.push(format!("{column} cannot be read: {why}"));
+            fallback
+        })
+    }
+}
+
+impl<DB: sqlx::Database, T: Type<DB>> Type<DB> for Lenient<T> {
+    fn type_info() -> DB::TypeInfo {
+        T::type_info()
+    }
+    fn compatible(_: &DB::TypeInfo) -> bool {
+        // Anything is accepted here; a mismatch becomes the reason in `decode`.
+        true
+    }
+}
+
+impl<'r, DB: sqlx::Database, T: Decode<'r, DB> + Type<DB>> Decode<'r, DB> for Lenient<T> {
+    fn decode(value: <DB as sqlx::Database>::ValueRef<'r>) -> Result<Self, BoxDynError> {
+        if !value.is_null() {
+            let ty = value.type_info();
+            if !T::compatible(&ty) {
+                return Ok(Lenient(Err(format!("it holds {} data", sqlx::TypeInfo::name(&*ty)))));
+            }
+        }
+        Ok(Lenient(T::decode(value).map_err(|e| e.to_string())))
+    }
+}
+
 /// `Maybe*` wrappers: NULL is `None`, anything else decodes as the inner type.
 macro_rules! nullable {
     ($maybe:ident, $inner:ident) => {

@@ -278,15 +278,32 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     ) -> Result<Breaker, StoreError>;
 }
 
-/// A database URL with any password replaced, for error messages and logs.
+/// A database URL with any password replaced, for error messages and logs: the one in the
+/// authority (which may itself contain `@`) and a `password=` query parameter.
 pub fn redact_url(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://")
-        && let Some((auth, host)) = rest.split_once('@')
-        && let Some((user, _password)) = auth.split_once(':')
-    {
-        return format!("{scheme}://{user}:***@{host}");
-    }
-    url.to_string()
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let (authority, tail) = rest.find(['/', '?']).map_or((rest, ""), |i| rest.split_at(i));
+    let authority = match authority.rsplit_once('@') {
+        Some((auth, host)) => match auth.split_once(':') {
+            Some((user, _password)) => format!("{user}:***@{host}"),
+            None => format!("{auth}@{host}"),
+        },
+        None => authority.to_string(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let query: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                    _ => pair.to_string(),
+                })
+                .collect();
+            format!("{path}?{}", query.join("&"))
+        }
+        None => tail.to_string(),
+    };
+    format!("{scheme}://{authority}{tail}")
 }
 
 /// Opens the store named by `url` (`sqlite://…` or `postgres://…`). A missing SQLite file is
@@ -319,18 +336,20 @@ where
     for<'c> &'c str: ColumnIndex<R>,
     for<'r> ClaimedRow: FromRow<'r, R>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
 {
     match ClaimedRow::from_row(row) {
         Ok(decoded) => (decoded.next_attempt_at, decoded.into_event(max_payload)),
         Err(e) => {
             let id: i64 = row.try_get("id").unwrap_or(0);
+            let route: String = row.try_get("route").unwrap_or_default();
             let defect = match e {
                 sqlx::Error::ColumnDecode { index, source } => {
                     format!("event {id}: column {} cannot be read: {source}", index.trim_matches('"'))
                 }
                 other => format!("event {id}: {other}"),
             };
-            (DateTime::<Utc>::MIN_UTC, ClaimedEvent::defective(id, defect))
+            (DateTime::<Utc>::MIN_UTC, ClaimedEvent::defective(id, route, defect))
         }
     }
 }
@@ -361,4 +380,23 @@ fn partition(items: &[Completion]) -> Partitioned<'_> {
         }
     }
     p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn passwords_never_reach_a_message() {
+        let cases = [
+            ("postgres://u:secret@h:5432/db", "postgres://u:***@h:5432/db"),
+            ("postgres://u:p@ss@word@h/db", "postgres://u:***@h/db"),
+            ("postgres://u@h/db?password=secret&sslmode=require", "postgres://u@h/db?password=***&sslmode=require"),
+            ("sqlite://ferry.db", "sqlite://ferry.db"),
+            ("not a url", "not a url"),
+        ];
+        for (url, shown) in cases {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+    }
 }

@@ -20,7 +20,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered,
     Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
 };
-use crate::event::{AttemptRecord, CallLog, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+use crate::event::{AttemptRecord, CallLog, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
 /// The outbox in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -70,6 +70,11 @@ pub const SESSION_SETTINGS: [(&str, &str); 2] =
     [("plan_cache_mode", "force_custom_plan"), ("enable_bitmapscan", "off")];
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
+     status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
+     last_error, failure_reason, claimed_by, claim_token, lease_until";
+
+/// The columns of a list: every one but the payload, which lists do not show.
+const LIST_COLUMNS: &str = "id, route, event_type, ordering_key, '\\x'::bytea AS payload, content_type, headers::text AS headers, \
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until";
 
@@ -395,11 +400,11 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
-        let row = sqlx::query_as(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = $1"))
+        let row: Option<StoredRow> = sqlx::query_as(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = $1"))
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(row)
+        Ok(row.map(StoredRow::into_record))
     }
 
     async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
@@ -409,9 +414,10 @@ impl Store for PostgresStore {
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
-        let sql = format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6");
-        let rows = bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        Ok(rows)
+        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6");
+        let rows: Vec<StoredRow> =
+            bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(StoredRow::into_record).collect())
     }
 
     async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {

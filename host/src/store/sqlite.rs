@@ -19,7 +19,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered,
     Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
 };
-use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status};
+use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
 /// The outbox in a SQLite database file.
 #[derive(Debug, Clone)]
@@ -97,6 +97,11 @@ fn ms(t: DateTime<Utc>) -> i64 {
 }
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
+     headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
+     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until";
+
+/// The columns of a list: every one but the payload, which lists do not show.
+const LIST_COLUMNS: &str = "id, route, event_type, ordering_key, x'' AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
      processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until";
 
@@ -372,11 +377,11 @@ impl Store for SqliteStore {
     }
 
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError> {
-        let row = sqlx::query_as(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = ?1"))
+        let row: Option<StoredRow> = sqlx::query_as(&format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE id = ?1"))
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(row)
+        Ok(row.map(StoredRow::into_record))
     }
 
     async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
@@ -386,9 +391,10 @@ impl Store for SqliteStore {
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
-        let sql = format!("SELECT {EVENT_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6");
-        let rows = bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
-        Ok(rows)
+        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?6");
+        let rows: Vec<StoredRow> =
+            bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(StoredRow::into_record).collect())
     }
 
     async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {

@@ -6,6 +6,7 @@ mod chaos;
 mod contract;
 mod e2e;
 mod engine;
+mod grants;
 mod http;
 mod kafka;
 mod languages;

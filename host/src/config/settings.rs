@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::grants::normalize_path;
 use super::units::normalize_origin;
 use super::{AfterFailure, BackoffKind, Config, JitterKind, PluginLimits, SandboxConfig};
 use crate::backoff::{Backoff, Jitter, RetryPolicy};
@@ -59,7 +60,7 @@ pub struct PluginSettings {
 /// A plugin's grants, resolved: everything not listed is denied.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Sandbox {
-    /// Guest path → host directory, pre-opened read-write.
+    /// Guest path → host directory (absolute, lexically normalized), pre-opened read-write.
     pub dirs: BTreeMap<String, PathBuf>,
     /// Environment variables the plugin sees.
     pub env: BTreeMap<String, String>,
@@ -77,7 +78,7 @@ impl Sandbox {
     fn resolve(config: &SandboxConfig) -> Result<Sandbox, String> {
         let http = config.http.iter().map(|o| normalize_origin(o)).collect::<Result<_, _>>()?;
         Ok(Sandbox {
-            dirs: config.dirs.clone(),
+            dirs: config.dirs.iter().map(|(guest, host)| (guest.clone(), normalize_path(host))).collect(),
             env: config.env.clone(),
             stdio: config.stdio,
             tcp: config.tcp.clone(),

@@ -14,7 +14,7 @@ use wasmtime::{
 
 use super::EPOCH_TICK;
 use super::bindings::TransportPlugin;
-use super::sandbox::{HostState, log_denied_file_access};
+use super::sandbox::{HostState, guard_file_access};
 use crate::config::Settings;
 
 /// The engine, its linker, and the ticker that drives epoch interruption.
@@ -82,7 +82,7 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
-        log_denied_file_access(&mut linker)?;
+        guard_file_access(&mut linker)?;
         TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));

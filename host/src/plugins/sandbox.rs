@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -136,8 +137,11 @@ impl Runtime {
             wasi.env(name, value);
         }
         for (guest, host) in &sandbox.dirs {
+            // Creating the directory would follow a link as well, so look before and after.
+            refuse_symlinks(&plugin, guest, host)?;
             std::fs::create_dir_all(host)
                 .with_context(|| format!("creating {} for plugin {plugin}", host.display()))?;
+            refuse_symlinks(&plugin, guest, host)?;
             wasi.preopened_dir(host, guest, FsPerms::ReadWrite)
                 .map_err(anyhow::Error::from)
                 .with_context(|| format!("granting {} to plugin {plugin} as {guest}", host.display()))?;
@@ -175,24 +179,64 @@ impl Runtime {
     }
 }
 
+/// Refuses a granted directory that is, or lies under, a symbolic link: pre-opening it would
+/// follow the link to wherever it points, outside every grant. `host` is absolute and normalized
+/// (see `Sandbox`), so each of its ancestors is a real path component; the walk stops at the
+/// first one that does not exist yet.
+fn refuse_symlinks(plugin: &str, guest: &str, host: &Path) -> anyhow::Result<()> {
+    let mut ancestors: Vec<&Path> = host.ancestors().collect();
+    ancestors.reverse();
+    for path in ancestors {
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target = std::fs::read_link(path).map(|t| t.display().to_string()).unwrap_or_default();
+                let under = if path == host { String::new() } else { format!("lies under {}, which ", path.display()) };
+                anyhow::bail!(
+                    "plugin {plugin}: granted directory {} (sandbox.{plugin}.dirs.{guest:?}) {under}is a symbolic link \
+                     to {target:?}; grant the real directory, with no symbolic link on its path",
+                    host.display()
+                );
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("plugin {plugin}: checking granted directory {}", path.display()));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The WASI version of `wasi:filesystem` that wasmtime-wasi links.
 const WASI_FILESYSTEM_TYPES: &str = "wasi:filesystem/types@0.2.12";
 
-/// Replaces `descriptor.open-at` with a wrapper that calls wasmtime-wasi's own implementation and,
-/// when it refuses a path (one that climbs out of a granted directory), leaves a warning naming
-/// the plugin and the path. Paths outside every granted directory never reach the host: the
-/// guest's libc finds no directory to resolve them against and fails on its own.
-pub(super) fn log_denied_file_access(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
+/// Shadows three `wasi:filesystem` functions in the linker:
+///
+/// - `descriptor.open-at` calls wasmtime-wasi's own implementation and, when it refuses a path
+///   (one that climbs out of a granted directory), leaves a warning naming the plugin and the path.
+///   Paths outside every granted directory never reach the host: the guest's libc finds no
+///   directory to resolve them against and fails on its own.
+/// - `descriptor.symlink-at` refuses a link whose target is absolute or has a `..` component
+///   (see [`link_target_stays_inside`]): host tools such as log shippers and backups follow links,
+///   and must not be led out of the grant.
+/// - `descriptor.link-at` refuses every hard link: transports have no use for them, and a hard
+///   link keeps a file alive and reachable under a name the operator did not choose.
+///
+/// Refusals answer `not-permitted` and leave a warning naming the plugin and the target.
+pub(super) fn guard_file_access(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
     use wasmtime::component::Resource;
     use wasmtime_wasi::filesystem::WasiFilesystemView;
     use wasmtime_wasi::p2::bindings::filesystem::types::{
         Descriptor, DescriptorFlags, ErrorCode, Host as _, HostDescriptor as _, OpenFlags, PathFlags,
     };
-    type Args = (Resource<Descriptor>, PathFlags, String, OpenFlags, DescriptorFlags);
+    type OpenArgs = (Resource<Descriptor>, PathFlags, String, OpenFlags, DescriptorFlags);
+    type SymlinkArgs = (Resource<Descriptor>, String, String);
+    type LinkArgs = (Resource<Descriptor>, PathFlags, String, Resource<Descriptor>, String);
     linker.allow_shadowing(true);
     let mut types = linker.instance(WASI_FILESYSTEM_TYPES).map_err(anyhow::Error::from)?;
     types
-        .func_wrap_async("[method]descriptor.open-at", |mut store, (fd, path_flags, path, oflags, flags): Args| {
+        .func_wrap_async("[method]descriptor.open-at", |mut store, (fd, path_flags, path, oflags, flags): OpenArgs| {
             Box::new(async move {
                 let state = store.data_mut();
                 let plugin = state.plugin.clone();
@@ -209,8 +253,40 @@ pub(super) fn log_denied_file_access(linker: &mut Linker<HostState>) -> anyhow::
             })
         })
         .map_err(anyhow::Error::from)?;
+    types
+        .func_wrap_async("[method]descriptor.symlink-at", |mut store, (fd, target, link): SymlinkArgs| {
+            Box::new(async move {
+                let state = store.data_mut();
+                if !link_target_stays_inside(&target) {
+                    tracing::warn!(plugin = %state.plugin, target = %target, link = %link, "plugin denied a symbolic link to a target outside its directories");
+                    return Ok((Err(ErrorCode::NotPermitted),));
+                }
+                let mut fs = state.filesystem();
+                let result: Result<(), ErrorCode> = match fs.symlink_at(fd, target, link).await {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err(fs.convert_error_code(e)?),
+                };
+                Ok((result,))
+            })
+        })
+        .map_err(anyhow::Error::from)?;
+    types
+        .func_wrap_async("[method]descriptor.link-at", |store, (_, _, target, _, link): LinkArgs| {
+            Box::new(async move {
+                tracing::warn!(plugin = %store.data().plugin, target = %target, link = %link, "plugin denied a hard link; plugins may not make them");
+                Ok((Err::<(), _>(ErrorCode::NotPermitted),))
+            })
+        })
+        .map_err(anyhow::Error::from)?;
     linker.allow_shadowing(false);
     Ok(())
+}
+
+/// Whether a symbolic link with this target, made anywhere inside a granted directory, resolves
+/// inside it: the target is relative and never climbs (`..`). A chain of such links stays inside
+/// too, since each step only descends.
+pub(super) fn link_target_stays_inside(target: &str) -> bool {
+    !target.starts_with('/') && !target.split('/').any(|part| part == "..")
 }
 
 /// Resolves `host:port` allowlist entries to addresses. An entry that does not resolve is logged
@@ -226,4 +302,19 @@ pub(super) fn resolve_allowlist(plugin: &str, entries: &[String]) -> Vec<SocketA
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_targets_must_stay_inside_the_grant() {
+        for inside in ["file.txt", "sub/file.txt", "./file", ".", "a/.../b", "..hidden", "sub/"] {
+            assert!(link_target_stays_inside(inside), "{inside}");
+        }
+        for outside in ["/etc/passwd", "/", "..", "../x", "../../etc/passwd", "sub/../../x", "sub/..", "a//../b"] {
+            assert!(!link_target_stays_inside(outside), "{outside}");
+        }
+    }
 }

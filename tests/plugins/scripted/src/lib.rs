@@ -17,6 +17,10 @@
 //!   variable named by the `name` header, to observe what environment the plugin sees;
 //! - `read` → reads the file named by the `path` header: success if it can, permanent failure
 //!   with the error otherwise;
+//! - `symlink` → makes a symbolic link at the `link` header's path pointing to the `target`
+//!   header: success if it can, permanent failure with the error otherwise;
+//! - `hardlink` → makes a hard link at the `to` header's path to the file at `from`: success if
+//!   it can, permanent failure with the error otherwise;
 //! - anything else → success.
 //!
 //! Config:
@@ -150,11 +154,30 @@ fn outcome(event: &Event) -> Outcome {
             Ok(_) => Outcome::Success,
             Err(e) => refused(format!("read {}: {e}", header("path"))),
         },
+        "symlink" => match symlink(&header("target"), &header("link")) {
+            Ok(()) => Outcome::Success,
+            Err(e) => refused(format!("symlink {} -> {}: {e}", header("link"), header("target"))),
+        },
+        "hardlink" => match std::fs::hard_link(header("from"), header("to")) {
+            Ok(()) => Outcome::Success,
+            Err(e) => refused(format!("hardlink {} -> {}: {e}", header("to"), header("from"))),
+        },
         "transient" => Outcome::Transient(failure("transient")),
         "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),
         "permanent" => Outcome::Permanent(failure("permanent")),
         _ => Outcome::Success,
     }
+}
+
+/// Makes a symbolic link at `link` (a path inside a pre-opened directory) pointing to `target`,
+/// through wasi:filesystem itself: std has no stable way to make one on WASI.
+fn symlink(target: &str, link: &str) -> Result<(), String> {
+    for (dir, guest) in wasi::filesystem::preopens::get_directories() {
+        if let Some(inside) = link.strip_prefix(guest.as_str()).and_then(|rest| rest.strip_prefix('/')) {
+            return dir.symlink_at(target, inside).map_err(|e| e.name().to_string());
+        }
+    }
+    Err(format!("{link} is in no pre-opened directory"))
 }
 
 /// A plain wasi:http GET of `http://{authority}/`, returning the status code.

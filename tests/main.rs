@@ -10,6 +10,7 @@ mod grants;
 mod http;
 mod kafka;
 mod languages;
+mod limits;
 mod relay;
 mod reload;
 mod sandbox;

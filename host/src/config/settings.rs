@@ -139,6 +139,13 @@ impl Settings {
         self.routes.values().filter(|r| r.plugin == plugin).map(|r| r.name.clone()).collect()
     }
 
+    /// How many plugin instances may be live at once for the configured routes: each route keeps
+    /// up to its plugin's `instances`. The instance pool is sized to hold them all, so no plugin's
+    /// instances can crowd out another's.
+    pub fn route_instances(&self) -> usize {
+        self.routes.values().map(|r| self.plugin(&r.plugin).limits.instances).sum()
+    }
+
     /// The largest memory any plugin may use: what the instance pool must be sized for.
     pub fn largest_plugin_memory(&self) -> usize {
         self.plugins.values().chain([&self.default_plugin]).map(|p| p.limits.memory).max().unwrap_or(0)

@@ -215,7 +215,7 @@ impl Registry {
             tracing::warn!(plugin = %name, file = %path.display(), "plugin file deleted; plugin removed");
             return Ok(Reloaded::Removed { name });
         }
-        let plugin = self.runtime.load(path).await?;
+        let plugin = self.runtime.load(path, &self.settings).await?;
         let name = plugin.info.name.clone();
         if let Some(active) = self.get(&name) {
             if active.path != plugin.path && active.path.exists() {
@@ -273,7 +273,10 @@ impl Runtime {
     /// Compiles and pre-instantiates one component, then asks it for its metadata. Compilation
     /// runs on a blocking thread so it never stalls the async runtime. Errors say in plain words
     /// what is wrong with the file.
-    pub async fn load(&self, path: &Path) -> anyhow::Result<Plugin> {
+    ///
+    /// Until the plugin's name, hence its limits, are known, for the metadata call, it gets no
+    /// grants and the largest memory limit any plugin has.
+    pub async fn load(&self, path: &Path, settings: &Settings) -> anyhow::Result<Plugin> {
         let bytes = tokio::fs::read(path).await.with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex::encode(Sha256::digest(&bytes));
         let engine = self.engine.clone();
@@ -294,13 +297,20 @@ impl Runtime {
             )
         })?;
         let label: Arc<str> = Arc::from(path.file_name().and_then(|n| n.to_str()).unwrap_or("plugin"));
-        let probe_limits =
-            PluginLimits { timeout: Duration::from_secs(10), memory: 256 << 20, instances: 1, max_calls: 1 };
+        let memory = settings.largest_plugin_memory();
+        let probe_limits = PluginLimits { timeout: Duration::from_secs(10), memory, instances: 1, max_calls: 1 };
         let mut store = self.store(label, &Sandbox::default(), &probe_limits, &[])?;
-        let instance = pre
-            .instantiate_async(&mut store)
-            .await
-            .map_err(|e| anyhow::anyhow!("{} cannot be instantiated: {}", path.display(), root_cause(&e)))?;
+        let instance = pre.instantiate_async(&mut store).await.map_err(|e| {
+            if store.data().limiter.hit {
+                anyhow::anyhow!(
+                    "{} cannot be instantiated: it exceeded the {} MiB memory limit",
+                    path.display(),
+                    memory >> 20
+                )
+            } else {
+                anyhow::anyhow!("{} cannot be instantiated: {}", path.display(), root_cause(&e))
+            }
+        })?;
         let info = instance
             .ferry_transport_transport()
             .call_metadata(&mut store)

@@ -1,7 +1,7 @@
 //! The wasmtime engine every plugin runs in: component model, epoch interruption driven by a
-//! ticker thread, the pooling allocator sized from the largest plugin memory cap (with a fallback
-//! to on-demand allocation), the on-disk code cache, and one linker with WASI, wasi:http and
-//! ferry's own imports.
+//! ticker thread, the pooling allocator sized from the configured routes and the largest plugin
+//! memory cap (with a fallback to on-demand allocation), the on-disk code cache, and one linker
+//! with WASI, wasi:http and ferry's own imports.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,8 +14,12 @@ use wasmtime::{
 
 use super::EPOCH_TICK;
 use super::bindings::TransportPlugin;
-use super::sandbox::{HostState, guard_file_access};
+use super::sandbox::{HostState, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES, guard_file_access};
 use crate::config::Settings;
+
+/// Instances the pool holds beyond every route's share: loading a plugin file makes one instance
+/// to ask for its metadata, and a reload one per route to check it; one at a time.
+const SPARE_INSTANCES: usize = 4;
 
 /// The engine, its linker, and the ticker that drives epoch interruption.
 pub struct Runtime {
@@ -62,11 +66,17 @@ impl Runtime {
         }
         let mut pooled = engine_config.clone();
         let mut pool = PoolingAllocationConfig::default();
-        pool.total_component_instances(256)
-            .total_core_instances(2048)
-            .total_memories(512)
-            .total_tables(512)
-            .total_stacks(256)
+        // Room for every route's instances at once, each as large as a component may be, so no
+        // plugin's instances can take the slots another plugin needs.
+        let instances = u32::try_from(settings.route_instances() + SPARE_INSTANCES).unwrap_or(u32::MAX);
+        pool.total_component_instances(instances)
+            .total_stacks(instances)
+            .total_core_instances(instances.saturating_mul(MAX_CORE_INSTANCES))
+            .total_memories(instances.saturating_mul(MAX_MEMORIES))
+            .total_tables(instances.saturating_mul(MAX_TABLES))
+            .max_core_instances_per_component(MAX_CORE_INSTANCES)
+            .max_memories_per_component(MAX_MEMORIES)
+            .max_tables_per_component(MAX_TABLES)
             .max_memory_size(largest_memory);
         // Reserve only what a plugin may use, so the pool's address space stays modest.
         pooled.allocation_strategy(InstanceAllocationStrategy::Pooling(pool)).memory_reservation(largest_memory as u64);

@@ -1,5 +1,6 @@
 //! The sandbox of one plugin instance: what its store carries (WASI and wasi:http state, the
-//! plugin's name for log lines) and what it enforces: the memory cap, the pre-opened directories
+//! plugin's name for log lines) and what it enforces: the memory cap over all its memories, the
+//! counts of core instances, memories and tables, the pre-opened directories
 //! (with refused paths logged), the TCP allowlist, the HTTP origin allowlist, and the host side of
 //! ferry's `logging` import.
 
@@ -23,24 +24,77 @@ use super::runtime::Runtime;
 use super::ticks;
 use crate::config::{PluginLimits, Sandbox, normalize_origin};
 
-/// Memory accounting for one instance: enforces the cap and remembers that it was hit, so a
-/// resulting trap can be reported as what it is.
+/// Core instances one plugin instance may hold. The bundled Python transport (componentize-py)
+/// needs 14, the JavaScript one 4, the Rust ones 3. Also the pool's per-component cap.
+pub(super) const MAX_CORE_INSTANCES: u32 = 32;
+/// Linear memories one plugin instance may hold. Every bundled plugin has one; components that
+/// carry the WASI preview-1 adapter have two. Also the pool's per-component cap.
+pub(super) const MAX_MEMORIES: u32 = 4;
+/// Tables one plugin instance may hold. Every bundled plugin has two. Also the pool's
+/// per-component cap.
+pub(super) const MAX_TABLES: u32 = 4;
+/// Table elements all tables of one instance may hold together (a pointer or two each). The
+/// JavaScript transport needs about 7 700, the Python one about 5 800.
+const MAX_TABLE_ELEMENTS: usize = 100_000;
+
+/// Resource accounting for one instance, over its whole store: the bytes of all its linear
+/// memories together, the elements of all its tables together, and (through the counts below)
+/// how many core instances, memories and tables it may create. Remembers that the memory cap was
+/// hit, so a resulting trap or failed instantiation can be reported as what it is.
 pub(super) struct Limiter {
     max_memory: usize,
+    /// Bytes held by all linear memories of the store.
+    memory: usize,
+    /// Elements held by all tables of the store.
+    table_elements: usize,
     pub(super) hit: bool,
 }
 
+impl Limiter {
+    pub(super) fn new(max_memory: usize) -> Self {
+        Self { max_memory, memory: 0, table_elements: 0, hit: false }
+    }
+}
+
 impl ResourceLimiter for Limiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        if desired > self.max_memory {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        // Growth past the memory's own maximum fails after this check anyway; it never happens,
+        // so it is not counted.
+        if maximum.is_some_and(|max| desired > max) {
+            return Ok(true);
+        }
+        // `current` was counted when this memory was created or last grew (creation reports 0).
+        let total = self.memory.saturating_sub(current).saturating_add(desired);
+        if total > self.max_memory {
             self.hit = true;
             return Ok(false);
         }
+        self.memory = total;
         Ok(true)
     }
 
-    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        Ok(desired <= 1_000_000)
+    fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if maximum.is_some_and(|max| desired > max) {
+            return Ok(true);
+        }
+        let total = self.table_elements.saturating_sub(current).saturating_add(desired);
+        if total > MAX_TABLE_ELEMENTS {
+            return Ok(false);
+        }
+        self.table_elements = total;
+        Ok(true)
+    }
+
+    fn instances(&self) -> usize {
+        MAX_CORE_INSTANCES as usize
+    }
+
+    fn memories(&self) -> usize {
+        MAX_MEMORIES as usize
+    }
+
+    fn tables(&self) -> usize {
+        MAX_TABLES as usize
     }
 }
 
@@ -168,7 +222,7 @@ impl Runtime {
             http: WasiHttpCtx::new(),
             http_policy: HttpPolicy { plugin: plugin.clone(), origins: sandbox.http.clone() },
             table: ResourceTable::new(),
-            limiter: Limiter { max_memory: limits.memory, hit: false },
+            limiter: Limiter::new(limits.memory),
             plugin,
         };
         let mut store = WasmStore::new(&self.engine, state);

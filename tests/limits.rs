@@ -1,7 +1,7 @@
-//! Resource limits as attacks: hostile components, written here in the WebAssembly text format,
-//! try to make the host allocate far more than a plugin's limits allow — many memories at once,
-//! every slot of the instance pool. Where memory matters, the tests measure the peak resident set
-//! of a real `ferry serve`.
+//! Resource limits as attacks: hostile components, written here in the WebAssembly text format
+//! or driven through the `scripted` plugin, try to make the host allocate far more than a plugin's
+//! limits allow — many memories at once, every slot of the instance pool, host-side wasi:http
+//! objects. Where memory matters, the tests measure the peak resident set of a real `ferry serve`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -287,4 +287,80 @@ async fn a_plugin_on_many_routes_leaves_the_instance_pool_to_the_others() {
     for row in &rows {
         assert_eq!(row.status, Status::Sent, "every route got an instance: {row:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_objects_a_plugin_makes_are_bounded() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_transport_log"]);
+    let out = db.dir.path().join("out");
+    // The origin is never contacted: the grant only links wasi:http for the plugin.
+    let served = Served::start(
+        &db,
+        &format!(
+            "{}[sandbox.scripted]\nhttp = [\"http://127.0.0.1:9\"]\n\
+             [sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.s]\nplugin = \"scripted\"\n\
+             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n",
+            plugins_table(&plugins)
+        ),
+    );
+    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
+    assert_eq!(attempted(&db, ok).await.status, Status::Sent);
+    let before = served.peak_rss_mib();
+
+    // 10 000 copies of 120 KiB of headers (within wasmtime's default limit of 128 KiB per
+    // `fields`), then 100 000 copies of 8 KiB (within its default of a million table entries):
+    // 1.2 GB and 800 MB on the host, for a few bytes each in the plugin.
+    for (headers, count, stopped_by) in
+        [("15", "10000", "total size of fields exceeds limit"), ("1", "100000", "resource table has no free keys")]
+    {
+        let hoard =
+            emit(&db, NewEvent::new("s", "fields", "{}").with_header("headers", headers).with_header("count", count))
+                .await;
+        let row = attempted(&db, hoard).await;
+        let after = served.peak_rss_mib();
+        assert_eq!(row.status, Status::Pending, "the plugin is stopped, and the event retried: {row:?}");
+        let error = row.last_error.unwrap();
+        assert!(error.starts_with("plugin trapped: ") && error.ends_with(stopped_by), "{error}");
+        assert!(after < before + 64, "ferry's peak RSS went from {before} MiB to {after} MiB");
+    }
+
+    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
+    assert_eq!(attempted(&db, ok).await.status, Status::Sent, "the host and other routes are fine");
+    assert!(served.log().contains("plugin=scripted"), "the fault is logged naming the plugin");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_without_an_http_grant_gets_no_wasi_http() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_transport_log"]);
+    let out = db.dir.path().join("out");
+    let s = Stepped::start(
+        db,
+        &format!(
+            "[plugins]\ndir = {plugins:?}\n[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.s]\nplugin = \"scripted\"\n\
+             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n"
+        ),
+    )
+    .await;
+    let rows = s
+        .deliver(&[
+            NewEvent::new("s", "fields", "{}").with_header("count", "10"),
+            NewEvent::new("s", "ok", "{}"),
+            NewEvent::new("ok", "e", "{}"),
+        ])
+        .await;
+    assert_eq!(rows[0].status, Status::Pending, "{:?}", rows[0]);
+    let error = rows[0].last_error.clone().unwrap();
+    assert!(
+        error.contains("plugin scripted called wasi:http/types@")
+            && error.contains("#[constructor]fields, but sandbox.scripted.http grants no origin"),
+        "{error}"
+    );
+    assert_eq!(rows[2].status, Status::Sent, "other routes keep flowing");
+    // The plugin itself still runs: without wasi:http calls it delivers.
+    let rows = s.deliver(&[NewEvent::new("s", "ok", "{}")]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
 }

@@ -7,11 +7,13 @@
 //! next call gets a fresh one. Nothing a plugin does can stop the host.
 //!
 //! One concern per file: `runtime.rs` (the engine: pooling with fallback, code cache, epoch
-//! ticker, linker), `sandbox.rs` (what an instance's store carries and enforces: memory, tables,
-//! instances, files, sockets, HTTP, logging), `registry.rs` (scan, load, validate and hot-swap
-//! plugin files) and `pool.rs` (per-route instance pools, delivery calls, conversion to and from
-//! the WIT types).
+//! ticker, linkers), `sandbox.rs` (what an instance's store carries and enforces: memory, tables,
+//! instances, host resources, files, sockets, HTTP, logging), `imports.rs` (what the linker
+//! shadows or withholds: file-access guards, wasi:http for plugins without an `http` grant),
+//! `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
+//! instance pools, delivery calls, conversion to and from the WIT types).
 
+mod imports;
 mod pool;
 mod registry;
 mod runtime;

@@ -10,9 +10,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
-use wasmtime::component::Component;
+use wasmtime::component::{Component, Linker};
 
 use super::bindings::TransportPluginPre;
+use super::imports::{deny_http, imports_http};
 use super::pool::Instance;
 use super::runtime::Runtime;
 use super::sandbox::HostState;
@@ -274,8 +275,10 @@ impl Runtime {
     /// runs on a blocking thread so it never stalls the async runtime. Errors say in plain words
     /// what is wrong with the file.
     ///
-    /// Until the plugin's name, hence its limits, are known, for the metadata call, it gets no
-    /// grants and the largest memory limit any plugin has.
+    /// The component is linked with wasi:http only if `settings` grant the plugin (by the name it
+    /// reports) an origin; otherwise its wasi:http imports trap when called. Until that name is
+    /// known, for the metadata call, it gets no wasi:http, no grants, and the largest memory
+    /// limit any plugin has.
     pub async fn load(&self, path: &Path, settings: &Settings) -> anyhow::Result<Plugin> {
         let bytes = tokio::fs::read(path).await.with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex::encode(Sha256::digest(&bytes));
@@ -286,16 +289,12 @@ impl Runtime {
         let exports = component.component_type();
         check_wit_version(exports.exports(&self.engine).map(|(name, _)| name))
             .map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?;
-        let pre = self.linker.instantiate_pre(&component).map_err(|e| {
-            anyhow::anyhow!("{} needs imports ferry does not provide: {}", path.display(), root_cause(&e))
-        })?;
-        let pre = TransportPluginPre::new(pre).map_err(|e| {
-            anyhow::anyhow!(
-                "{} does not export the ferry:transport world (wit/transport.wit): {}",
-                path.display(),
-                root_cause(&e)
-            )
-        })?;
+        let wants_http = imports_http(&component, &self.engine);
+        let mut without_http = self.linker_without_http.clone();
+        if wants_http {
+            deny_http(&mut without_http, &component, &self.engine).with_context(|| path.display().to_string())?;
+        }
+        let pre = self.pre_instantiate(&without_http, &component, path)?;
         let label: Arc<str> = Arc::from(path.file_name().and_then(|n| n.to_str()).unwrap_or("plugin"));
         let memory = settings.largest_plugin_memory();
         let probe_limits = PluginLimits { timeout: Duration::from_secs(10), memory, instances: 1, max_calls: 1 };
@@ -324,7 +323,31 @@ impl Runtime {
                 info.name
             );
         }
+        let pre = if wants_http && !settings.plugin(&info.name).sandbox.http.is_empty() {
+            self.pre_instantiate(&self.linker, &component, path)?
+        } else {
+            pre
+        };
         Ok(Plugin { info, path: path.to_path_buf(), hash, loaded_at: Utc::now(), pre })
+    }
+
+    /// `component` linked by `linker`, checked to export the transport world.
+    fn pre_instantiate(
+        &self,
+        linker: &Linker<HostState>,
+        component: &Component,
+        path: &Path,
+    ) -> anyhow::Result<TransportPluginPre<HostState>> {
+        let pre = linker.instantiate_pre(component).map_err(|e| {
+            anyhow::anyhow!("{} needs imports ferry does not provide: {}", path.display(), root_cause(&e))
+        })?;
+        TransportPluginPre::new(pre).map_err(|e| {
+            anyhow::anyhow!(
+                "{} does not export the ferry:transport world (wit/transport.wit): {}",
+                path.display(),
+                root_cause(&e)
+            )
+        })
     }
 }
 

@@ -1,7 +1,8 @@
 //! The wasmtime engine every plugin runs in: component model, epoch interruption driven by a
 //! ticker thread, the pooling allocator sized from the configured routes and the largest plugin
-//! memory cap (with a fallback to on-demand allocation), the on-disk code cache, and one linker
-//! with WASI, wasi:http and ferry's own imports.
+//! memory cap (with a fallback to on-demand allocation), the on-disk code cache, and two linkers
+//! with WASI and ferry's own imports: one with wasi:http, for plugins granted an origin, and one
+//! without.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,17 +15,22 @@ use wasmtime::{
 
 use super::EPOCH_TICK;
 use super::bindings::TransportPlugin;
-use super::sandbox::{HostState, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES, guard_file_access};
+use super::imports::guard_file_access;
+use super::sandbox::{HostState, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES};
 use crate::config::Settings;
 
 /// Instances the pool holds beyond every route's share: loading a plugin file makes one instance
 /// to ask for its metadata, and a reload one per route to check it; one at a time.
 const SPARE_INSTANCES: usize = 4;
 
-/// The engine, its linker, and the ticker that drives epoch interruption.
+/// The engine, its linkers, and the ticker that drives epoch interruption.
 pub struct Runtime {
     pub(super) engine: Engine,
+    /// WASI, wasi:http and ferry's imports: for plugins with an `http` grant.
     pub(super) linker: Linker<HostState>,
+    /// WASI and ferry's imports only; a plugin without an `http` grant gets wasi:http stubs that
+    /// trap (see `imports::deny_http`).
+    pub(super) linker_without_http: Linker<HostState>,
     ticker_stop: Arc<AtomicBool>,
     /// Whether instances come from the pooling allocator (false: allocated on demand).
     pub pooling: bool,
@@ -91,9 +97,10 @@ impl Runtime {
         };
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
-        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         guard_file_access(&mut linker)?;
         TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
+        let linker_without_http = linker.clone();
+        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let (stop, ticking) = (ticker_stop.clone(), engine.clone());
@@ -106,6 +113,6 @@ impl Runtime {
                 }
             })
             .context("starting the epoch ticker")?;
-        Ok(Self { engine, linker, ticker_stop, pooling })
+        Ok(Self { engine, linker, linker_without_http, ticker_stop, pooling })
     }
 }

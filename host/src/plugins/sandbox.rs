@@ -1,8 +1,9 @@
 //! The sandbox of one plugin instance: what its store carries (WASI and wasi:http state, the
 //! plugin's name for log lines) and what it enforces: the memory cap over all its memories, the
-//! counts of core instances, memories and tables, the pre-opened directories
-//! (with refused paths logged), the TCP allowlist, the HTTP origin allowlist, and the host side of
-//! ferry's `logging` import.
+//! counts of core instances, memories and tables, caps on the host objects it makes (resource-table
+//! entries, header fields, buffered body chunks), the pre-opened directories (refused when they
+//! are symbolic links), the TCP allowlist, the HTTP origin allowlist, and the host side of
+//! ferry's `logging` import. What the linker shadows or withholds is in `imports.rs`.
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -11,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use wasmtime::component::{Linker, ResourceTable};
+use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, Store as WasmStore};
 use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
@@ -36,6 +37,21 @@ pub(super) const MAX_TABLES: u32 = 4;
 /// Table elements all tables of one instance may hold together (a pointer or two each). The
 /// JavaScript transport needs about 7 700, the Python one about 5 800.
 const MAX_TABLE_ELEMENTS: usize = 100_000;
+/// Host memory one resource-table entry may stand for, at most: a wasi:http `fields` resource
+/// ([`FIELD_SIZE_LIMIT`]) or an outgoing body's buffered chunks (two of [`BODY_CHUNK_SIZE`]). An
+/// instance's table holds at most `memory / RESOURCE_BYTES` entries (and at least
+/// [`MIN_RESOURCES`]), so what the host keeps on a plugin's behalf stays within about its own
+/// memory limit.
+const RESOURCE_BYTES: usize = 64 << 10;
+/// Resource-table entries an instance may always have, whatever its memory limit: enough for
+/// stdio, pre-opened directories and a few connections.
+const MIN_RESOURCES: usize = 256;
+/// Bytes (roughly, in memory) one wasi:http `fields` resource may hold. Headers on the wire are
+/// rarely above 8 KiB; wasmtime's default of 128 KiB would let a plugin make the host hold
+/// 128 KiB per table entry.
+const FIELD_SIZE_LIMIT: usize = 16 << 10;
+/// The largest write to an outgoing wasi:http body the host buffers (wasmtime's default: 1 MiB).
+const BODY_CHUNK_SIZE: usize = 32 << 10;
 
 /// Resource accounting for one instance, over its whole store: the bytes of all its linear
 /// memories together, the elements of all its tables together, and (through the counts below)
@@ -106,7 +122,7 @@ pub struct HostState {
     http_policy: HttpPolicy,
     table: ResourceTable,
     pub(super) limiter: Limiter,
-    plugin: Arc<str>,
+    pub(super) plugin: Arc<str>,
 }
 
 impl WasiView for HostState {
@@ -129,6 +145,10 @@ struct HttpPolicy {
 }
 
 impl WasiHttpHooks for HttpPolicy {
+    fn p2_outgoing_body_chunk_size(&mut self) -> usize {
+        BODY_CHUNK_SIZE
+    }
+
     fn send_request(
         &mut self,
         request: http::Request<WasiBody>,
@@ -217,11 +237,15 @@ impl Runtime {
             }
             Box::pin(async move { ok })
         });
+        let mut http = WasiHttpCtx::new();
+        http.set_field_size_limit(FIELD_SIZE_LIMIT);
+        let mut table = ResourceTable::new();
+        table.set_max_capacity((limits.memory / RESOURCE_BYTES).max(MIN_RESOURCES));
         let state = HostState {
             wasi: wasi.build(),
-            http: WasiHttpCtx::new(),
+            http,
             http_policy: HttpPolicy { plugin: plugin.clone(), origins: sandbox.http.clone() },
-            table: ResourceTable::new(),
+            table,
             limiter: Limiter::new(limits.memory),
             plugin,
         };
@@ -262,87 +286,6 @@ fn refuse_symlinks(plugin: &str, guest: &str, host: &Path) -> anyhow::Result<()>
     Ok(())
 }
 
-/// The WASI version of `wasi:filesystem` that wasmtime-wasi links.
-const WASI_FILESYSTEM_TYPES: &str = "wasi:filesystem/types@0.2.12";
-
-/// Shadows three `wasi:filesystem` functions in the linker:
-///
-/// - `descriptor.open-at` calls wasmtime-wasi's own implementation and, when it refuses a path
-///   (one that climbs out of a granted directory), leaves a warning naming the plugin and the path.
-///   Paths outside every granted directory never reach the host: the guest's libc finds no
-///   directory to resolve them against and fails on its own.
-/// - `descriptor.symlink-at` refuses a link whose target is absolute or has a `..` component
-///   (see [`link_target_stays_inside`]): host tools such as log shippers and backups follow links,
-///   and must not be led out of the grant.
-/// - `descriptor.link-at` refuses every hard link: transports have no use for them, and a hard
-///   link keeps a file alive and reachable under a name the operator did not choose.
-///
-/// Refusals answer `not-permitted` and leave a warning naming the plugin and the target.
-pub(super) fn guard_file_access(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
-    use wasmtime::component::Resource;
-    use wasmtime_wasi::filesystem::WasiFilesystemView;
-    use wasmtime_wasi::p2::bindings::filesystem::types::{
-        Descriptor, DescriptorFlags, ErrorCode, Host as _, HostDescriptor as _, OpenFlags, PathFlags,
-    };
-    type OpenArgs = (Resource<Descriptor>, PathFlags, String, OpenFlags, DescriptorFlags);
-    type SymlinkArgs = (Resource<Descriptor>, String, String);
-    type LinkArgs = (Resource<Descriptor>, PathFlags, String, Resource<Descriptor>, String);
-    linker.allow_shadowing(true);
-    let mut types = linker.instance(WASI_FILESYSTEM_TYPES).map_err(anyhow::Error::from)?;
-    types
-        .func_wrap_async("[method]descriptor.open-at", |mut store, (fd, path_flags, path, oflags, flags): OpenArgs| {
-            Box::new(async move {
-                let state = store.data_mut();
-                let plugin = state.plugin.clone();
-                let mut fs = state.filesystem();
-                let opened = fs.open_at(fd, path_flags, path.clone(), oflags, flags).await;
-                let result: Result<Resource<Descriptor>, ErrorCode> = match opened {
-                    Ok(fd) => Ok(fd),
-                    Err(e) => Err(fs.convert_error_code(e)?),
-                };
-                if let Err(ErrorCode::NotPermitted | ErrorCode::Access) = &result {
-                    tracing::warn!(plugin = %plugin, path = %path, "plugin denied access to a path outside its directories");
-                }
-                Ok((result,))
-            })
-        })
-        .map_err(anyhow::Error::from)?;
-    types
-        .func_wrap_async("[method]descriptor.symlink-at", |mut store, (fd, target, link): SymlinkArgs| {
-            Box::new(async move {
-                let state = store.data_mut();
-                if !link_target_stays_inside(&target) {
-                    tracing::warn!(plugin = %state.plugin, target = %target, link = %link, "plugin denied a symbolic link to a target outside its directories");
-                    return Ok((Err(ErrorCode::NotPermitted),));
-                }
-                let mut fs = state.filesystem();
-                let result: Result<(), ErrorCode> = match fs.symlink_at(fd, target, link).await {
-                    Ok(()) => Ok(()),
-                    Err(e) => Err(fs.convert_error_code(e)?),
-                };
-                Ok((result,))
-            })
-        })
-        .map_err(anyhow::Error::from)?;
-    types
-        .func_wrap_async("[method]descriptor.link-at", |store, (_, _, target, _, link): LinkArgs| {
-            Box::new(async move {
-                tracing::warn!(plugin = %store.data().plugin, target = %target, link = %link, "plugin denied a hard link; plugins may not make them");
-                Ok((Err::<(), _>(ErrorCode::NotPermitted),))
-            })
-        })
-        .map_err(anyhow::Error::from)?;
-    linker.allow_shadowing(false);
-    Ok(())
-}
-
-/// Whether a symbolic link with this target, made anywhere inside a granted directory, resolves
-/// inside it: the target is relative and never climbs (`..`). A chain of such links stays inside
-/// too, since each step only descends.
-pub(super) fn link_target_stays_inside(target: &str) -> bool {
-    !target.starts_with('/') && !target.split('/').any(|part| part == "..")
-}
-
 /// Resolves `host:port` allowlist entries to addresses. An entry that does not resolve is logged
 /// and grants nothing.
 pub(super) fn resolve_allowlist(plugin: &str, entries: &[String]) -> Vec<SocketAddr> {
@@ -356,19 +299,4 @@ pub(super) fn resolve_allowlist(plugin: &str, entries: &[String]) -> Vec<SocketA
             }
         })
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn link_targets_must_stay_inside_the_grant() {
-        for inside in ["file.txt", "sub/file.txt", "./file", ".", "a/.../b", "..hidden", "sub/"] {
-            assert!(link_target_stays_inside(inside), "{inside}");
-        }
-        for outside in ["/etc/passwd", "/", "..", "../x", "../../etc/passwd", "sub/../../x", "sub/..", "a//../b"] {
-            assert!(!link_target_stays_inside(outside), "{outside}");
-        }
-    }
 }

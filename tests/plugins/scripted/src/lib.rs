@@ -21,6 +21,9 @@
 //!   header: success if it can, permanent failure with the error otherwise;
 //! - `hardlink` → makes a hard link at the `to` header's path to the file at `from`: success if
 //!   it can, permanent failure with the error otherwise;
+//! - `fields` → makes the host hold `count` (header) wasi:http header `fields`, each with
+//!   `headers` (header) values of 8 KiB, all kept alive; permanent failure with the number kept if
+//!   the host lets it finish (its limits should trap it first);
 //! - anything else → success.
 //!
 //! Config:
@@ -162,6 +165,10 @@ fn outcome(event: &Event) -> Outcome {
             Ok(()) => Outcome::Success,
             Err(e) => refused(format!("hardlink {} -> {}: {e}", header("to"), header("from"))),
         },
+        "fields" => {
+            let kept = hoard_fields(header("headers").parse().unwrap_or(0), header("count").parse().unwrap_or(0));
+            refused(format!("fields: kept {kept}"))
+        }
         "transient" => Outcome::Transient(failure("transient")),
         "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),
         "permanent" => Outcome::Permanent(failure("permanent")),
@@ -178,6 +185,23 @@ fn symlink(target: &str, link: &str) -> Result<(), String> {
         }
     }
     Err(format!("{link} is in no pre-opened directory"))
+}
+
+/// Makes the host hold `count` `fields` resources with `headers` values of 8 KiB each, copied
+/// from one buffer: it costs the plugin 8 KiB and a handle per `fields`, and the host the whole
+/// size. Returns how many it kept.
+fn hoard_fields(headers: usize, count: usize) -> usize {
+    use wasi::http::types::Fields;
+    let value = vec![b'x'; 8 << 10];
+    let mut kept = Vec::with_capacity(count);
+    for _ in 0..count {
+        let fields = Fields::new();
+        for i in 0..headers {
+            let _ = fields.append(&format!("x-pad-{i}"), &value);
+        }
+        kept.push(fields);
+    }
+    kept.len()
 }
 
 /// A plain wasi:http GET of `http://{authority}/`, returning the status code.

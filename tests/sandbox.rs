@@ -188,7 +188,8 @@ async fn a_plugin_sees_only_the_environment_it_is_given() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_pool_instances_are_allocated_on_demand() {
-    // No machine can reserve 512 slots of 4 TiB each: the pool cannot be created.
+    // A memory slot of 4 TiB, four per instance the pool holds: more address space than this
+    // machine has, so the pool cannot be created.
     let s = setup("").await;
     assert!(s.ferry.registry.runtime().pooling, "the pool is used when it can be");
     drop(s);

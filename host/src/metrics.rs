@@ -46,7 +46,7 @@ pub struct PluginLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FaultLabels {
     pub plugin: String,
-    /// `trap`, `timeout`, `out_of_memory` or `wrong_outcome_count`.
+    /// `trap`, `timeout`, `out_of_memory`, `wrong_outcome_count` or `not_instantiated`.
     pub kind: String,
 }
 

@@ -385,8 +385,9 @@ async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {
 }
 
 async fn plugins_check(config: &Config, file: &std::path::Path, json: bool) -> anyhow::Result<()> {
-    let runtime = Runtime::new(&config.settings()?)?.inspecting();
-    let plugin = runtime.load(file).await?;
+    let settings = config.settings()?;
+    let runtime = Runtime::new(&settings)?.inspecting();
+    let plugin = runtime.load(file, &settings).await?;
     let value = serde_json::json!({
         "file": file.display().to_string(),
         "name": plugin.info.name,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 mod env;
+mod grants;
 mod settings;
 mod units;
 
@@ -289,10 +290,8 @@ impl Config {
     pub fn load_with_env(path: &Path, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, ConfigError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        let mut config = Self::from_sources(&text, &path.display().to_string(), env)?;
         let base = path.parent().unwrap_or(Path::new(""));
-        config.resolve_paths(base);
-        Ok(config)
+        Self::parse(&text, &path.display().to_string(), env, Some(base))
     }
 
     /// Parses `text` over the defaults; `origin` names the source in errors.
@@ -311,15 +310,29 @@ impl Config {
         origin: &str,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Config, ConfigError> {
+        Self::parse(text, origin, env, None)
+    }
+
+    /// Parses and overlays the sources, makes relative paths absolute against `base` (the config
+    /// file's directory, if there is a file), then validates: the checks see the paths ferry uses.
+    fn parse(
+        text: &str,
+        origin: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+        base: Option<&Path>,
+    ) -> Result<Config, ConfigError> {
         let defaults: toml::Table = DEFAULT_TOML.parse().expect("ferry.default.toml parses");
         let mut merged = defaults.clone();
         let user: toml::Table =
             text.parse().map_err(|e: toml::de::Error| ConfigError::invalid(origin, e.to_string()))?;
         env::merge(&mut merged, user);
         env::overlay(&defaults, &mut merged, env)?;
-        let config: Config = toml::Value::Table(merged)
+        let mut config: Config = toml::Value::Table(merged)
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::invalid(origin, e.message().to_string()))?;
+        if let Some(base) = base {
+            config.resolve_paths(base);
+        }
         config.validate().map_err(|message| ConfigError::invalid(origin, message))?;
         Ok(config)
     }
@@ -415,6 +428,7 @@ impl Config {
                 }
             }
         }
+        grants::check_apart(self)?;
         Settings::resolve(self).map(drop)
     }
 
@@ -451,19 +465,24 @@ impl Config {
                 *dir = join(dir);
             }
         }
-        if let Some(rest) =
-            self.database.url.strip_prefix("sqlite://").or_else(|| self.database.url.strip_prefix("sqlite:"))
+        if let Some((path, query)) = sqlite_file(&self.database.url)
+            && Path::new(path).is_relative()
         {
-            let (path, query) = rest.split_once('?').map_or((rest, None), |(p, q)| (p, Some(q)));
-            if !path.is_empty() && path != ":memory:" && Path::new(path).is_relative() {
-                let full = join(Path::new(path));
-                self.database.url = match query {
-                    Some(q) => format!("sqlite://{}?{q}", full.display()),
-                    None => format!("sqlite://{}", full.display()),
-                };
-            }
+            let full = join(Path::new(path));
+            self.database.url = match query {
+                Some(q) => format!("sqlite://{}?{q}", full.display()),
+                None => format!("sqlite://{}", full.display()),
+            };
         }
     }
+}
+
+/// The file of a `sqlite:` database URL and the query after it; `None` for other databases and
+/// for in-memory ones.
+fn sqlite_file(url: &str) -> Option<(&str, Option<&str>)> {
+    let rest = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:"))?;
+    let (path, query) = rest.split_once('?').map_or((rest, None), |(p, q)| (p, Some(q)));
+    (!path.is_empty() && path != ":memory:").then_some((path, query))
 }
 
 #[cfg(test)]

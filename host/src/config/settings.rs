@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::grants::normalize_path;
 use super::units::normalize_origin;
 use super::{AfterFailure, BackoffKind, Config, JitterKind, PluginLimits, SandboxConfig};
 use crate::backoff::{Backoff, Jitter, RetryPolicy};
@@ -59,7 +60,7 @@ pub struct PluginSettings {
 /// A plugin's grants, resolved: everything not listed is denied.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Sandbox {
-    /// Guest path → host directory, pre-opened read-write.
+    /// Guest path → host directory (absolute, lexically normalized), pre-opened read-write.
     pub dirs: BTreeMap<String, PathBuf>,
     /// Environment variables the plugin sees.
     pub env: BTreeMap<String, String>,
@@ -77,7 +78,7 @@ impl Sandbox {
     fn resolve(config: &SandboxConfig) -> Result<Sandbox, String> {
         let http = config.http.iter().map(|o| normalize_origin(o)).collect::<Result<_, _>>()?;
         Ok(Sandbox {
-            dirs: config.dirs.clone(),
+            dirs: config.dirs.iter().map(|(guest, host)| (guest.clone(), normalize_path(host))).collect(),
             env: config.env.clone(),
             stdio: config.stdio,
             tcp: config.tcp.clone(),
@@ -136,6 +137,13 @@ impl Settings {
     /// The configured routes served by plugin `name`.
     pub fn routes_of(&self, plugin: &str) -> Vec<String> {
         self.routes.values().filter(|r| r.plugin == plugin).map(|r| r.name.clone()).collect()
+    }
+
+    /// How many plugin instances may be live at once for the configured routes: each route keeps
+    /// up to its plugin's `instances`. The instance pool is sized to hold them all, so no plugin's
+    /// instances can crowd out another's.
+    pub fn route_instances(&self) -> usize {
+        self.routes.values().map(|r| self.plugin(&r.plugin).limits.instances).sum()
     }
 
     /// The largest memory any plugin may use: what the instance pool must be sized for.

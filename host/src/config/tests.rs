@@ -252,3 +252,68 @@ fn the_container_config_is_valid_with_a_token_from_the_environment() {
         assert!(source == "." || root.join(source).exists(), "{line}: {source} is missing");
     }
 }
+
+#[test]
+fn granted_directories_must_not_overlap_each_other_or_ferrys_own_files() {
+    let base = "[database]\nurl = \"sqlite:///srv/ferry/ferry.db\"\n[plugins]\ndir = \"/srv/ferry/plugins\"\n\
+                cache_dir = \"/srv/ferry/cache\"\n[admin]\ntoken_file = \"/etc/ferry/token\"\n";
+    let load = |grants: &str| Config::from_toml_str(&format!("{base}{grants}"), "test.toml").map_err(|e| e.to_string());
+    // Side by side is fine, even with a common prefix that is not a whole component.
+    load("[sandbox.a]\ndirs = { \"/a\" = \"/srv/out/a\" }\n[sandbox.b]\ndirs = { \"/b\" = \"/srv/out/b\", \"/c\" = \"/srv/out/ab\" }")
+        .unwrap();
+
+    let nested =
+        load("[sandbox.a]\ndirs = { \"/a\" = \"/tmp/x\" }\n[sandbox.b]\ndirs = { \"/b\" = \"/tmp/y/../x/./inner\" }")
+            .unwrap_err();
+    assert!(
+        nested.contains(r#"sandbox.b.dirs."/b" (/tmp/x/inner) lies inside sandbox.a.dirs."/a" (/tmp/x)"#),
+        "both keys and the normalized paths are named: {nested}"
+    );
+    assert!(nested.contains("side by side"), "the message says how to fix it: {nested}");
+    let outer = load("[sandbox.a]\ndirs = { \"/a\" = \"/tmp/x/inner\" }\n[sandbox.b]\ndirs = { \"/b\" = \"/tmp/x\" }")
+        .unwrap_err();
+    assert!(outer.contains(r#"sandbox.b.dirs."/b" (/tmp/x) contains sandbox.a.dirs."/a" (/tmp/x/inner)"#), "{outer}");
+    let twice = load("[sandbox.a]\ndirs = { \"/a\" = \"/tmp/x\", \"/b\" = \"/tmp/x/\" }").unwrap_err();
+    assert!(twice.contains(r#"sandbox.a.dirs."/b" (/tmp/x) is the same path as sandbox.a.dirs."/a""#), "{twice}");
+
+    for (grant, key, path) in [
+        ("/srv/ferry", "plugins.dir", "/srv/ferry/plugins"),
+        ("/srv/ferry/plugins/drop", "plugins.dir", "/srv/ferry/plugins"),
+        ("/srv/ferry/cache", "plugins.cache_dir", "/srv/ferry/cache"),
+        ("/etc/ferry", "admin.token_file", "/etc/ferry/token"),
+    ] {
+        let e = load(&format!("[sandbox.log]\ndirs = {{ \"/out\" = {grant:?} }}")).unwrap_err();
+        assert!(
+            e.contains(&format!("sandbox.log.dirs.\"/out\" ({grant})")) && e.contains(&format!("{key} ({path})")),
+            "{e}"
+        );
+    }
+    let db = Config::from_toml_str(
+        "[database]\nurl = \"sqlite:///srv/db/ferry.db?mode=rwc\"\n[sandbox.log]\ndirs = { \"/out\" = \"/srv/db\" }",
+        "test.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(db.contains(r#"sandbox.log.dirs."/out" (/srv/db) contains database.url (/srv/db/ferry.db)"#), "{db}");
+    assert!(db.contains("outbox database"), "{db}");
+    // No cache, no check against it; PostgreSQL has no file to protect.
+    Config::from_toml_str(
+        "[database]\nurl = \"postgres://u@h/db\"\n[plugins]\ncache_dir = \"\"\n[sandbox.log]\ndirs = { \"/out\" = \"/srv/x\" }",
+        "test.toml",
+    )
+    .unwrap();
+}
+
+#[test]
+fn grants_are_compared_after_paths_follow_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("ferry.toml");
+    let db = dir.path().join("ferry.db");
+    std::fs::write(
+        &file,
+        format!("[database]\nurl = \"sqlite://{}\"\n[sandbox.log]\ndirs = {{ \"/out\" = \".\" }}", db.display()),
+    )
+    .unwrap();
+    let e = Config::load(&file).unwrap_err().to_string();
+    assert!(e.contains("ferry.toml") && e.contains("contains plugins.dir"), "relative paths are resolved first: {e}");
+}

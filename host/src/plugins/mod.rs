@@ -7,10 +7,13 @@
 //! next call gets a fresh one. Nothing a plugin does can stop the host.
 //!
 //! One concern per file: `runtime.rs` (the engine: pooling with fallback, code cache, epoch
-//! ticker, linker), `sandbox.rs` (what an instance's store carries and enforces: memory, files,
-//! sockets, HTTP, logging), `registry.rs` (scan, load, validate and hot-swap plugin files) and
-//! `pool.rs` (per-route instance pools, delivery calls, conversion to and from the WIT types).
+//! ticker, linkers), `sandbox.rs` (what an instance's store carries and enforces: memory, tables,
+//! instances, host resources, files, sockets, HTTP, logging), `imports.rs` (what the linker
+//! shadows or withholds: file-access guards, wasi:http for plugins without an `http` grant),
+//! `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
+//! instance pools, delivery calls, conversion to and from the WIT types).
 
+mod imports;
 mod pool;
 mod registry;
 mod runtime;
@@ -53,6 +56,10 @@ pub enum PluginFault {
     OutOfMemory(usize),
     #[error("plugin returned {got} outcomes for {expected} events")]
     WrongOutcomeCount { expected: usize, got: usize },
+    /// No instance could be made: the instance pool was full, or instantiating broke one of the
+    /// plugin's limits (core instances, memories, tables) or trapped.
+    #[error("plugin could not be instantiated: {0}")]
+    NotInstantiated(String),
 }
 
 /// Why a call could not be made or did not work.
@@ -71,8 +78,13 @@ pub(crate) fn ticks(timeout: Duration) -> u64 {
     (timeout.as_millis() / EPOCH_TICK.as_millis()).max(1) as u64 + 1
 }
 
-/// The innermost error message: the readable part of wasmtime's error chains.
+/// The readable part of a wasmtime error, on one line: its causes joined by ": ", without the
+/// wasm backtrace wasmtime adds to traps (whose header would otherwise be all that shows).
 pub(crate) fn root_cause(error: &wasmtime::Error) -> String {
-    let text = format!("{error:#}");
-    text.lines().next().unwrap_or_default().to_string()
+    let causes: Vec<String> = error
+        .chain()
+        .map(|cause| cause.to_string())
+        .filter(|cause| !cause.starts_with("error while executing at wasm backtrace"))
+        .collect();
+    causes.join(": ").lines().next().unwrap_or_default().to_string()
 }

@@ -27,6 +27,20 @@ pub(super) struct Instance {
     calls: u64,
 }
 
+/// Why no instance could be started for a route.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(super) enum StartError {
+    /// The route cannot use the plugin as things stand (it is not loaded, its sandbox cannot be
+    /// set up, or `init` rejects or traps on the route's config): its events fail with
+    /// `no_transport` until that is fixed.
+    #[error("{0}")]
+    Unusable(String),
+    /// A fault that may pass (the instance pool is full, a limit was hit while starting, `init`
+    /// timed out): its events are retried like after any other fault.
+    #[error(transparent)]
+    Fault(PluginFault),
+}
+
 impl Instance {
     /// Instantiates `plugin` for `route` and runs its `init` with the route's config.
     pub(super) async fn start(
@@ -34,38 +48,44 @@ impl Instance {
         plugin: &Plugin,
         route: &RouteSettings,
         grants: &PluginSettings,
-    ) -> Result<Instance, String> {
+    ) -> Result<Instance, StartError> {
         let name: Arc<str> = Arc::from(plugin.info.name.as_str());
         let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp);
-        let mut store = runtime.store(name, &grants.sandbox, &grants.limits, &tcp).map_err(|e| format!("{e:#}"))?;
-        let timeout = grants.limits.timeout;
+        let limits = &grants.limits;
+        let mut store =
+            runtime.store(name, &grants.sandbox, limits, &tcp).map_err(|e| StartError::Unusable(format!("{e:#}")))?;
+        let timeout = limits.timeout;
         // The epoch deadline (set on the store) stops wasm code; this timeout also covers a guest
         // parked in the host, so `init` can stall neither start-up nor a reload.
         let start = async {
-            let bindings = plugin
-                .pre
-                .instantiate_async(&mut store)
-                .await
-                .map_err(|e| format!("plugin {} cannot be instantiated: {}", plugin.info.name, root_cause(&e)))?;
+            let bindings = plugin.pre.instantiate_async(&mut store).await?;
             let init = bindings.ferry_transport_transport().call_init(&mut store, &route.plugin_config).await;
-            Ok::<_, String>((bindings, init))
+            wasmtime::Result::Ok((bindings, init))
         };
+        let stalled =
+            || StartError::Fault(PluginFault::NotInstantiated(format!("init did not finish within {timeout:?}")));
         let (bindings, init) = match tokio::time::timeout(timeout + EPOCH_TICK * 5, start).await {
-            Ok(started) => started?,
-            Err(_) => {
-                return Err(format!("plugin {} did not finish init within {timeout:?}", plugin.info.name));
+            Err(_elapsed) => return Err(stalled()),
+            Ok(Ok(started)) => started,
+            Ok(Err(_)) if store.data().limiter.hit => {
+                return Err(StartError::Fault(PluginFault::OutOfMemory(limits.memory)));
             }
+            Ok(Err(e)) => return Err(StartError::Fault(PluginFault::NotInstantiated(root_cause(&e)))),
         };
         match init {
             Ok(Ok(())) => Ok(Instance { store, bindings, hash: plugin.hash.clone(), calls: 0 }),
             Ok(Err(message)) => {
                 let message = crate::untrusted::clean(&message, crate::untrusted::MAX_REASON);
-                Err(format!("plugin {} rejected the config of route {}: {message}", plugin.info.name, route.name))
+                Err(StartError::Unusable(format!(
+                    "plugin {} rejected the config of route {}: {message}",
+                    plugin.info.name, route.name
+                )))
             }
-            Err(trap) if trap.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => {
-                Err(format!("plugin {} did not finish init within {timeout:?}", plugin.info.name))
+            Err(_) if store.data().limiter.hit => Err(StartError::Fault(PluginFault::OutOfMemory(limits.memory))),
+            Err(trap) if trap.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) => Err(stalled()),
+            Err(trap) => {
+                Err(StartError::Unusable(format!("plugin {} trapped in init: {}", plugin.info.name, root_cause(&trap))))
             }
-            Err(trap) => Err(format!("plugin {} trapped in init: {}", plugin.info.name, root_cause(&trap))),
         }
     }
 }
@@ -116,21 +136,21 @@ impl RouteTransport {
     /// Makes sure an instance can be started for this route now: the plugin is loaded and
     /// accepts the route's config. Keeps the instance for the first delivery.
     pub async fn warm_up(&self) -> Result<(), String> {
-        let instance = self.instance().await?;
+        let instance = self.instance().await.map_err(|e| e.to_string())?;
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(instance);
         Ok(())
     }
 
     /// An idle instance of the active version, or a new one.
-    async fn instance(&self) -> Result<Instance, String> {
+    async fn instance(&self) -> Result<Instance, StartError> {
         let Some(plugin) = self.registry.get(&self.route.plugin) else {
             let loaded = self.registry.names();
-            return Err(format!(
+            return Err(StartError::Unusable(format!(
                 "plugin {:?} of route {:?} is not loaded (loaded: {})",
                 self.route.plugin,
                 self.route.name,
                 if loaded.is_empty() { "none".to_string() } else { loaded.join(", ") }
-            ));
+            )));
         };
         let reusable = {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
@@ -147,21 +167,32 @@ impl RouteTransport {
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
     pub async fn deliver(&self, events: &[&ClaimedEvent]) -> Delivery {
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
-        let instance = match self.instance().await {
-            Ok(instance) => instance,
-            Err(why) => return Delivery { plugin_hash: None, result: Err(DeliverError::NoTransport(why)) },
+        let (plugin_hash, result) = match self.instance().await {
+            Ok(instance) => {
+                let plugin_hash = Some(instance.hash.clone());
+                let started = std::time::Instant::now();
+                let result = self.call(instance, events).await;
+                let labels = PluginLabels { plugin: self.route.plugin.clone() };
+                self.registry
+                    .metrics
+                    .plugin_call_duration
+                    .get_or_create(&labels)
+                    .observe(started.elapsed().as_secs_f64());
+                (plugin_hash, result)
+            }
+            Err(StartError::Unusable(why)) => (None, Err(DeliverError::NoTransport(why))),
+            Err(StartError::Fault(fault)) => {
+                tracing::warn!(plugin = %self.route.plugin, route = %self.route.name, "{fault}; retried later");
+                (None, Err(fault.into()))
+            }
         };
-        let plugin_hash = Some(instance.hash.clone());
-        let started = std::time::Instant::now();
-        let result = self.call(instance, events).await;
-        let labels = PluginLabels { plugin: self.route.plugin.clone() };
-        self.registry.metrics.plugin_call_duration.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
         if let Err(DeliverError::Fault(fault)) = &result {
             let kind = match fault {
                 PluginFault::Trapped(_) => "trap",
                 PluginFault::TimedOut(_) => "timeout",
                 PluginFault::OutOfMemory(_) => "out_of_memory",
                 PluginFault::WrongOutcomeCount { .. } => "wrong_outcome_count",
+                PluginFault::NotInstantiated(_) => "not_instantiated",
             };
             let labels = FaultLabels { plugin: self.route.plugin.clone(), kind: kind.to_string() };
             self.registry.metrics.plugin_faults.get_or_create(&labels).inc();

@@ -9,9 +9,10 @@ use std::sync::{Arc, Mutex, RwLock};
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
-use wasmtime::component::Component;
+use wasmtime::component::{Component, Linker};
 
 use super::bindings::TransportPluginPre;
+use super::imports::{deny_http, imports_http};
 use super::pool::Instance;
 use super::runtime::Runtime;
 use super::sandbox::HostState;
@@ -214,7 +215,7 @@ impl Registry {
             tracing::warn!(plugin = %name, file = %path.display(), "plugin file deleted; plugin removed");
             return Ok(Reloaded::Removed { name });
         }
-        let plugin = self.runtime.load(path).await?;
+        let plugin = self.runtime.load(path, &self.settings).await?;
         let name = plugin.info.name.clone();
         // Grants and route configs (secrets among them) go by plugin name. The name a component
         // reports is its own claim; the file name is the operator's: they must agree, so a file
@@ -277,7 +278,12 @@ impl Runtime {
     /// Compiles and pre-instantiates one component, then asks it for its metadata. Compilation
     /// runs on a blocking thread so it never stalls the async runtime. Errors say in plain words
     /// what is wrong with the file.
-    pub async fn load(&self, path: &Path) -> anyhow::Result<Plugin> {
+    ///
+    /// The component is linked with wasi:http only if `settings` grant the plugin (by the name it
+    /// reports) an origin; otherwise its wasi:http imports trap when called. Until that name is
+    /// known, for the metadata call, it gets no wasi:http, no grants, and the largest memory
+    /// limit any plugin has.
+    pub async fn load(&self, path: &Path, settings: &Settings) -> anyhow::Result<Plugin> {
         let (file, max) = (path.to_path_buf(), self.max_file_size);
         let bytes = tokio::task::spawn_blocking(move || read_plugin_file(&file, max))
             .await?
@@ -290,25 +296,29 @@ impl Runtime {
         let exports = component.component_type();
         check_wit_version(exports.exports(&self.engine).map(|(name, _)| name))
             .map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?;
-        let pre = self.linker.instantiate_pre(&component).map_err(|e| {
-            anyhow::anyhow!("{} needs imports ferry does not provide: {}", path.display(), root_cause(&e))
-        })?;
-        let pre = TransportPluginPre::new(pre).map_err(|e| {
-            anyhow::anyhow!(
-                "{} does not export the ferry:transport world (wit/transport.wit): {}",
-                path.display(),
-                root_cause(&e)
-            )
-        })?;
+        let wants_http = imports_http(&component, &self.engine);
+        let mut without_http = self.linker_without_http.clone();
+        if wants_http {
+            deny_http(&mut without_http, &component, &self.engine).with_context(|| path.display().to_string())?;
+        }
+        let pre = self.pre_instantiate(&without_http, &component, path)?;
         let label: Arc<str> = Arc::from(path.file_name().and_then(|n| n.to_str()).unwrap_or("plugin"));
-        let probe_limits = PluginLimits { timeout: self.load_timeout, memory: 256 << 20, instances: 1, max_calls: 1 };
+        let memory = settings.largest_plugin_memory();
+        let probe_limits = PluginLimits { timeout: self.load_timeout, memory, instances: 1, max_calls: 1 };
         let mut store = self.store(label, &Sandbox::default(), &probe_limits, &[])?;
         // The epoch deadline stops wasm code; this timeout also covers a guest parked in the host.
         let metadata = async {
-            let instance = pre
-                .instantiate_async(&mut store)
-                .await
-                .map_err(|e| anyhow::anyhow!("{} cannot be instantiated: {}", path.display(), root_cause(&e)))?;
+            let instance = pre.instantiate_async(&mut store).await.map_err(|e| {
+                if store.data().limiter.hit {
+                    anyhow::anyhow!(
+                        "{} cannot be instantiated: it exceeded the {} MiB memory limit",
+                        path.display(),
+                        memory >> 20
+                    )
+                } else {
+                    anyhow::anyhow!("{} cannot be instantiated: {}", path.display(), root_cause(&e))
+                }
+            })?;
             instance
                 .ferry_transport_transport()
                 .call_metadata(&mut store)
@@ -328,7 +338,31 @@ impl Runtime {
                 crate::untrusted::clean(&info.name, 64)
             );
         }
+        let pre = if wants_http && !settings.plugin(&info.name).sandbox.http.is_empty() {
+            self.pre_instantiate(&self.linker, &component, path)?
+        } else {
+            pre
+        };
         Ok(Plugin { info, path: path.to_path_buf(), hash, loaded_at: Utc::now(), pre })
+    }
+
+    /// `component` linked by `linker`, checked to export the transport world.
+    fn pre_instantiate(
+        &self,
+        linker: &Linker<HostState>,
+        component: &Component,
+        path: &Path,
+    ) -> anyhow::Result<TransportPluginPre<HostState>> {
+        let pre = linker.instantiate_pre(component).map_err(|e| {
+            anyhow::anyhow!("{} needs imports ferry does not provide: {}", path.display(), root_cause(&e))
+        })?;
+        TransportPluginPre::new(pre).map_err(|e| {
+            anyhow::anyhow!(
+                "{} does not export the ferry:transport world (wit/transport.wit): {}",
+                path.display(),
+                root_cause(&e)
+            )
+        })
     }
 }
 

@@ -1,7 +1,8 @@
 //! The wasmtime engine every plugin runs in: component model, epoch interruption driven by a
-//! ticker thread, the pooling allocator sized from the largest plugin memory cap (with a fallback
-//! to on-demand allocation), the on-disk code cache, and one linker with WASI, wasi:http and
-//! ferry's own imports.
+//! ticker thread, the pooling allocator sized from the configured routes and the largest plugin
+//! memory cap (with a fallback to on-demand allocation), the on-disk code cache, and two linkers
+//! with WASI and ferry's own imports: one with wasi:http, for plugins granted an origin, and one
+//! without.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,13 +15,22 @@ use wasmtime::{
 
 use super::EPOCH_TICK;
 use super::bindings::TransportPlugin;
-use super::sandbox::{HostState, log_denied_file_access};
+use super::imports::guard_file_access;
+use super::sandbox::{HostState, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES};
 use crate::config::Settings;
 
-/// The engine, its linker, and the ticker that drives epoch interruption.
+/// Instances the pool holds beyond every route's share: loading a plugin file makes one instance
+/// to ask for its metadata, and a reload one per route to check it; one at a time.
+const SPARE_INSTANCES: usize = 4;
+
+/// The engine, its linkers, and the ticker that drives epoch interruption.
 pub struct Runtime {
     pub(super) engine: Engine,
+    /// WASI, wasi:http and ferry's imports: for plugins with an `http` grant.
     pub(super) linker: Linker<HostState>,
+    /// WASI and ferry's imports only; a plugin without an `http` grant gets wasi:http stubs that
+    /// trap (see `imports::deny_http`).
+    pub(super) linker_without_http: Linker<HostState>,
     ticker_stop: Arc<AtomicBool>,
     /// Whether instances come from the pooling allocator (false: allocated on demand).
     pub pooling: bool,
@@ -68,11 +78,17 @@ impl Runtime {
         }
         let mut pooled = engine_config.clone();
         let mut pool = PoolingAllocationConfig::default();
-        pool.total_component_instances(256)
-            .total_core_instances(2048)
-            .total_memories(512)
-            .total_tables(512)
-            .total_stacks(256)
+        // Room for every route's instances at once, each as large as a component may be, so no
+        // plugin's instances can take the slots another plugin needs.
+        let instances = u32::try_from(settings.route_instances() + SPARE_INSTANCES).unwrap_or(u32::MAX);
+        pool.total_component_instances(instances)
+            .total_stacks(instances)
+            .total_core_instances(instances.saturating_mul(MAX_CORE_INSTANCES))
+            .total_memories(instances.saturating_mul(MAX_MEMORIES))
+            .total_tables(instances.saturating_mul(MAX_TABLES))
+            .max_core_instances_per_component(MAX_CORE_INSTANCES)
+            .max_memories_per_component(MAX_MEMORIES)
+            .max_tables_per_component(MAX_TABLES)
             .max_memory_size(largest_memory);
         // Reserve only what a plugin may use, so the pool's address space stays modest.
         pooled.allocation_strategy(InstanceAllocationStrategy::Pooling(pool)).memory_reservation(largest_memory as u64);
@@ -87,9 +103,10 @@ impl Runtime {
         };
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
-        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
-        log_denied_file_access(&mut linker)?;
+        guard_file_access(&mut linker)?;
         TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
+        let linker_without_http = linker.clone();
+        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let (stop, ticking) = (ticker_stop.clone(), engine.clone());
@@ -104,7 +121,16 @@ impl Runtime {
             .context("starting the epoch ticker")?;
         let max_file_size = config.plugins.max_file_size.0 as u64;
         let load_timeout = config.plugins.timeout.0;
-        Ok(Self { engine, linker, ticker_stop, pooling, max_file_size, create_dirs: true, load_timeout })
+        Ok(Self {
+            engine,
+            linker,
+            linker_without_http,
+            ticker_stop,
+            pooling,
+            max_file_size,
+            create_dirs: true,
+            load_timeout,
+        })
     }
 
     /// This runtime for commands that only inspect plugins: a missing granted directory is an

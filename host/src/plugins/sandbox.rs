@@ -1,15 +1,18 @@
 //! The sandbox of one plugin instance: what its store carries (WASI and wasi:http state, the
-//! plugin's name for log lines) and what it enforces: the memory cap, the pre-opened directories
-//! (with refused paths logged), the TCP allowlist, the HTTP origin allowlist, and the host side of
-//! ferry's `logging` import.
+//! plugin's name for log lines) and what it enforces: the memory cap over all its memories, the
+//! counts of core instances, memories and tables, caps on the host objects it makes (resource-table
+//! entries, header fields, buffered body chunks), the pre-opened directories (refused when they
+//! are symbolic links), the TCP allowlist, the HTTP origin allowlist, and the host side of
+//! ferry's `logging` import. What the linker shadows or withholds is in `imports.rs`.
 
 use std::collections::HashSet;
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use wasmtime::component::{Linker, ResourceTable};
+use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, Store as WasmStore};
 use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
@@ -22,24 +25,92 @@ use super::runtime::Runtime;
 use super::ticks;
 use crate::config::{PluginLimits, Sandbox, normalize_origin};
 
-/// Memory accounting for one instance: enforces the cap and remembers that it was hit, so a
-/// resulting trap can be reported as what it is.
+/// Core instances one plugin instance may hold. The bundled Python transport (componentize-py)
+/// needs 14, the JavaScript one 4, the Rust ones 3. Also the pool's per-component cap.
+pub(super) const MAX_CORE_INSTANCES: u32 = 32;
+/// Linear memories one plugin instance may hold. Every bundled plugin has one; components that
+/// carry the WASI preview-1 adapter have two. Also the pool's per-component cap.
+pub(super) const MAX_MEMORIES: u32 = 4;
+/// Tables one plugin instance may hold. Every bundled plugin has two. Also the pool's
+/// per-component cap.
+pub(super) const MAX_TABLES: u32 = 4;
+/// Table elements all tables of one instance may hold together (a pointer or two each). The
+/// JavaScript transport needs about 7 700, the Python one about 5 800.
+const MAX_TABLE_ELEMENTS: usize = 100_000;
+/// Host memory one resource-table entry may stand for, at most: a wasi:http `fields` resource
+/// ([`FIELD_SIZE_LIMIT`]) or an outgoing body's buffered chunks (two of [`BODY_CHUNK_SIZE`]). An
+/// instance's table holds at most `memory / RESOURCE_BYTES` entries (and at least
+/// [`MIN_RESOURCES`]), so what the host keeps on a plugin's behalf stays within about its own
+/// memory limit.
+const RESOURCE_BYTES: usize = 64 << 10;
+/// Resource-table entries an instance may always have, whatever its memory limit: enough for
+/// stdio, pre-opened directories and a few connections.
+const MIN_RESOURCES: usize = 256;
+/// Bytes (roughly, in memory) one wasi:http `fields` resource may hold. Headers on the wire are
+/// rarely above 8 KiB; wasmtime's default of 128 KiB would let a plugin make the host hold
+/// 128 KiB per table entry.
+const FIELD_SIZE_LIMIT: usize = 16 << 10;
+/// The largest write to an outgoing wasi:http body the host buffers (wasmtime's default: 1 MiB).
+const BODY_CHUNK_SIZE: usize = 32 << 10;
+
+/// Resource accounting for one instance, over its whole store: the bytes of all its linear
+/// memories together, the elements of all its tables together, and (through the counts below)
+/// how many core instances, memories and tables it may create. Remembers that the memory cap was
+/// hit, so a resulting trap or failed instantiation can be reported as what it is.
 pub(super) struct Limiter {
     max_memory: usize,
+    /// Bytes held by all linear memories of the store.
+    memory: usize,
+    /// Elements held by all tables of the store.
+    table_elements: usize,
     pub(super) hit: bool,
 }
 
+impl Limiter {
+    pub(super) fn new(max_memory: usize) -> Self {
+        Self { max_memory, memory: 0, table_elements: 0, hit: false }
+    }
+}
+
 impl ResourceLimiter for Limiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        if desired > self.max_memory {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        // Growth past the memory's own maximum fails after this check anyway; it never happens,
+        // so it is not counted.
+        if maximum.is_some_and(|max| desired > max) {
+            return Ok(true);
+        }
+        // `current` was counted when this memory was created or last grew (creation reports 0).
+        let total = self.memory.saturating_sub(current).saturating_add(desired);
+        if total > self.max_memory {
             self.hit = true;
             return Ok(false);
         }
+        self.memory = total;
         Ok(true)
     }
 
-    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
-        Ok(desired <= 1_000_000)
+    fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if maximum.is_some_and(|max| desired > max) {
+            return Ok(true);
+        }
+        let total = self.table_elements.saturating_sub(current).saturating_add(desired);
+        if total > MAX_TABLE_ELEMENTS {
+            return Ok(false);
+        }
+        self.table_elements = total;
+        Ok(true)
+    }
+
+    fn instances(&self) -> usize {
+        MAX_CORE_INSTANCES as usize
+    }
+
+    fn memories(&self) -> usize {
+        MAX_MEMORIES as usize
+    }
+
+    fn tables(&self) -> usize {
+        MAX_TABLES as usize
     }
 }
 
@@ -51,7 +122,7 @@ pub struct HostState {
     http_policy: HttpPolicy,
     table: ResourceTable,
     pub(super) limiter: Limiter,
-    plugin: Arc<str>,
+    pub(super) plugin: Arc<str>,
 }
 
 impl WasiView for HostState {
@@ -74,6 +145,10 @@ struct HttpPolicy {
 }
 
 impl WasiHttpHooks for HttpPolicy {
+    fn p2_outgoing_body_chunk_size(&mut self) -> usize {
+        BODY_CHUNK_SIZE
+    }
+
     fn send_request(
         &mut self,
         request: http::Request<WasiBody>,
@@ -137,6 +212,8 @@ impl Runtime {
             wasi.env(name, value);
         }
         for (guest, host) in &sandbox.dirs {
+            // Creating the directory would follow a link as well, so look before and after.
+            refuse_symlinks(&plugin, guest, host)?;
             if !host.is_dir() {
                 anyhow::ensure!(
                     self.create_dirs,
@@ -147,6 +224,7 @@ impl Runtime {
                     .with_context(|| format!("creating {} for plugin {plugin}", host.display()))?;
                 tracing::info!(plugin = %plugin, dir = %host.display(), "created the directory granted to the plugin");
             }
+            refuse_symlinks(&plugin, guest, host)?;
             wasi.preopened_dir(host, guest, FsPerms::ReadWrite)
                 .map_err(anyhow::Error::from)
                 .with_context(|| format!("granting {} to plugin {plugin} as {guest}", host.display()))?;
@@ -168,12 +246,16 @@ impl Runtime {
             }
             Box::pin(async move { ok })
         });
+        let mut http = WasiHttpCtx::new();
+        http.set_field_size_limit(FIELD_SIZE_LIMIT);
+        let mut table = ResourceTable::new();
+        table.set_max_capacity((limits.memory / RESOURCE_BYTES).max(MIN_RESOURCES));
         let state = HostState {
             wasi: wasi.build(),
-            http: WasiHttpCtx::new(),
+            http,
             http_policy: HttpPolicy { plugin: plugin.clone(), origins: sandbox.http.clone() },
-            table: ResourceTable::new(),
-            limiter: Limiter { max_memory: limits.memory, hit: false },
+            table,
+            limiter: Limiter::new(limits.memory),
             plugin,
         };
         let mut store = WasmStore::new(&self.engine, state);
@@ -184,41 +266,32 @@ impl Runtime {
     }
 }
 
-/// The WASI version of `wasi:filesystem` that wasmtime-wasi links.
-const WASI_FILESYSTEM_TYPES: &str = "wasi:filesystem/types@0.2.12";
-
-/// Replaces `descriptor.open-at` with a wrapper that calls wasmtime-wasi's own implementation and,
-/// when it refuses a path (one that climbs out of a granted directory), leaves a warning naming
-/// the plugin and the path. Paths outside every granted directory never reach the host: the
-/// guest's libc finds no directory to resolve them against and fails on its own.
-pub(super) fn log_denied_file_access(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
-    use wasmtime::component::Resource;
-    use wasmtime_wasi::filesystem::WasiFilesystemView;
-    use wasmtime_wasi::p2::bindings::filesystem::types::{
-        Descriptor, DescriptorFlags, ErrorCode, Host as _, HostDescriptor as _, OpenFlags, PathFlags,
-    };
-    type Args = (Resource<Descriptor>, PathFlags, String, OpenFlags, DescriptorFlags);
-    linker.allow_shadowing(true);
-    let mut types = linker.instance(WASI_FILESYSTEM_TYPES).map_err(anyhow::Error::from)?;
-    types
-        .func_wrap_async("[method]descriptor.open-at", |mut store, (fd, path_flags, path, oflags, flags): Args| {
-            Box::new(async move {
-                let state = store.data_mut();
-                let plugin = state.plugin.clone();
-                let mut fs = state.filesystem();
-                let opened = fs.open_at(fd, path_flags, path.clone(), oflags, flags).await;
-                let result: Result<Resource<Descriptor>, ErrorCode> = match opened {
-                    Ok(fd) => Ok(fd),
-                    Err(e) => Err(fs.convert_error_code(e)?),
-                };
-                if let Err(ErrorCode::NotPermitted | ErrorCode::Access) = &result {
-                    tracing::warn!(plugin = %plugin, path = %path, "plugin denied access to a path outside its directories");
-                }
-                Ok((result,))
-            })
-        })
-        .map_err(anyhow::Error::from)?;
-    linker.allow_shadowing(false);
+/// Refuses a granted directory that is, or lies under, a symbolic link: pre-opening it would
+/// follow the link to wherever it points, outside every grant. `host` is absolute and normalized
+/// (see `Sandbox`), so each of its ancestors is a real path component; the walk stops at the
+/// first one that does not exist yet.
+fn refuse_symlinks(plugin: &str, guest: &str, host: &Path) -> anyhow::Result<()> {
+    let mut ancestors: Vec<&Path> = host.ancestors().collect();
+    ancestors.reverse();
+    for path in ancestors {
+        match std::fs::symlink_metadata(path) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target = std::fs::read_link(path).map(|t| t.display().to_string()).unwrap_or_default();
+                let under = if path == host { String::new() } else { format!("lies under {}, which ", path.display()) };
+                anyhow::bail!(
+                    "plugin {plugin}: granted directory {} (sandbox.{plugin}.dirs.{guest:?}) {under}is a symbolic link \
+                     to {target:?}; grant the real directory, with no symbolic link on its path",
+                    host.display()
+                );
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+            Err(e) => {
+                return Err(e)
+                    .with_context(|| format!("plugin {plugin}: checking granted directory {}", path.display()));
+            }
+        }
+    }
     Ok(())
 }
 

@@ -21,6 +21,13 @@
 //!   starting with a newline and a forged log line, to test that reasons are bounded and escaped;
 //! - `log` → logs the `message` header through ferry's logging import `times` times (default 1),
 //!   then succeeds, to test that plugin log lines are bounded and cannot forge lines;
+//! - `symlink` → makes a symbolic link at the `link` header's path pointing to the `target`
+//!   header: success if it can, permanent failure with the error otherwise;
+//! - `hardlink` → makes a hard link at the `to` header's path to the file at `from`: success if
+//!   it can, permanent failure with the error otherwise;
+//! - `fields` → makes the host hold `count` (header) wasi:http header `fields`, each with
+//!   `headers` (header) values of 8 KiB, all kept alive; permanent failure with the number kept if
+//!   the host lets it finish (its limits should trap it first);
 //! - anything else → success.
 //!
 //! Config:
@@ -173,11 +180,51 @@ fn outcome(event: &Event) -> Outcome {
             }
             Outcome::Success
         }
+        "symlink" => match symlink(&header("target"), &header("link")) {
+            Ok(()) => Outcome::Success,
+            Err(e) => refused(format!("symlink {} -> {}: {e}", header("link"), header("target"))),
+        },
+        "hardlink" => match std::fs::hard_link(header("from"), header("to")) {
+            Ok(()) => Outcome::Success,
+            Err(e) => refused(format!("hardlink {} -> {}: {e}", header("to"), header("from"))),
+        },
+        "fields" => {
+            let kept = hoard_fields(header("headers").parse().unwrap_or(0), header("count").parse().unwrap_or(0));
+            refused(format!("fields: kept {kept}"))
+        }
         "transient" => Outcome::Transient(failure("transient")),
         "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),
         "permanent" => Outcome::Permanent(failure("permanent")),
         _ => Outcome::Success,
     }
+}
+
+/// Makes a symbolic link at `link` (a path inside a pre-opened directory) pointing to `target`,
+/// through wasi:filesystem itself: std has no stable way to make one on WASI.
+fn symlink(target: &str, link: &str) -> Result<(), String> {
+    for (dir, guest) in wasi::filesystem::preopens::get_directories() {
+        if let Some(inside) = link.strip_prefix(guest.as_str()).and_then(|rest| rest.strip_prefix('/')) {
+            return dir.symlink_at(target, inside).map_err(|e| e.name().to_string());
+        }
+    }
+    Err(format!("{link} is in no pre-opened directory"))
+}
+
+/// Makes the host hold `count` `fields` resources with `headers` values of 8 KiB each, copied
+/// from one buffer: it costs the plugin 8 KiB and a handle per `fields`, and the host the whole
+/// size. Returns how many it kept.
+fn hoard_fields(headers: usize, count: usize) -> usize {
+    use wasi::http::types::Fields;
+    let value = vec![b'x'; 8 << 10];
+    let mut kept = Vec::with_capacity(count);
+    for _ in 0..count {
+        let fields = Fields::new();
+        for i in 0..headers {
+            let _ = fields.append(&format!("x-pad-{i}"), &value);
+        }
+        kept.push(fields);
+    }
+    kept.len()
 }
 
 /// A plain wasi:http GET of `http://{authority}/`, returning the status code.

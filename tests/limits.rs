@@ -1,0 +1,366 @@
+//! Resource limits as attacks: hostile components, written here in the WebAssembly text format
+//! or driven through the `scripted` plugin, try to make the host allocate far more than a plugin's
+//! limits allow — many memories at once, every slot of the instance pool, host-side wasi:http
+//! objects. Where memory matters, the tests measure the peak resident set of a real `ferry serve`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ferry::NewEvent;
+use ferry::clock::Clock as _;
+use ferry::event::{EventRecord, Status};
+
+use crate::common::{Backend, Stepped, TestDb, eventually, plugins_dir, spawn_serve, target_dir};
+
+/// A transport component reporting the name `name`, whose `deliver-batch` answers success for
+/// every event, and which also holds `hogs` core instances, each with a linear memory of its own
+/// that its start function grows by `grow_mib` MiB and fills (trapping if the growth is refused),
+/// and `idle` core instances of an empty module.
+fn hostile(name: &str, hogs: usize, grow_mib: u32, idle: usize) -> Vec<u8> {
+    let mut text = String::from("(component\n");
+    text.push_str(&format!(
+        "(core module $hog (memory 1)
+           (func $start
+             (if (i32.eq (memory.grow (i32.const {pages})) (i32.const -1)) (then unreachable))
+             (memory.fill (i32.const 0) (i32.const 1) (i32.const {bytes})))
+           (start $start))
+         (core module $idle)\n",
+        pages = grow_mib * 16,
+        bytes = grow_mib << 20,
+    ));
+    text.push_str(&"(core instance (instantiate $hog))\n".repeat(hogs));
+    text.push_str(&"(core instance (instantiate $idle))\n".repeat(idle));
+    text.push_str(&TRANSPORT.replace("NAME_LEN", &format!("\\{:02x}", name.len())).replace("NAME", name));
+    text.push(')');
+    wat::parse_str(&text).expect("the hostile component is valid")
+}
+
+/// The `ferry:transport/transport` export in the text format: a core module with one page of
+/// memory (plugin-info at 0, the name at 16, the version at 48, init's result at 64,
+/// deliver-batch's list at 80, outcomes from 32768, a bump allocator from 1024), its functions
+/// lifted, and a nested component that exports them with named types, as wit-component does.
+const TRANSPORT: &str = r#"
+  (core module $main
+    (memory (export "memory") 1)
+    (global $next (mut i32) (i32.const 1024))
+    (func (export "realloc") (param i32 i32 i32 i32) (result i32)
+      (local $at i32)
+      (local.set $at (i32.and (i32.add (global.get $next) (i32.const 7)) (i32.const -8)))
+      (global.set $next (i32.add (local.get $at) (local.get 3)))
+      (local.get $at))
+    (data (i32.const 0) "\10\00\00\00NAME_LEN\00\00\00\30\00\00\00\05\00\00\00")
+    (data (i32.const 16) "NAME")
+    (data (i32.const 48) "0.1.0")
+    (func (export "metadata") (result i32) (i32.const 0))
+    (func (export "init") (param i32 i32) (result i32)
+      (global.set $next (i32.const 1024))
+      (i32.const 64))
+    (func (export "deliver-batch") (param i32 i32) (result i32)
+      (global.set $next (i32.const 1024))
+      (i32.store (i32.const 80) (i32.const 32768))
+      (i32.store (i32.const 84) (local.get 1))
+      (i32.const 80)))
+  (core instance $m (instantiate $main))
+  (type $failure (record (field "reason" string) (field "retry-after-ms" (option u64))))
+  (type $event (record
+    (field "id" u64) (field "event-type" string) (field "route" string)
+    (field "ordering-key" (option string)) (field "payload" (list u8))
+    (field "content-type" string) (field "headers" (list (tuple string string)))
+    (field "attempt" u32) (field "event-time" s64)))
+  (type $outcome (variant (case "success") (case "transient" $failure) (case "permanent" $failure)))
+  (type $plugin-info (record (field "name" string) (field "version" string)))
+  (func $metadata (result $plugin-info)
+    (canon lift (core func $m "metadata") (memory $m "memory") (realloc (func $m "realloc"))))
+  (func $init (param "config" (list (tuple string string))) (result (result (error string)))
+    (canon lift (core func $m "init") (memory $m "memory") (realloc (func $m "realloc"))))
+  (func $deliver (param "events" (list $event)) (result (list $outcome))
+    (canon lift (core func $m "deliver-batch") (memory $m "memory") (realloc (func $m "realloc"))))
+  (component $wrap
+    (type $failure-t (record (field "reason" string) (field "retry-after-ms" (option u64))))
+    (import "import-type-failure" (type $failure-i (eq $failure-t)))
+    (type $event-t (record
+      (field "id" u64) (field "event-type" string) (field "route" string)
+      (field "ordering-key" (option string)) (field "payload" (list u8))
+      (field "content-type" string) (field "headers" (list (tuple string string)))
+      (field "attempt" u32) (field "event-time" s64)))
+    (import "import-type-event" (type $event-i (eq $event-t)))
+    (type $outcome-t (variant (case "success") (case "transient" $failure-i) (case "permanent" $failure-i)))
+    (import "import-type-outcome" (type $outcome-i (eq $outcome-t)))
+    (type $info-t (record (field "name" string) (field "version" string)))
+    (import "import-type-plugin-info" (type $info-i (eq $info-t)))
+    (import "import-func-metadata" (func $metadata (result $info-i)))
+    (import "import-func-init"
+      (func $init (param "config" (list (tuple string string))) (result (result (error string)))))
+    (import "import-func-deliver-batch"
+      (func $deliver (param "events" (list $event-i)) (result (list $outcome-i))))
+    (export $failure "failure" (type $failure-t))
+    (export $event "event" (type $event-t))
+    (type $outcome-e (variant (case "success") (case "transient" $failure) (case "permanent" $failure)))
+    (export $outcome "outcome" (type $outcome-e))
+    (export $info "plugin-info" (type $info-t))
+    (export "metadata" (func $metadata) (func (result $info)))
+    (export "init" (func $init)
+      (func (param "config" (list (tuple string string))) (result (result (error string)))))
+    (export "deliver-batch" (func $deliver) (func (param "events" (list $event)) (result (list $outcome)))))
+  (instance $transport (instantiate $wrap
+    (with "import-type-failure" (type $failure))
+    (with "import-type-event" (type $event))
+    (with "import-type-outcome" (type $outcome))
+    (with "import-type-plugin-info" (type $plugin-info))
+    (with "import-func-metadata" (func $metadata))
+    (with "import-func-init" (func $init))
+    (with "import-func-deliver-batch" (func $deliver))))
+  (export "ferry:transport/transport@0.1.0" (instance $transport))
+"#;
+
+/// The peak resident set of process `pid` so far, in MiB.
+fn peak_rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc/PID/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kib >> 10
+}
+
+/// A `ferry serve` process of a test, killed when dropped.
+struct Served {
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Served {
+    /// Starts `ferry serve` on `db` with `config` (TOML after the database and relay sections).
+    fn start(db: &TestDb, config: &str) -> Served {
+        let path = db.dir.path().join("ferry.toml");
+        let text = format!(
+            "[database]\nurl = {:?}\n[relay]\npoll_interval = \"20ms\"\nidle_poll_max = \"50ms\"\n{config}",
+            db.url
+        );
+        std::fs::write(&path, text).unwrap();
+        let log = db.dir.path().join("serve.log");
+        Served { child: spawn_serve(&path, &log), log }
+    }
+
+    fn peak_rss_mib(&self) -> u64 {
+        peak_rss_mib(self.child.id())
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `[plugins]` table of a test: `dir`, and the compiled-code cache the tests share.
+fn plugins_table(dir: &Path) -> String {
+    format!("[plugins]\ndir = {dir:?}\ncache_dir = {:?}\n", target_dir().join("test-plugin-cache"))
+}
+
+/// Waits until event `id` has been attempted, and returns its row.
+async fn attempted(db: &TestDb, id: i64) -> EventRecord {
+    eventually(Duration::from_secs(60), &format!("event {id} attempted"), || async {
+        db.store.get(id).await.unwrap().filter(|row| row.attempts > 0 && row.status != Status::Processing)
+    })
+    .await
+}
+
+async fn emit(db: &TestDb, event: NewEvent) -> i64 {
+    db.store.insert(&event, ferry::clock::SystemClock.now()).await.unwrap()
+}
+
+/// Runs `ferry serve` with the log plugin on route `ok` and `files` (name, component) in its
+/// plugins directory, routes `w` and `m` naming plugins `wide` and `many`, and `[sandbox.wide]`
+/// allowed 128 MiB; delivers one event on each route, and returns the process's peak RSS, its
+/// log and the rows.
+async fn serve_with(files: &[(&str, Vec<u8>)]) -> (u64, String, Vec<EventRecord>) {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
+    for (name, bytes) in files {
+        std::fs::write(plugins.join(name), bytes).unwrap();
+    }
+    let out = db.dir.path().join("out");
+    let served = Served::start(
+        &db,
+        &format!(
+            "{}[sandbox.wide]\nmemory = \"128MiB\"\n\
+             [sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n\
+             [route.w]\nplugin = \"wide\"\n[route.m]\nplugin = \"many\"\n",
+            plugins_table(&plugins)
+        ),
+    );
+    let mut rows = Vec::new();
+    for route in ["ok", "w", "m"] {
+        let id = emit(&db, NewEvent::new(route, "e", "{}")).await;
+        rows.push(attempted(&db, id).await);
+    }
+    (served.peak_rss_mib(), served.log(), rows)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_memories_of_an_instance_count_against_its_one_limit() {
+    let (baseline, _, rows) = serve_with(&[]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+    // `wide` has four memories, as many as a component may have, and grows three of them by
+    // 120 MiB each: 360 MiB under a 128 MiB limit if each memory were checked on its own. `many`
+    // has 32 memories, 31 of them grown by 60 MiB: 1.8 GB if nothing counted them.
+    let (peak, log, rows) =
+        serve_with(&[("wide.wasm", hostile("wide", 3, 120, 0)), ("many.wasm", hostile("many", 31, 60, 0))]).await;
+    assert_eq!(rows[0].status, Status::Sent, "other routes keep flowing: {:?}", rows[0].last_error);
+    assert!(log.contains("wide.wasm cannot be instantiated: it exceeded the 128 MiB memory limit"), "{log}");
+    assert!(
+        log.contains(
+            "many.wasm is not a valid wasm component: The component transitively contains 32 Wasm linear memories"
+        ) || log.contains("many.wasm cannot be instantiated"),
+        "the pool refuses more memories than a component may have: {log}"
+    );
+    for row in &rows[1..] {
+        assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("no_transport"), "not loaded: {row:?}");
+    }
+    assert!(
+        peak < baseline + 128 + 48,
+        "ferry's peak RSS was {peak} MiB with the hostile plugins, {baseline} MiB without"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_over_its_limit_is_a_transient_fault() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
+    // Two memories of 40 MiB: each below the 64 MiB limit, together above it.
+    std::fs::write(plugins.join("split.wasm"), hostile("split", 2, 40, 0)).unwrap();
+    let out = db.dir.path().join("out");
+    // A roomier plugin makes the metadata probe's limit 128 MiB, so `split` loads, and fails
+    // only when an instance is made for its route under its own limit.
+    let s = Stepped::start(
+        db,
+        &format!(
+            "[plugins]\ndir = {plugins:?}\n[sandbox.roomy]\nmemory = \"128MiB\"\n\
+             [sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.h]\nplugin = \"split\"\n[route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n"
+        ),
+    )
+    .await;
+    assert_eq!(s.ferry.registry.names(), ["log", "split"]);
+    let rows = s.deliver(&[NewEvent::new("h", "e", "{}"), NewEvent::new("ok", "e", "{}")]).await;
+    assert_eq!((rows[0].status, rows[0].attempts), (Status::Pending, 1), "retried later: {:?}", rows[0]);
+    assert_eq!(rows[0].last_error.as_deref(), Some("plugin exceeded its 64 MiB memory limit"));
+    assert_eq!(rows[1].status, Status::Sent, "other routes keep flowing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_on_many_routes_leaves_the_instance_pool_to_the_others() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
+    // 32 core instances, as many as a component may have; on 70 routes, with an instance each,
+    // 2240: more than a pool of 2048 core instances shared by all would hold.
+    std::fs::write(plugins.join("crowd.wasm"), hostile("crowd", 0, 0, 31)).unwrap();
+    std::fs::write(plugins.join("big.wasm"), hostile("big", 0, 0, 99)).unwrap();
+    let out = db.dir.path().join("out");
+    let mut config = format!(
+        "[plugins]\ndir = {plugins:?}\n[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+         [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n"
+    );
+    for n in 0..70 {
+        config.push_str(&format!("[route.c{n:02}]\nplugin = \"crowd\"\n"));
+    }
+    let s = Stepped::start(db, &config).await;
+    assert!(s.ferry.registry.runtime().pooling, "the pooling allocator is available on this machine");
+    let (_, errors) = s.ferry.registry.status();
+    let big = errors.iter().find(|(file, _)| file.ends_with("big.wasm")).map(|(_, e)| e.as_str()).unwrap_or_default();
+    assert!(
+        big.contains("100 core module instances, which exceeds the configured maximum of 32"),
+        "a component with more core instances than allowed is refused: {big}"
+    );
+
+    let mut events: Vec<NewEvent> = (0..70).map(|n| NewEvent::new(format!("c{n:02}"), "e", "{}")).collect();
+    events.push(NewEvent::new("ok", "e", "{}"));
+    let rows = s.deliver(&events).await;
+    for row in &rows {
+        assert_eq!(row.status, Status::Sent, "every route got an instance: {row:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_objects_a_plugin_makes_are_bounded() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_transport_log"]);
+    let out = db.dir.path().join("out");
+    // The origin is never contacted: the grant only links wasi:http for the plugin.
+    let served = Served::start(
+        &db,
+        &format!(
+            "{}[sandbox.scripted]\nhttp = [\"http://127.0.0.1:9\"]\n\
+             [sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.s]\nplugin = \"scripted\"\n\
+             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n",
+            plugins_table(&plugins)
+        ),
+    );
+    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
+    assert_eq!(attempted(&db, ok).await.status, Status::Sent);
+    let before = served.peak_rss_mib();
+
+    // 10 000 copies of 120 KiB of headers (within wasmtime's default limit of 128 KiB per
+    // `fields`), then 100 000 copies of 8 KiB (within its default of a million table entries):
+    // 1.2 GB and 800 MB on the host, for a few bytes each in the plugin.
+    for (headers, count, stopped_by) in
+        [("15", "10000", "total size of fields exceeds limit"), ("1", "100000", "resource table has no free keys")]
+    {
+        let hoard =
+            emit(&db, NewEvent::new("s", "fields", "{}").with_header("headers", headers).with_header("count", count))
+                .await;
+        let row = attempted(&db, hoard).await;
+        let after = served.peak_rss_mib();
+        assert_eq!(row.status, Status::Pending, "the plugin is stopped, and the event retried: {row:?}");
+        let error = row.last_error.unwrap();
+        assert!(error.starts_with("plugin trapped: ") && error.ends_with(stopped_by), "{error}");
+        assert!(after < before + 64, "ferry's peak RSS went from {before} MiB to {after} MiB");
+    }
+
+    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
+    assert_eq!(attempted(&db, ok).await.status, Status::Sent, "the host and other routes are fine");
+    assert!(served.log().contains("plugin=scripted"), "the fault is logged naming the plugin");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_without_an_http_grant_gets_no_wasi_http() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_transport_log"]);
+    let out = db.dir.path().join("out");
+    let s = Stepped::start(
+        db,
+        &format!(
+            "[plugins]\ndir = {plugins:?}\n[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.s]\nplugin = \"scripted\"\n\
+             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n"
+        ),
+    )
+    .await;
+    let rows = s
+        .deliver(&[
+            NewEvent::new("s", "fields", "{}").with_header("count", "10"),
+            NewEvent::new("s", "ok", "{}"),
+            NewEvent::new("ok", "e", "{}"),
+        ])
+        .await;
+    assert_eq!(rows[0].status, Status::Pending, "{:?}", rows[0]);
+    let error = rows[0].last_error.clone().unwrap();
+    assert!(
+        error.contains("plugin scripted called wasi:http/types@")
+            && error.contains("#[constructor]fields, but sandbox.scripted.http grants no origin"),
+        "{error}"
+    );
+    assert_eq!(rows[2].status, Status::Sent, "other routes keep flowing");
+    // The plugin itself still runs: without wasi:http calls it delivers.
+    let rows = s.deliver(&[NewEvent::new("s", "ok", "{}")]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+}

@@ -5,8 +5,9 @@
 use ferry::NewEvent;
 use ferry::clock::Clock;
 use ferry::event::Status;
+use tracing::instrument::WithSubscriber as _;
 
-use crate::common::{Backend, Receiver, Stepped, TestDb, plugins_dir};
+use crate::common::{Backend, Captured, Receiver, Stepped, TestDb, plugins_dir};
 
 /// The plugin's pure policy (signing, status mapping), compiled here too so its unit tests run
 /// natively and the receiver can check signatures with it.
@@ -136,4 +137,23 @@ async fn bad_route_config_is_refused_by_init() {
         assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("no_transport"));
         assert!(row.last_error.as_deref().unwrap().contains(needle), "{:?}", row.last_error);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_leave_nothing_behind_in_the_host() {
+    // Each request hands the host its options. An instance that still held host objects for half
+    // of its 4 096 resource-table entries (64 MiB / 16 KiB) after a call would be replaced, and
+    // say so: 2 500 requests on one instance show that nothing is left behind per request.
+    let receiver = Receiver::start().await;
+    let s = setup(&receiver, "http://127.0.0.1:9", &[("hooks", receiver.url("/ok"), ", concurrency = \"32\"")]).await;
+    let log = Captured::default();
+    for round in 0..25 {
+        let events: Vec<NewEvent> = (0..100).map(|i| NewEvent::new("hooks", "t", format!("{{\"n\":{i}}}"))).collect();
+        let rows = s.deliver(&events).with_subscriber(log.subscriber()).await;
+        let unsent: Vec<_> = rows.iter().filter(|r| r.status != Status::Sent).map(|r| r.last_error.clone()).collect();
+        assert!(unsent.is_empty(), "round {round}: {:?}", unsent.first());
+    }
+    assert_eq!(receiver.requests().len(), 2500);
+    let log = log.text();
+    assert!(!log.contains("instance replaced"), "{log}");
 }

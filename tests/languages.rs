@@ -5,8 +5,9 @@
 use chrono::Duration;
 use ferry::NewEvent;
 use ferry::event::Status;
+use tracing::instrument::WithSubscriber as _;
 
-use crate::common::{Backend, Receiver, Stepped, TestDb, plugins_dir};
+use crate::common::{Backend, Captured, Receiver, Stepped, TestDb, plugins_dir};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_javascript_transport_delivers_retries_and_fails() {
@@ -94,4 +95,30 @@ async fn a_python_transport_delivers_retries_and_fails() {
     assert_eq!(paused[0].last_error.as_deref(), Some("the consumer paused the spool"));
     assert_eq!(paused[0].next_attempt_at, Stepped::epoch() + Duration::milliseconds(1500));
     assert!(!spool.join(format!("orders/{}.json", paused[0].id)).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_javascript_instance_holding_on_to_host_objects_is_replaced_in_time() {
+    // The JavaScript engine gives a request's handles back only when it collects garbage, which
+    // may be never: about four per request. An instance may hold 4 096 (64 MiB / 16 KiB), so one
+    // instance would run out after about a thousand requests, in the middle of a batch.
+    let receiver = Receiver::start().await;
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_webhook_js"]);
+    let text = format!(
+        "[plugins]\ndir = {plugins:?}\ntimeout = \"20s\"\n[sandbox.webhook-js]\nhttp = [\"http://{}\"]\n\
+         [route.ok]\nplugin = \"webhook-js\"\nconfig = {{ url = \"{}\" }}\n",
+        receiver.addr,
+        receiver.url("/in")
+    );
+    let s = Stepped::start(db, &text).await;
+    let log = Captured::default();
+    for round in 0..30 {
+        let events: Vec<NewEvent> = (0..50).map(|i| NewEvent::new("ok", "t", format!("{{\"n\":{i}}}"))).collect();
+        let rows = s.deliver(&events).with_subscriber(log.subscriber()).await;
+        let unsent: Vec<_> = rows.iter().filter(|r| r.status != Status::Sent).map(|r| r.last_error.clone()).collect();
+        assert!(unsent.is_empty(), "round {round}: {:?}", unsent.first());
+    }
+    let log = log.text();
+    assert!(log.contains("instance replaced: it holds") && log.contains("plugin=webhook-js"), "{log}");
 }

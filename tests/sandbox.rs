@@ -188,15 +188,15 @@ async fn a_plugin_sees_only_the_environment_it_is_given() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_pool_instances_are_allocated_on_demand() {
-    // A memory slot of 4 TiB, four per instance the pool holds: more address space than this
-    // machine has, so the pool cannot be created.
+    // Memory slots of 64 TiB, four for each of the six instances the pool would hold: more
+    // address space than a machine has, so the pool cannot be created.
     let s = setup("").await;
     assert!(s.ferry.registry.runtime().pooling, "the pool is used when it can be");
     drop(s);
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let config =
-        db.config(&format!("[plugins]\ndir = {plugins:?}\nmemory = \"4096GiB\"\n[route.s]\nplugin = \"scripted\""));
+        db.config(&format!("[plugins]\ndir = {plugins:?}\nmemory = \"65536GiB\"\n[route.s]\nplugin = \"scripted\""));
     let ferry = Ferry::start(&config, Arc::new(ferry::clock::SystemClock)).await.expect("ferry starts without a pool");
     assert!(!ferry.registry.runtime().pooling);
     let id = db.store.insert(&NewEvent::new("s", "ok", "{}"), ferry::clock::SystemClock.now()).await.unwrap();

@@ -1,7 +1,8 @@
 //! What the linker gives plugins beyond wasmtime-wasi's defaults: guards shadowing three
 //! `wasi:filesystem` functions (refused paths logged, no symbolic links out of a grant, no hard
-//! links), and for a plugin without an `http` grant, wasi:http functions that trap with a
-//! message naming the missing grant instead of the real ones.
+//! links), a fix for a resource-table leak in wasi:http's `outgoing-handler.handle`, and for a
+//! plugin without an `http` grant, wasi:http functions that trap with a message naming the
+//! missing grant instead of the real ones.
 
 use anyhow::Context as _;
 use wasmtime::Engine;
@@ -89,6 +90,45 @@ pub(super) fn guard_file_access(linker: &mut Linker<HostState>) -> anyhow::Resul
 /// too, since each step only descends.
 pub(super) fn link_target_stays_inside(target: &str) -> bool {
     !target.starts_with('/') && !target.split('/').any(|part| part == "..")
+}
+
+/// The wasi:http version wasmtime-wasi-http links.
+const WASI_HTTP_OUTGOING_HANDLER: &str = "wasi:http/outgoing-handler@0.2.12";
+
+/// Shadows `outgoing-handler.handle`: wasmtime-wasi-http 48 reads the `request-options` a plugin
+/// hands over with a request but never removes them from the instance's resource table, so every
+/// request with options would leave an entry behind until the (capped) table is full. The wrapper
+/// calls the real function, then removes them.
+pub(super) fn free_request_options(linker: &mut Linker<HostState>) -> anyhow::Result<()> {
+    use wasmtime::component::Resource;
+    use wasmtime_wasi_http::p2::bindings::http::outgoing_handler::Host as _;
+    use wasmtime_wasi_http::p2::bindings::http::types::ErrorCode;
+    use wasmtime_wasi_http::p2::types::{HostFutureIncomingResponse, HostOutgoingRequest};
+    use wasmtime_wasi_http::{RequestOptions, WasiHttpView as _};
+    type Args = (Resource<HostOutgoingRequest>, Option<Resource<RequestOptions>>);
+    linker.allow_shadowing(true);
+    let mut handler = linker.instance(WASI_HTTP_OUTGOING_HANDLER).map_err(anyhow::Error::from)?;
+    handler
+        .func_wrap("handle", |mut store, (request, options): Args| {
+            let mut http = store.data_mut().http();
+            let handed_over = options.as_ref().map(|o| Resource::<RequestOptions>::new_own(o.rep()));
+            let result = http.handle(request, options);
+            // Only if the entry is still the options: should a later wasmtime free them itself,
+            // the slot may already hold something else.
+            if let Some(options) = handed_over
+                && http.table.get(&options).is_ok()
+            {
+                let _ = http.table.delete(options);
+            }
+            let result: Result<Resource<HostFutureIncomingResponse>, ErrorCode> = match result {
+                Ok(response) => Ok(response),
+                Err(e) => Err(e.downcast()?),
+            };
+            Ok((result,))
+        })
+        .map_err(anyhow::Error::from)?;
+    linker.allow_shadowing(false);
+    Ok(())
 }
 
 /// Whether `component` imports any wasi:http interface.

@@ -209,7 +209,9 @@ impl RouteTransport {
         let fault = match result {
             Ok(Ok(outcomes)) if outcomes.len() == events.len() => {
                 instance.calls += 1;
-                if instance.calls < self.limits.max_calls {
+                if let Some((held, most)) = instance.store.data_mut().hoarding() {
+                    tracing::info!(plugin = %self.route.plugin, route = %self.route.name, "instance replaced: it holds {held} of the {most} host objects it may");
+                } else if instance.calls < self.limits.max_calls {
                     self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(instance);
                 }
                 return Ok(outcomes);

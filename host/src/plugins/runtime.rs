@@ -15,7 +15,7 @@ use wasmtime::{
 
 use super::EPOCH_TICK;
 use super::bindings::TransportPlugin;
-use super::imports::guard_file_access;
+use super::imports::{free_request_options, guard_file_access};
 use super::sandbox::{HostState, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES};
 use crate::config::Settings;
 
@@ -107,6 +107,7 @@ impl Runtime {
         TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
         let linker_without_http = linker.clone();
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
+        free_request_options(&mut linker)?;
 
         let ticker_stop = Arc::new(AtomicBool::new(false));
         let (stop, ticking) = (ticker_stop.clone(), engine.clone());

@@ -38,20 +38,21 @@ pub(super) const MAX_TABLES: u32 = 4;
 /// JavaScript transport needs about 7 700, the Python one about 5 800.
 const MAX_TABLE_ELEMENTS: usize = 100_000;
 /// Host memory one resource-table entry may stand for, at most: a wasi:http `fields` resource
-/// ([`FIELD_SIZE_LIMIT`]) or an outgoing body's buffered chunks (two of [`BODY_CHUNK_SIZE`]). An
-/// instance's table holds at most `memory / RESOURCE_BYTES` entries (and at least
-/// [`MIN_RESOURCES`]), so what the host keeps on a plugin's behalf stays within about its own
-/// memory limit.
-const RESOURCE_BYTES: usize = 64 << 10;
-/// Resource-table entries an instance may always have, whatever its memory limit: enough for
-/// stdio, pre-opened directories and a few connections.
-const MIN_RESOURCES: usize = 256;
+/// ([`FIELD_SIZE_LIMIT`]), or half an outgoing body (its body and stream entries, and two
+/// buffered writes of [`BODY_CHUNK_SIZE`]). An instance's table holds at most
+/// `memory / RESOURCE_BYTES` entries (and at least [`MIN_RESOURCES`]), so what the host keeps on
+/// a plugin's behalf stays within about its own memory limit.
+const RESOURCE_BYTES: usize = 16 << 10;
+/// Resource-table entries an instance may always have, whatever its memory limit: stdio,
+/// pre-opened directories and a few hundred connections or requests.
+const MIN_RESOURCES: usize = 1024;
 /// Bytes (roughly, in memory) one wasi:http `fields` resource may hold. Headers on the wire are
 /// rarely above 8 KiB; wasmtime's default of 128 KiB would let a plugin make the host hold
 /// 128 KiB per table entry.
 const FIELD_SIZE_LIMIT: usize = 16 << 10;
 /// The largest write to an outgoing wasi:http body the host buffers (wasmtime's default: 1 MiB).
-const BODY_CHUNK_SIZE: usize = 32 << 10;
+/// WASI's own `blocking-write-and-flush` writes at most 4 KiB at a time.
+const BODY_CHUNK_SIZE: usize = 16 << 10;
 
 /// Resource accounting for one instance, over its whole store: the bytes of all its linear
 /// memories together, the elements of all its tables together, and (through the counts below)
@@ -123,6 +124,18 @@ pub struct HostState {
     table: ResourceTable,
     pub(super) limiter: Limiter,
     pub(super) plugin: Arc<str>,
+}
+
+impl HostState {
+    /// How many host objects the instance holds and may hold, if it holds more than half of what
+    /// it may between calls: a sign that it leaks them (some language runtimes give handles back
+    /// only when they collect garbage). Such an instance is replaced, like after `max_calls`,
+    /// before it runs out in the middle of a call.
+    pub(super) fn hoarding(&mut self) -> Option<(usize, usize)> {
+        let held = self.table.iter_mut().count();
+        let most = self.table.max_capacity();
+        (held * 2 > most).then_some((held, most))
+    }
 }
 
 impl WasiView for HostState {

@@ -214,17 +214,6 @@ impl Config {
         Ok(RetryPolicy { backoff, jitter, max_attempts, retry_after_max })
     }
 
-    /// Routes that deliver per-key in order, and of those the ones a FAILED event blocks.
-    pub fn ordered_routes(&self) -> (Vec<String>, Vec<String>) {
-        let ordered: Vec<String> = self.route.iter().filter(|(_, r)| r.ordered).map(|(n, _)| n.clone()).collect();
-        let blocking = ordered
-            .iter()
-            .filter(|n| self.route[n.as_str()].ordered_after_failure == AfterFailure::Block)
-            .cloned()
-            .collect();
-        (ordered, blocking)
-    }
-
     /// The limits plugin `name` runs under: `[plugins]` with `[sandbox.NAME]` overrides.
     pub fn plugin_limits(&self, name: &str) -> PluginLimits {
         let sandbox = self.sandbox.get(name);

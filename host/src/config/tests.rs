@@ -149,7 +149,7 @@ fn ordered_routes_and_their_failure_mode() {
         "t",
     )
     .unwrap();
-    assert_eq!(c.ordered_routes(), (vec!["a".to_string(), "b".to_string()], vec!["a".to_string()]));
+    assert_eq!(c.settings().unwrap().ordered_routes(), (vec!["a".to_string(), "b".to_string()], vec!["a".to_string()]));
     assert_eq!(
         Config::from_toml_str("[relay]\nretain_sent = \"forever\"", "t").unwrap().relay.retain_sent,
         Retention(None)

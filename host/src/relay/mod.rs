@@ -12,13 +12,17 @@ use rand::Rng;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::RetryDecision;
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
 use crate::config::Settings;
-use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
+use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
-use crate::plugins::{DeliverError, Outcome, RouteTransport};
+
+mod deliver;
+mod health;
+
+pub use self::health::RelayHealth;
+use crate::plugins::RouteTransport;
 use crate::store::{Breaker, Claim, Store, StoreError};
 
 /// What one relay cycle did.
@@ -30,48 +34,6 @@ pub struct CycleStats {
     pub failed: usize,
     /// Outcomes not written because the claim had been recovered in the meantime.
     pub fenced_off: usize,
-}
-
-/// Whether the relay's workers make progress, for readiness: each notes when it began the cycle
-/// it is in, so one stuck longer than a cycle can take (a database that stopped answering) shows.
-#[derive(Debug)]
-pub struct RelayHealth {
-    epoch: std::time::Instant,
-    /// Per worker: milliseconds since `epoch` when its current cycle began, 0 while it waits.
-    busy_since: Vec<std::sync::atomic::AtomicU64>,
-    /// Longest a cycle may take: the lease, past which its claims are recovered anyway.
-    limit: Duration,
-}
-
-impl RelayHealth {
-    fn new(workers: u32, limit: Duration) -> RelayHealth {
-        let busy_since = (0..workers).map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
-        RelayHealth { epoch: std::time::Instant::now(), busy_since, limit }
-    }
-
-    fn busy(&self, worker: u32, busy: bool) {
-        let since = if busy { self.epoch.elapsed().as_millis() as u64 + 1 } else { 0 };
-        if let Some(slot) = self.busy_since.get(worker as usize) {
-            slot.store(since, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    /// Why the relay is not healthy, if a worker has been in one cycle for longer than the lease.
-    pub fn wedged(&self) -> Option<String> {
-        let now = self.epoch.elapsed().as_millis() as u64 + 1;
-        self.busy_since.iter().enumerate().find_map(|(worker, since)| {
-            let since = since.load(std::sync::atomic::Ordering::Relaxed);
-            let stuck = Duration::from_millis(now.saturating_sub(since));
-            (since > 0 && stuck > self.limit).then(|| {
-                format!(
-                    "relay worker {worker} has been in one cycle for {:?}, longer than relay.lease ({:?}); \
-                     is the database answering?",
-                    Duration::from_secs(stuck.as_secs()),
-                    self.limit
-                )
-            })
-        })
-    }
 }
 
 /// Routes resolved to transports, with their settings (retry policies among them).
@@ -438,170 +400,6 @@ impl Relay {
             values.into_iter().for_each(|v| histogram.observe(v));
         }
     }
-
-    /// Delivers a claimed batch route by route (routes concurrently), returning one completion
-    /// per event.
-    async fn deliver_all(&self, events: &[ClaimedEvent]) -> Vec<Completion> {
-        let mut by_route: BTreeMap<&str, Vec<&ClaimedEvent>> = BTreeMap::new();
-        let mut completions = Vec::with_capacity(events.len());
-        for event in events {
-            if let Some(defect) = &event.defect {
-                let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
-                completions.push(self.fail(event, &call, FailureReason::InvalidEvent, reason(defect)));
-            } else {
-                by_route.entry(&event.route).or_default().push(event);
-            }
-        }
-        let lease_ends = std::time::Instant::now() + self.lease;
-        let deliveries = by_route.into_iter().map(|(route, batch)| async move {
-            match self.routes.transports.get(route) {
-                Some(transport) => self.deliver_isolating(transport, batch, lease_ends).await,
-                None => {
-                    let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
-                    let why = format!("no route {route:?} is configured");
-                    self.judge(&batch, &call, Err(DeliverError::NoTransport(why)))
-                }
-            }
-        });
-        for done in futures::future::join_all(deliveries).await {
-            completions.extend(done);
-        }
-        completions
-    }
-
-    /// Delivers one route's `batch`. When a call fails as a whole (the plugin trapped, timed out,
-    /// ran out of memory or answered wrongly), one event may be at fault: the batch is split in
-    /// halves and each delivered on its own, down to the event that faults alone, so only it is
-    /// charged and the others get their own outcomes. Splitting stops after twice as many faulted
-    /// calls as the batch has levels (a plugin that fails whatever it is given: a few events at
-    /// fault cost about one level each), or when another call might outlast the claim's lease
-    /// (`lease_ends`); what is left is charged with the fault.
-    async fn deliver_isolating(
-        &self,
-        transport: &RouteTransport,
-        batch: Vec<&ClaimedEvent>,
-        lease_ends: std::time::Instant,
-    ) -> Vec<Completion> {
-        let levels = usize::BITS - batch.len().leading_zeros() + 1;
-        let mut faults = 0;
-        let mut parts = vec![batch];
-        let mut completions = Vec::new();
-        while let Some(part) = parts.pop() {
-            let started_at = self.clock.now();
-            let started = std::time::Instant::now();
-            let delivery = transport.deliver(&part).await;
-            let call = self.call_log(
-                started_at,
-                started.elapsed(),
-                Some(transport.plugin_name().into()),
-                delivery.plugin_hash,
-            );
-            let result = match delivery.result {
-                Err(DeliverError::Fault(fault)) => {
-                    faults += 1;
-                    let time_left = std::time::Instant::now() + transport.timeout() * 2 < lease_ends;
-                    if part.len() > 1 && faults <= 2 * levels && time_left {
-                        tracing::info!(
-                            route = %part[0].route,
-                            events = part.len(),
-                            "{fault}; delivering the batch in halves to find the event at fault"
-                        );
-                        let mut first = part;
-                        let second = first.split_off(first.len() / 2);
-                        parts.push(second);
-                        parts.push(first);
-                        continue;
-                    }
-                    Err(DeliverError::Fault(fault))
-                }
-                other => other,
-            };
-            completions.extend(self.judge(&part, &call, result));
-        }
-        completions
-    }
-
-    fn call_log(
-        &self,
-        started_at: DateTime<Utc>,
-        duration: Duration,
-        plugin: Option<String>,
-        plugin_hash: Option<String>,
-    ) -> Arc<CallLog> {
-        Arc::new(CallLog { started_at, duration, plugin, plugin_hash, instance: self.instance.clone() })
-    }
-
-    /// Turns a plugin's answer for `batch`, given by plugin call `call`, into completions.
-    fn judge(
-        &self,
-        batch: &[&ClaimedEvent],
-        call: &Arc<CallLog>,
-        result: Result<Vec<Outcome>, DeliverError>,
-    ) -> Vec<Completion> {
-        let now = self.clock.now();
-        match result {
-            Ok(outcomes) => batch
-                .iter()
-                .zip(outcomes)
-                .map(|(event, outcome)| match outcome {
-                    Outcome::Success => self.complete(event, call, Disposition::Sent),
-                    Outcome::Permanent(f) => self.fail(event, call, FailureReason::Permanent, reason(&f.reason)),
-                    Outcome::Transient(f) => {
-                        let hint = f.retry_after_ms.map(Duration::from_millis);
-                        let why = reason(&f.reason);
-                        self.retry_or_fail(event, call, now, why, hint, FailureReason::AttemptsExhausted)
-                    }
-                })
-                .collect(),
-            Err(DeliverError::Fault(fault)) => batch
-                .iter()
-                .map(|event| {
-                    self.retry_or_fail(event, call, now, reason(&fault.to_string()), None, FailureReason::PluginFault)
-                })
-                .collect(),
-            Err(DeliverError::NoTransport(why)) => {
-                let why = reason(&why);
-                batch.iter().map(|event| self.fail(event, call, FailureReason::NoTransport, why.clone())).collect()
-            }
-        }
-    }
-
-    fn retry_or_fail(
-        &self,
-        event: &ClaimedEvent,
-        call: &Arc<CallLog>,
-        now: DateTime<Utc>,
-        error: String,
-        hint: Option<Duration>,
-        exhausted: FailureReason,
-    ) -> Completion {
-        let policy = self.routes.settings.retry(&event.route);
-        let max = event.max_attempts.unwrap_or(policy.max_attempts);
-        let unit: f64 = rand::rng().random();
-        match policy.decide(event.attempt, max, hint, unit) {
-            RetryDecision::RetryAfter(delay) => {
-                let at = crate::clock::later(now, delay);
-                self.complete(event, call, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
-            }
-            RetryDecision::GiveUp => self.fail(event, call, exhausted, error),
-        }
-    }
-
-    fn fail(&self, event: &ClaimedEvent, call: &Arc<CallLog>, reason: FailureReason, error: String) -> Completion {
-        self.complete(event, call, Disposition::Failed { reason, error })
-    }
-
-    /// The completion of `event`, with its attempt in the history of plugin call `call`.
-    fn complete(&self, event: &ClaimedEvent, call: &Arc<CallLog>, disposition: Disposition) -> Completion {
-        let max_attempts = event.max_attempts.unwrap_or(self.routes.settings.retry(&event.route).max_attempts);
-        let attempt = AttemptLog { number: event.attempt, call: call.clone() };
-        Completion { id: event.id, disposition, max_attempts, attempt }
-    }
-}
-
-/// A failure reason as stored: a plugin chooses its text, so it is bounded and escaped.
-fn reason(text: &str) -> String {
-    crate::untrusted::clean(text, crate::untrusted::MAX_REASON)
 }
 
 /// A fresh, unguessable claim token.

@@ -158,8 +158,9 @@ async fn compiled_code_is_cached_on_disk_and_instances_are_pooled() {
     assert_eq!(walk(&cache), cached, "an unchanged plugin is not compiled again");
 }
 
-/// Every compiled-code file under `dir`, sorted. wasmtime's `.stats` files are left out: its
-/// cache worker writes them in the background, some time after the code itself.
+/// Every compiled-code file under `dir`, sorted. What wasmtime's cache worker writes in the
+/// background, some time after the code itself, is left out: `.stats` files, their
+/// `.wip-atomic-write-stats` temporaries, and its `.cleanup` markers.
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut files = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -168,7 +169,10 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
             let path = entry.path();
             if path.is_dir() {
                 stack.push(path)
-            } else if path.extension().is_none_or(|e| e != "stats") {
+            } else if !path.file_name().is_some_and(|n| {
+                let n = n.to_string_lossy();
+                n.ends_with("stats") || n.starts_with(".cleanup")
+            }) {
                 files.push(path)
             }
         }

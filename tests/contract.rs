@@ -151,6 +151,24 @@ async fn the_cli_and_the_api_give_the_same_answers() {
     let Answer::Ok(created) = cli(&api, &["emit", "s", "order.paid", "{\"n\":1}"]) else { panic!("emit refused") };
     let shown = get(format!("/v1/events/{}", created["id"])).await;
     assert_eq!(cli(&api, &["show", &created["id"].to_string()]), shown, "an event emitted by the CLI");
+
+    // Reports: the same figures (the time they were taken aside).
+    let figures = |answer: Answer| match answer {
+        Answer::Ok(v) => (v["counts"].clone(), v["routes"].clone(), v["stuck"].clone(), v["last_attempt"].clone()),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(figures(cli(&api, &["stats"])), figures(get("/v1/stats".into()).await), "stats");
+    // The plugins: the CLI loads the directory itself, the API lists the running ferry's.
+    let plugins = |answer: Answer| match answer {
+        Answer::Ok(v) => v["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| (p["name"].clone(), p["version"].clone(), p["hash"].clone(), p["routes"].clone()))
+            .collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(plugins(cli(&api, &["plugins", "list"])), plugins(get("/v1/plugins".into()).await), "plugins");
 }
 
 async fn post_dynamic(api: &Api, path: &str) -> Answer {

@@ -148,30 +148,10 @@ async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
     let started = Instant::now();
     match backend {
         Backend::Postgres => {
-            let per_client = events.div_ceil(batch as usize).div_ceil(2);
-            let script = repo_root().join("benches/sql/floor.pgbench");
             // The session settings of ferry's own connections, so the statements are planned alike.
             let settings: Vec<String> =
                 ferry::store::postgres_session_settings().iter().map(|(k, v)| format!("-c {k}={v}")).collect();
-            let out = Command::new("pgbench")
-                .env("PGOPTIONS", settings.join(" "))
-                .args([
-                    "-n",
-                    "-c",
-                    "2",
-                    "-j",
-                    "2",
-                    "-t",
-                    &per_client.to_string(),
-                    "-D",
-                    &format!("batch={batch}"),
-                    "-f",
-                ])
-                .arg(&script)
-                .arg(&db.url)
-                .output()
-                .expect("pgbench runs (install PostgreSQL's client programs)");
-            assert!(out.status.success(), "pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+            pgbench("floor.pgbench", batch, events, &db.url, &settings.join(" "));
         }
         Backend::Sqlite => {
             let claimers = (0..2).map(|worker| {
@@ -183,6 +163,20 @@ async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
     }
     all_sent(&db, events).await;
     events as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Runs `benches/sql/SCRIPT` under pgbench, two clients, until `events` are through in batches of
+/// `batch`; `options` are PostgreSQL session settings (PGOPTIONS).
+fn pgbench(script: &str, batch: u32, events: usize, url: &str, options: &str) {
+    let per_client = events.div_ceil(batch as usize).div_ceil(2);
+    let out = Command::new("pgbench")
+        .env("PGOPTIONS", options)
+        .args(["-n", "-c", "2", "-j", "2", "-t", &per_client.to_string(), "-D", &format!("batch={batch}"), "-f"])
+        .arg(repo_root().join("benches/sql").join(script))
+        .arg(url)
+        .output()
+        .expect("pgbench runs (install PostgreSQL's client programs)");
+    assert!(out.status.success(), "pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// Events per second through the minimal outbox floor (see the module's documentation).
@@ -205,25 +199,7 @@ async fn minimal_floor(backend: Backend, batch: u32, events: usize) -> f64 {
             .expect("fill");
             sqlx::query("ANALYZE floor_events").execute(pool).await.expect("analyze");
             let started = Instant::now();
-            let per_client = events.div_ceil(batch as usize).div_ceil(2);
-            let out = Command::new("pgbench")
-                .args([
-                    "-n",
-                    "-c",
-                    "2",
-                    "-j",
-                    "2",
-                    "-t",
-                    &per_client.to_string(),
-                    "-D",
-                    &format!("batch={batch}"),
-                    "-f",
-                ])
-                .arg(repo_root().join("benches/sql/minimal.pgbench"))
-                .arg(&db.url)
-                .output()
-                .expect("pgbench runs (install PostgreSQL's client programs)");
-            assert!(out.status.success(), "pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
+            pgbench("minimal.pgbench", batch, events, &db.url, "");
             let elapsed = started.elapsed();
             let sent: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM floor_events WHERE status = 'SENT'")
                 .fetch_one(pool)

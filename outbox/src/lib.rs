@@ -21,6 +21,14 @@ use chrono::{DateTime, Utc};
 /// [`emit_with_max_payload`] when ferry is configured with another limit.
 pub const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;
 
+/// The refusal of a payload of `size` bytes over the limit of `max`, saying what to do instead.
+pub fn payload_too_large(size: u64, max: usize) -> String {
+    format!(
+        "the payload is {size} bytes, more than the {max} bytes ferry accepts (relay.max_payload); \
+         store large documents elsewhere and send a reference to them"
+    )
+}
+
 /// Why an event was not inserted.
 #[derive(Debug, thiserror::Error)]
 pub enum EmitError {
@@ -117,14 +125,10 @@ impl NewEvent {
 
     /// Refuses a payload larger than `max` bytes, saying how to fix it.
     pub fn check_payload(&self, max: usize) -> Result<(), String> {
-        if self.payload.len() > max {
-            return Err(format!(
-                "the payload is {} bytes, more than the {max} bytes ferry accepts (relay.max_payload); \
-                 store large documents elsewhere and send a reference to them",
-                self.payload.len()
-            ));
+        match self.payload.len() {
+            size if size > max => Err(payload_too_large(size as u64, max)),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// The headers as the JSON object stored in the `headers` column.

@@ -464,11 +464,7 @@ impl EmitArgs {
                     std::fs::File::open(path).with_context(|| format!("reading payload file {}", path.display()))?;
                 let size = file.metadata().map(|m| m.len()).unwrap_or(0);
                 if size > max_payload as u64 {
-                    bail!(
-                        "{} is {size} bytes, more than the {max_payload} bytes ferry accepts (relay.max_payload); \
-                         store large documents elsewhere and send a reference to them",
-                        path.display()
-                    );
+                    bail!("{}: {}", path.display(), ferry_outbox::payload_too_large(size, max_payload));
                 }
                 read(&mut file).with_context(|| format!("reading payload file {}", path.display()))?
             }

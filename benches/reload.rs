@@ -91,7 +91,7 @@ async fn main() {
             tokio::time::sleep(Duration::from_millis(1)).await;
         };
         let first_use: chrono::DateTime<chrono::Utc> = loop {
-            let first = sqlx::query_scalar("SELECT MIN(started_at) FROM ferry_attempts WHERE plugin_hash = $1")
+            let first = sqlx::query_scalar("SELECT MIN(sent_started_at) FROM ferry_events WHERE sent_plugin_hash = $1")
                 .bind(&hash)
                 .fetch_one(&pool)
                 .await
@@ -125,12 +125,8 @@ async fn main() {
     let counts = db.store.counts().await.unwrap();
     let lost = total - counts[&Status::Sent] as usize;
     let failed = counts[&Status::Failed];
-    let delivered_twice: i64 = sqlx::query_scalar(
-        "SELECT COUNT(*) FROM (SELECT event_id FROM ferry_attempts GROUP BY event_id HAVING COUNT(*) > 1) d",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let delivered_twice: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM ferry_events WHERE attempts > 1").fetch_one(&pool).await.unwrap();
 
     println!("| version | write → active (ms) | write → first delivery (ms) |\n| ---: | ---: | ---: |");
     for (n, active, serving) in &rows {

@@ -8,8 +8,8 @@
 //!   `benches/sql/minimal.pgbench` under pgbench with two clients (ferry's two workers); on SQLite
 //!   the same two statements in an in-process loop on one connection. Ferry ÷ this floor is the
 //!   headline: what the design costs against what any fenced outbox must pay.
-//! - **Ferry's own floor** is ferry's claim and complete statements (history rows included)
-//!   without the relay or a plugin: on PostgreSQL `benches/sql/floor.pgbench` under pgbench; on
+//! - **Ferry's own floor** is ferry's claim and complete statements without the relay or a
+//!   plugin: on PostgreSQL `benches/sql/floor.pgbench` under pgbench; on
 //!   SQLite `Store::claim` and `Store::complete` in a loop. Ferry ÷ this one measures the relay's
 //!   overhead over its own statements.
 //!
@@ -44,6 +44,9 @@ struct Options {
     /// Measure one batch size only (default: 100, 500 and 1000).
     #[arg(long)]
     batch: Option<u32>,
+    /// Ferry's relay workers (default: ferry's default, 2, as the floors' two clients).
+    #[arg(long)]
+    workers: Option<u32>,
     /// Passed by `cargo bench` to every benchmark binary.
     #[arg(long, hide = true)]
     bench: bool,
@@ -96,11 +99,12 @@ async fn all_sent(db: &TestDb, n: usize) {
 }
 
 /// Events per second through ferry (two workers, one plugin instance per worker).
-async fn through_ferry(backend: Backend, batch: u32, events: usize) -> f64 {
+async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Option<u32>) -> f64 {
     let db = TestDb::new(backend).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let workers = workers.map(|w| format!("workers = {w}\n")).unwrap_or_default();
     let config = format!(
-        "[relay]\nbatch_size = {batch}\n[plugins]\ndir = {plugins:?}\nwatch = false\n[route.bench]\nplugin = \"scripted\"\n"
+        "[relay]\nbatch_size = {batch}\n{workers}[plugins]\ndir = {plugins:?}\nwatch = false\n[route.bench]\nplugin = \"scripted\"\n"
     );
     let running = Running::start(&db.config(&config)).await;
     fill(&db, events).await;
@@ -166,14 +170,21 @@ async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
 }
 
 /// Runs `benches/sql/SCRIPT` under pgbench, two clients, until `events` are through in batches of
-/// `batch`; `options` are PostgreSQL session settings (PGOPTIONS).
-fn pgbench(script: &str, batch: u32, events: usize, url: &str, options: &str) {
+/// `batch`; `settings` are PostgreSQL session settings (`-c name=value …`). They go into the URL's
+/// `options`, which already holds the test's search_path: libpq ignores PGOPTIONS when the URL
+/// has options of its own.
+fn pgbench(script: &str, batch: u32, events: usize, url: &str, settings: &str) {
     let per_client = events.div_ceil(batch as usize).div_ceil(2);
+    let settings = settings.replace(' ', "%20").replace('=', "%3D");
+    let url = match url.split_once("options=") {
+        _ if settings.is_empty() => url.to_string(),
+        Some((head, options)) => format!("{head}options={settings}%20{options}"),
+        None => format!("{url}{}options={settings}", if url.contains('?') { '&' } else { '?' }),
+    };
     let out = Command::new("pgbench")
-        .env("PGOPTIONS", options)
         .args(["-n", "-c", "2", "-j", "2", "-t", &per_client.to_string(), "-D", &format!("batch={batch}"), "-f"])
         .arg(repo_root().join("benches/sql").join(script))
-        .arg(url)
+        .arg(&url)
         .output()
         .expect("pgbench runs (install PostgreSQL's client programs)");
     assert!(out.status.success(), "pgbench failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -284,7 +295,14 @@ async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
         if claimed.is_empty() {
             return;
         }
-        let call = Arc::new(CallLog { started_at: now, instance: "floor".into(), ..CallLog::default() });
+        let call = Arc::new(CallLog {
+            route: "bench".into(),
+            started_at: now,
+            instance: "floor".into(),
+            plugin: Some("floor".into()),
+            plugin_hash: Some("0".repeat(64)),
+            ..CallLog::default()
+        });
         let done: Vec<Completion> = claimed
             .iter()
             .map(|e| Completion {
@@ -312,7 +330,7 @@ async fn main() {
             // The floors and ferry alternate within one run, so all see the same machine.
             let minimal = minimal_floor(backend, batch, options.events).await;
             let own = floor(backend, batch, options.events).await;
-            let ferry_rate = through_ferry(backend, batch, options.events).await;
+            let ferry_rate = through_ferry(backend, batch, options.events, options.workers).await;
             eprintln!(
                 "{name} batch {batch}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {ferry_rate:.0}/s"
             );

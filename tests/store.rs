@@ -2,6 +2,7 @@
 //! fail, fencing, recovery, and that concurrent claimers never share an event.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use chrono::{DateTime, TimeZone, Utc};
 use ferry::NewEvent;
@@ -381,6 +382,7 @@ async fn breakers_count_open_probe_and_close(db: TestDb) {
 /// A completion carrying the history fields the relay fills in.
 fn logged(id: i64, number: u32, disposition: Disposition) -> Completion {
     let call = CallLog {
+        route: "r".into(),
         started_at: t0() + secs(1),
         duration: std::time::Duration::from_millis(250),
         plugin: Some("p".into()),
@@ -431,6 +433,91 @@ async fn history_is_written_with_outcomes_and_kept_across_resends(db: TestDb) {
     assert!(s.attempts(gone).await.unwrap().is_empty());
 }
 
+/// Rows in `ferry_attempts`, over all events.
+async fn history_rows(db: &TestDb) -> i64 {
+    let sql = "SELECT COUNT(*) FROM ferry_attempts";
+    match db.backend {
+        Backend::Sqlite => sqlx::query_scalar(sql).fetch_one(db.sqlite.as_ref().unwrap().pool()).await.unwrap(),
+        Backend::Postgres => sqlx::query_scalar(sql).fetch_one(db.postgres.as_ref().unwrap().pool()).await.unwrap(),
+    }
+}
+
+/// One plugin call of `route`, for the completions of the events it delivered.
+fn call(route: &str, plugin: &str, millis: u64) -> Arc<CallLog> {
+    Arc::new(CallLog {
+        route: route.into(),
+        started_at: t0() + secs(1),
+        duration: std::time::Duration::from_millis(millis),
+        plugin: Some(plugin.into()),
+        plugin_hash: Some(plugin.repeat(64 / plugin.len())),
+        instance: "relay-1".into(),
+    })
+}
+
+fn by(call: &Arc<CallLog>, id: i64, disposition: Disposition) -> Completion {
+    Completion { id, disposition, max_attempts: 4, attempt: AttemptLog { number: 1, call: call.clone() } }
+}
+
+/// A success is recorded on its event row, not as a history row; `attempts` still lists it, after
+/// what went wrong. Each call's successes are found by claim token and route, which must never
+/// mark SENT a row of the claim that has no outcome: then they are recorded by id instead.
+async fn successes_are_recorded_on_the_event_row(db: TestDb) {
+    let s = &db.store;
+    let mut ids = Vec::new();
+    for route in ["a", "a", "a", "b", "b"] {
+        ids.push(s.insert(&NewEvent::new(route, "t", "{}"), t0()).await.unwrap());
+    }
+    let (a1, a2, a3, b1, b2) = (ids[0], ids[1], ids[2], ids[3], ids[4]);
+    assert_eq!(s.claim(&claim(t0(), 10, "tok")).await.unwrap().len(), 5);
+    let (call_a, call_b) = (call("a", "pa", 120), call("b", "pb", 30));
+    let retry = Disposition::Retry { at: t0() + secs(60), error: "busy".into() };
+    // b2 has no outcome (as after a bug): it must stay PROCESSING, held by the claim.
+    let outcomes = [
+        by(&call_a, a1, Disposition::Sent),
+        by(&call_a, a2, Disposition::Sent),
+        by(&call_a, a3, retry),
+        by(&call_b, b1, Disposition::Sent),
+    ];
+    assert_eq!(s.complete("tok", t0() + secs(2), &outcomes).await.unwrap(), 4);
+    let status = |id| async move { s.get(id).await.unwrap().unwrap().status };
+    for (id, expected) in [(a1, Status::Sent), (a2, Status::Sent), (a3, Status::Pending), (b1, Status::Sent)] {
+        assert_eq!(status(id).await, expected, "event {id}");
+    }
+    assert_eq!(status(b2).await, Status::Processing, "a row without an outcome is not marked SENT");
+    assert_eq!(history_rows(&db).await, 1, "only the retry is a history row");
+    let sent = s.attempts(a1).await.unwrap();
+    assert_eq!(sent.len(), 1);
+    let a = &sent[0];
+    assert_eq!((a.attempt, a.outcome.as_str(), a.duration_ms), (1, "sent", 120));
+    assert_eq!(
+        (a.started_at, a.plugin.as_deref(), a.instance.as_deref()),
+        (t0() + secs(1), Some("pa"), Some("test-instance"))
+    );
+    assert_eq!(a.plugin_hash.as_deref(), Some("pa".repeat(32).as_str()));
+    assert_eq!(s.attempts(b1).await.unwrap()[0].plugin.as_deref(), Some("pb"));
+    assert_eq!(s.get(a1).await.unwrap().unwrap().max_attempts, Some(4), "the attempt limit is pinned");
+
+    // Two calls of one route (a batch split to find a faulting event) are recorded by id.
+    s.complete("tok", t0() + secs(3), &[by(&call("b", "pc", 7), b2, Disposition::Sent)]).await.unwrap();
+    s.insert(&NewEvent::new("c", "t", "{}"), t0()).await.unwrap();
+    s.insert(&NewEvent::new("c", "t", "{}"), t0()).await.unwrap();
+    let claimed = s.claim(&claim(t0() + secs(3), 10, "tok2")).await.unwrap();
+    let (first, second) = (call("c", "p1", 5), call("c", "p2", 6));
+    let outcomes = [by(&first, claimed[0].id, Disposition::Sent), by(&second, claimed[1].id, Disposition::Sent)];
+    assert_eq!(s.complete("tok2", t0() + secs(4), &outcomes).await.unwrap(), 2);
+    let retried = s.claim(&claim(t0() + secs(60), 10, "tok3")).await.unwrap();
+    assert_eq!(retried.iter().map(|e| e.id).collect::<Vec<_>>(), [a3], "only the retry is due again");
+    s.complete("tok3", t0() + secs(61), &[by(&call_a, a3, Disposition::Sent)]).await.unwrap();
+    for (id, plugin, duration) in [(claimed[0].id, "p1", 5), (claimed[1].id, "p2", 6), (b2, "pc", 7)] {
+        let history = s.attempts(id).await.unwrap();
+        assert_eq!((history[0].plugin.as_deref(), history[0].duration_ms), (Some(plugin), duration), "event {id}");
+    }
+    let history = s.attempts(a3).await.unwrap();
+    let summary: Vec<(u32, &str)> = history.iter().map(|a| (a.attempt, a.outcome.as_str())).collect();
+    assert_eq!(summary, [(1, "retry"), (2, "sent")], "the success follows what went wrong");
+    assert_eq!(history_rows(&db).await, 1);
+}
+
 async fn stats_describe_the_outbox(db: TestDb) {
     let s = &db.store;
     let now = t0() + secs(400);
@@ -479,6 +566,7 @@ async fn stats_describe_the_outbox(db: TestDb) {
 
 crate::both_backends!(
     history_is_written_with_outcomes_and_kept_across_resends,
+    successes_are_recorded_on_the_event_row,
     stats_describe_the_outbox,
     breakers_count_open_probe_and_close,
     failed_events_are_counted_listed_resent_and_purged_by_filter,

@@ -243,6 +243,8 @@ pub struct AttemptLog {
 /// One plugin call: what every attempt it made has in common.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CallLog {
+    /// The route whose transport was called (a call never spans routes).
+    pub route: String,
     pub started_at: DateTime<Utc>,
     /// How long the plugin call took (zero when none was made).
     pub duration: std::time::Duration,

@@ -23,7 +23,7 @@ impl Relay {
         let mut completions = Vec::with_capacity(events.len());
         for event in events {
             if let Some(defect) = &event.defect {
-                let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
+                let call = self.call_log(&event.route, self.clock.now(), Duration::ZERO, None, None);
                 completions.push(self.fail(event, &call, FailureReason::InvalidEvent, reason(defect)));
             } else {
                 by_route.entry(&event.route).or_default().push(event);
@@ -34,7 +34,7 @@ impl Relay {
             match self.routes.transports.get(route) {
                 Some(transport) => self.deliver_isolating(transport, batch, lease_ends).await,
                 None => {
-                    let call = self.call_log(self.clock.now(), Duration::ZERO, None, None);
+                    let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
                     let why = format!("no route {route:?} is configured");
                     self.judge(&batch, &call, Err(DeliverError::NoTransport(why)))
                 }
@@ -68,6 +68,7 @@ impl Relay {
             let started = std::time::Instant::now();
             let delivery = transport.deliver(&part).await;
             let call = self.call_log(
+                &part[0].route,
                 started_at,
                 started.elapsed(),
                 Some(transport.plugin_name().into()),
@@ -100,12 +101,20 @@ impl Relay {
 
     fn call_log(
         &self,
+        route: &str,
         started_at: DateTime<Utc>,
         duration: Duration,
         plugin: Option<String>,
         plugin_hash: Option<String>,
     ) -> Arc<CallLog> {
-        Arc::new(CallLog { started_at, duration, plugin, plugin_hash, instance: self.instance.clone() })
+        Arc::new(CallLog {
+            route: route.to_string(),
+            started_at,
+            duration,
+            plugin,
+            plugin_hash,
+            instance: self.instance.clone(),
+        })
     }
 
     /// Turns a plugin's answer for `batch`, given by plugin call `call`, into completions.

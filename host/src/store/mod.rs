@@ -28,7 +28,7 @@ pub use self::sqlite::SqliteStore;
 pub(crate) use self::stats::{ATTEMPTS_SQL, LATENCY_SQL, ROUTE_COUNTS_SQL, WATCH_SQL, stats_from};
 pub use self::stats::{LATENCY_SAMPLES, Latency, Percentiles, Stats};
 pub use crate::breaker::Breaker;
-use crate::event::{AttemptRecord, ClaimedEvent, ClaimedRow, Completion, EventRecord, NewEvent, Status};
+use crate::event::{AttemptRecord, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, NewEvent, Status};
 
 /// A store failure. Callers branch on it: a bad event is the caller's fault, the rest are not.
 #[derive(Debug, thiserror::Error)]
@@ -367,6 +367,70 @@ struct Partitioned<'a> {
     sent: Vec<&'a Completion>,
     retry: Vec<(&'a Completion, DateTime<Utc>, &'a str)>,
     failed: Vec<(&'a Completion, &'static str, &'a str)>,
+}
+
+/// The successes of one plugin call, recorded with one statement that finds their rows by claim
+/// token and route instead of by id.
+#[derive(Debug)]
+struct SentCall<'a> {
+    call: &'a CallLog,
+    /// The attempt limit pinned on rows that have none yet.
+    max_attempts: u32,
+    /// The events the call delivered, sorted.
+    ids: Vec<i64>,
+}
+
+impl SentCall<'_> {
+    /// Whether `found` (the rows a statement by token wrote) are exactly the call's events.
+    fn is_exactly(&self, found: &[i64]) -> bool {
+        found.len() == self.ids.len() && found.iter().all(|id| self.ids.binary_search(id).is_ok())
+    }
+}
+
+/// Groups a batch's successes by plugin call, when each group can be recorded by claim token and
+/// route: no two calls of the same route (as when a faulting batch was split) and one attempt
+/// limit per call. `None` when that does not hold; the successes are then recorded by id.
+///
+/// Recording by token relies on every other row of the claim having left PROCESSING first (the
+/// retries and failures are written before the successes). The ids each statement returns must be
+/// exactly the call's: otherwise (a row the batch has no outcome for, a row fenced off) the
+/// transaction is rolled back and written again by id, so the shortcut never decides an outcome.
+fn sent_by_call<'a>(sent: &[&'a Completion]) -> Option<Vec<SentCall<'a>>> {
+    let mut calls: Vec<SentCall<'a>> = Vec::new();
+    for completion in sent {
+        let call: &'a CallLog = &completion.attempt.call;
+        match calls.iter().position(|c| std::ptr::eq(c.call, call)) {
+            Some(i) if calls[i].max_attempts == completion.max_attempts => calls[i].ids.push(completion.id),
+            Some(_) => return None,
+            None if calls.iter().any(|c| c.call.route == call.route) => return None,
+            None => calls.push(SentCall { call, max_attempts: completion.max_attempts, ids: vec![completion.id] }),
+        }
+    }
+    calls.iter_mut().for_each(|c| c.ids.sort_unstable());
+    Some(calls)
+}
+
+/// The distinct plugin calls of `items`, and for each item the 1-based index of its call: what
+/// describes a call (start, duration, plugin, instance) is sent once per call, not once per event.
+fn calls_of<'a>(items: &[&'a Completion]) -> (Vec<&'a CallLog>, Vec<i32>) {
+    let mut calls: Vec<&'a CallLog> = Vec::new();
+    let index = items
+        .iter()
+        .map(|item| {
+            let call: &'a CallLog = &item.attempt.call;
+            let n = calls.iter().position(|c| std::ptr::eq(*c, call)).unwrap_or_else(|| {
+                calls.push(call);
+                calls.len() - 1
+            });
+            i32::try_from(n + 1).unwrap_or(i32::MAX)
+        })
+        .collect();
+    (calls, index)
+}
+
+/// A call's duration in whole milliseconds, as stored.
+fn duration_ms(call: &CallLog) -> i64 {
+    i64::try_from(call.duration.as_millis()).unwrap_or(i64::MAX)
 }
 
 fn partition(items: &[Completion]) -> Partitioned<'_> {

@@ -17,10 +17,11 @@ use tokio_util::sync::CancellationToken;
 use ferry_outbox::Outbox;
 
 use super::{
-    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered,
-    Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
+    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL,
+    Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, counts_by_status, duration_ms,
+    in_claim_order, partition, sent_by_call, stats_from,
 };
-use crate::event::{AttemptRecord, CallLog, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
+use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
 /// The outbox in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -54,6 +55,166 @@ impl PostgresStore {
     /// The pool, for applications that emit through their own transactions.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// Writes a batch's outcomes in one transaction: retries and failures by id, each kind with
+    /// one statement, then the successes (by claim token and route for each of `by_token`'s calls,
+    /// or by id), then the history rows of the retries and failures. Returns how many rows were
+    /// written, or `None` (nothing written) when a statement by token did not find exactly the
+    /// rows its call delivered.
+    async fn record(
+        &self,
+        token: &str,
+        now: DateTime<Utc>,
+        parts: &Partitioned<'_>,
+        by_token: Option<&[SentCall<'_>]>,
+    ) -> Result<Option<u64>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let mut updated: Vec<i64> = Vec::new();
+        if !parts.retry.is_empty() {
+            let ids: Vec<i64> = parts.retry.iter().map(|(c, _, _)| c.id).collect();
+            let at: Vec<DateTime<Utc>> = parts.retry.iter().map(|(_, at, _)| *at).collect();
+            let errors: Vec<&str> = parts.retry.iter().map(|(_, _, e)| *e).collect();
+            let max: Vec<i32> = parts.retry.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
+            updated.extend(
+                sqlx::query_scalar::<_, i64>(
+                    "UPDATE ferry_events e
+                     SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = $5,
+                         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                     FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS u(id, at, error, max_attempts)
+                     WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'
+                     RETURNING e.id",
+                )
+                .bind(&ids)
+                .bind(&at)
+                .bind(&errors)
+                .bind(&max)
+                .bind(now)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?,
+            );
+        }
+        if !parts.failed.is_empty() {
+            let ids: Vec<i64> = parts.failed.iter().map(|(c, _, _)| c.id).collect();
+            let reasons: Vec<&str> = parts.failed.iter().map(|(_, r, _)| *r).collect();
+            let errors: Vec<&str> = parts.failed.iter().map(|(_, _, e)| *e).collect();
+            let max: Vec<i32> = parts.failed.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
+            updated.extend(
+                sqlx::query_scalar::<_, i64>(
+                    "UPDATE ferry_events e
+                     SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = $5,
+                         last_status_at = $5, claim_token = NULL, lease_until = NULL,
+                         max_attempts = COALESCE(e.max_attempts, u.max_attempts)
+                     FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::int[]) AS u(id, reason, error, max_attempts)
+                     WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'
+                     RETURNING e.id",
+                )
+                .bind(&ids)
+                .bind(&reasons)
+                .bind(&errors)
+                .bind(&max)
+                .bind(now)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?,
+            );
+        }
+        // The history gets the retries and failures whose outcome was written (not those fenced
+        // off); a success is recorded on its event row.
+        let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
+        let history: Vec<&Completion> =
+            parts.retry.iter().map(|(c, _, _)| *c).chain(parts.failed.iter().map(|(c, _, _)| *c)).collect();
+        let history: Vec<&Completion> = history.into_iter().filter(|c| written.contains(&c.id)).collect();
+        match by_token {
+            Some(calls) => {
+                for sent in calls {
+                    let call = sent.call;
+                    let ids = sqlx::query_scalar::<_, i64>(
+                        "UPDATE ferry_events
+                         SET status = 'SENT', processed_at = $2, last_status_at = $2, claim_token = NULL,
+                             lease_until = NULL, max_attempts = COALESCE(max_attempts, $4),
+                             sent_started_at = $5, sent_duration_ms = $6, sent_plugin = $7, sent_plugin_hash = $8
+                         WHERE claim_token = $1 AND status = 'PROCESSING' AND route = $3
+                         RETURNING id",
+                    )
+                    .bind(token)
+                    .bind(now)
+                    .bind(&call.route)
+                    .bind(pin(sent.max_attempts))
+                    .bind(call.started_at)
+                    .bind(duration_ms(call))
+                    .bind(&call.plugin)
+                    .bind(&call.plugin_hash)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    if !sent.is_exactly(&ids) {
+                        tx.rollback().await?;
+                        return Ok(None);
+                    }
+                    updated.extend(ids);
+                }
+            }
+            None if !parts.sent.is_empty() => {
+                let (calls, call_of) = calls_of(&parts.sent);
+                updated.extend(
+                    sqlx::query_scalar::<_, i64>(
+                        "UPDATE ferry_events e
+                         SET status = 'SENT', processed_at = $4, last_status_at = $4, claim_token = NULL,
+                             lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts),
+                             sent_started_at = c.started_at, sent_duration_ms = c.duration_ms,
+                             sent_plugin = c.plugin, sent_plugin_hash = c.plugin_hash
+                         FROM UNNEST($1::bigint[], $2::int[], $3::int[]) AS u(id, max_attempts, call)
+                         JOIN UNNEST($6::timestamptz[], $7::bigint[], $8::text[], $9::text[]) WITH ORDINALITY
+                                  AS c(started_at, duration_ms, plugin, plugin_hash, n)
+                              ON c.n = u.call
+                         WHERE e.id = u.id AND e.claim_token = $5 AND e.status = 'PROCESSING'
+                         RETURNING e.id",
+                    )
+                    .bind(parts.sent.iter().map(|c| c.id).collect::<Vec<i64>>())
+                    .bind(parts.sent.iter().map(|c| pin(c.max_attempts)).collect::<Vec<i32>>())
+                    .bind(call_of)
+                    .bind(now)
+                    .bind(token)
+                    .bind(calls.iter().map(|c| c.started_at).collect::<Vec<DateTime<Utc>>>())
+                    .bind(calls.iter().map(|c| duration_ms(c)).collect::<Vec<i64>>())
+                    .bind(calls.iter().map(|c| c.plugin.as_deref()).collect::<Vec<Option<&str>>>())
+                    .bind(calls.iter().map(|c| c.plugin_hash.as_deref()).collect::<Vec<Option<&str>>>())
+                    .fetch_all(&mut *tx)
+                    .await?,
+                );
+            }
+            None => {}
+        }
+        if !history.is_empty() {
+            let (calls, call_of) = calls_of(&history);
+            sqlx::query(
+                "INSERT INTO ferry_attempts
+                     (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance)
+                 SELECT u.id, u.attempt, c.started_at, c.duration_ms, u.outcome, u.reason, u.error, c.plugin,
+                        c.plugin_hash, c.instance
+                 FROM UNNEST($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[], $6::int[])
+                          AS u(id, attempt, outcome, reason, error, call)
+                 JOIN UNNEST($7::timestamptz[], $8::bigint[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
+                          AS c(started_at, duration_ms, plugin, plugin_hash, instance, n)
+                      ON c.n = u.call",
+            )
+            .bind(history.iter().map(|c| c.id).collect::<Vec<i64>>())
+            .bind(history.iter().map(|c| pin(c.attempt.number)).collect::<Vec<i32>>())
+            .bind(history.iter().map(|c| c.disposition.outcome().as_str()).collect::<Vec<&str>>())
+            .bind(history.iter().map(|c| c.disposition.reason().map(|r| r.as_str())).collect::<Vec<Option<&str>>>())
+            .bind(history.iter().map(|c| c.disposition.error()).collect::<Vec<Option<&str>>>())
+            .bind(call_of)
+            .bind(calls.iter().map(|c| c.started_at).collect::<Vec<DateTime<Utc>>>())
+            .bind(calls.iter().map(|c| duration_ms(c)).collect::<Vec<i64>>())
+            .bind(calls.iter().map(|c| c.plugin.as_deref()).collect::<Vec<Option<&str>>>())
+            .bind(calls.iter().map(|c| c.plugin_hash.as_deref()).collect::<Vec<Option<&str>>>())
+            .bind(calls.iter().map(|c| c.instance.as_str()).collect::<Vec<&str>>())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(Some(updated.len() as u64))
     }
 }
 
@@ -138,123 +299,13 @@ impl Store for PostgresStore {
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
         let parts = partition(items);
-        let mut tx = self.pool.begin().await?;
-        let mut updated: Vec<i64> = Vec::with_capacity(items.len());
-        if !parts.sent.is_empty() {
-            let ids: Vec<i64> = parts.sent.iter().map(|c| c.id).collect();
-            let max: Vec<i32> = parts.sent.iter().map(|c| pin(c.max_attempts)).collect();
-            updated.extend(
-                sqlx::query_scalar::<_, i64>(
-                    "UPDATE ferry_events e
-                     SET status = 'SENT', processed_at = $3, last_status_at = $3, claim_token = NULL,
-                         lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
-                     FROM UNNEST($1::bigint[], $2::int[]) AS u(id, max_attempts)
-                     WHERE e.id = u.id AND e.claim_token = $4 AND e.status = 'PROCESSING'
-                     RETURNING e.id",
-                )
-                .bind(&ids)
-                .bind(&max)
-                .bind(now)
-                .bind(token)
-                .fetch_all(&mut *tx)
-                .await?,
-            );
+        if let Some(calls) = sent_by_call(&parts.sent) {
+            if let Some(written) = self.record(token, now, &parts, Some(&calls)).await? {
+                return Ok(written);
+            }
+            tracing::warn!(token, "the claim's rows differ from its batch; recording successes by id");
         }
-        if !parts.retry.is_empty() {
-            let ids: Vec<i64> = parts.retry.iter().map(|(c, _, _)| c.id).collect();
-            let at: Vec<DateTime<Utc>> = parts.retry.iter().map(|(_, at, _)| *at).collect();
-            let errors: Vec<&str> = parts.retry.iter().map(|(_, _, e)| *e).collect();
-            let max: Vec<i32> = parts.retry.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
-            updated.extend(
-                sqlx::query_scalar::<_, i64>(
-                    "UPDATE ferry_events e
-                     SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = $5,
-                         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
-                     FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS u(id, at, error, max_attempts)
-                     WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'
-                     RETURNING e.id",
-                )
-                .bind(&ids)
-                .bind(&at)
-                .bind(&errors)
-                .bind(&max)
-                .bind(now)
-                .bind(token)
-                .fetch_all(&mut *tx)
-                .await?,
-            );
-        }
-        if !parts.failed.is_empty() {
-            let ids: Vec<i64> = parts.failed.iter().map(|(c, _, _)| c.id).collect();
-            let reasons: Vec<&str> = parts.failed.iter().map(|(_, r, _)| *r).collect();
-            let errors: Vec<&str> = parts.failed.iter().map(|(_, _, e)| *e).collect();
-            let max: Vec<i32> = parts.failed.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
-            updated.extend(
-                sqlx::query_scalar::<_, i64>(
-                    "UPDATE ferry_events e
-                     SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = $5,
-                         last_status_at = $5, claim_token = NULL, lease_until = NULL,
-                         max_attempts = COALESCE(e.max_attempts, u.max_attempts)
-                     FROM UNNEST($1::bigint[], $2::text[], $3::text[], $4::int[]) AS u(id, reason, error, max_attempts)
-                     WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'
-                     RETURNING e.id",
-                )
-                .bind(&ids)
-                .bind(&reasons)
-                .bind(&errors)
-                .bind(&max)
-                .bind(now)
-                .bind(token)
-                .fetch_all(&mut *tx)
-                .await?,
-            );
-        }
-        // The history gets the attempts whose outcome was written (not those fenced off).
-        let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
-        let items: Vec<&Completion> = items.iter().filter(|c| written.contains(&c.id)).collect();
-        let a: Vec<_> = items.iter().map(|c| &c.attempt).collect();
-        if !items.is_empty() {
-            // The calls of a batch are few (one per route), so what describes a call (start,
-            // duration, plugin version, instance) is sent once per call, not once per event.
-            let mut calls: Vec<&CallLog> = Vec::new();
-            let call_of: Vec<i32> = a
-                .iter()
-                .map(|log| {
-                    let n = calls.iter().position(|c| std::ptr::eq(*c, &*log.call)).unwrap_or_else(|| {
-                        calls.push(&log.call);
-                        calls.len() - 1
-                    });
-                    i32::try_from(n + 1).unwrap_or(i32::MAX)
-                })
-                .collect();
-            let duration = |c: &&CallLog| i64::try_from(c.duration.as_millis()).unwrap_or(i64::MAX);
-            sqlx::query(
-                "INSERT INTO ferry_attempts
-                     (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance)
-                 SELECT u.id, u.attempt, c.started_at, c.duration_ms, u.outcome, u.reason, u.error, c.plugin,
-                        c.plugin_hash, c.instance
-                 FROM UNNEST($1::bigint[], $2::int[], $3::text[], $4::text[], $5::text[], $6::int[])
-                          AS u(id, attempt, outcome, reason, error, call)
-                 JOIN UNNEST($7::timestamptz[], $8::bigint[], $9::text[], $10::text[], $11::text[]) WITH ORDINALITY
-                          AS c(started_at, duration_ms, plugin, plugin_hash, instance, n)
-                      ON c.n = u.call",
-            )
-            .bind(items.iter().map(|c| c.id).collect::<Vec<i64>>())
-            .bind(a.iter().map(|a| pin(a.number)).collect::<Vec<i32>>())
-            .bind(items.iter().map(|c| c.disposition.outcome().as_str()).collect::<Vec<&str>>())
-            .bind(items.iter().map(|c| c.disposition.reason().map(|r| r.as_str())).collect::<Vec<Option<&str>>>())
-            .bind(items.iter().map(|c| c.disposition.error()).collect::<Vec<Option<&str>>>())
-            .bind(call_of)
-            .bind(calls.iter().map(|a| a.started_at).collect::<Vec<DateTime<Utc>>>())
-            .bind(calls.iter().map(duration).collect::<Vec<i64>>())
-            .bind(calls.iter().map(|a| a.plugin.as_deref()).collect::<Vec<Option<&str>>>())
-            .bind(calls.iter().map(|a| a.plugin_hash.as_deref()).collect::<Vec<Option<&str>>>())
-            .bind(calls.iter().map(|a| a.instance.as_str()).collect::<Vec<&str>>())
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(updated.len() as u64)
+        Ok(self.record(token, now, &parts, None).await?.unwrap_or_default())
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -16,8 +17,9 @@ use sqlx::{Row, SqlitePool};
 use ferry_outbox::Outbox;
 
 use super::{
-    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, ROUTE_COUNTS_SQL, Recovered,
-    Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, in_claim_order, partition, stats_from,
+    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL,
+    Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, duration_ms,
+    in_claim_order, partition, sent_by_call, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -25,6 +27,11 @@ use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEven
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    /// Taken by the relay's writes (claims, outcomes, recovery, retention). SQLite lets one
+    /// connection write at a time, and a connection that finds the file locked sleeps in steps of
+    /// milliseconds before trying again; the relay's own writers queue here instead, and wake the
+    /// moment the previous write commits. Other processes still wait on the busy timeout.
+    writer: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl SqliteStore {
@@ -71,7 +78,7 @@ impl SqliteStore {
                 .connect_with(options.clone())
                 .await;
             match attempt {
-                Ok(pool) => return Ok(Self { pool }),
+                Ok(pool) => return Ok(Self { pool, writer: Arc::default() }),
                 Err(e) if is_locked(&e) && pause < Duration::from_secs(5) => {
                     tokio::time::sleep(pause).await;
                     pause *= 2;
@@ -84,6 +91,134 @@ impl SqliteStore {
     /// The pool, for applications that emit through their own transactions.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// Writes a batch's outcomes in one transaction: retries and failures by id (their rows as a
+    /// JSON array), then the successes (by claim token and route for each of `by_token`'s calls,
+    /// or by id), then the history rows of the retries and failures. Returns how many rows were
+    /// written, or `None` (nothing written) when a statement by token did not find exactly the
+    /// rows its call delivered.
+    async fn record(
+        &self,
+        token: &str,
+        now: DateTime<Utc>,
+        parts: &Partitioned<'_>,
+        by_token: Option<&[SentCall<'_>]>,
+    ) -> Result<Option<u64>, StoreError> {
+        let now = ms(now);
+        let retry: Vec<Value> = parts
+            .retry
+            .iter()
+            .map(|(c, at, error)| json!({"id": c.id, "at": ms(*at), "error": error, "max": c.max_attempts}))
+            .collect();
+        let failed: Vec<Value> = parts
+            .failed
+            .iter()
+            .map(|(c, reason, error)| json!({"id": c.id, "reason": reason, "error": error, "max": c.max_attempts}))
+            .collect();
+        let _writing = self.writer.lock().await;
+        let mut tx = self.pool.begin().await?;
+        let mut updated: Vec<i64> = Vec::new();
+        for (rows, statement) in [(retry, COMPLETE_RETRY), (failed, COMPLETE_FAILED)] {
+            if rows.is_empty() {
+                continue;
+            }
+            let ids = sqlx::query_scalar::<_, i64>(statement)
+                .bind(Value::Array(rows).to_string())
+                .bind(now)
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?;
+            updated.extend(ids);
+        }
+        // The history gets the retries and failures whose outcome was written (not those fenced
+        // off); a success is recorded on its event row.
+        let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
+        let history: Vec<Value> = parts
+            .retry
+            .iter()
+            .map(|(c, _, _)| *c)
+            .chain(parts.failed.iter().map(|(c, _, _)| *c))
+            .filter(|c| written.contains(&c.id))
+            .map(|c| {
+                let call = &c.attempt.call;
+                json!({
+                    "id": c.id,
+                    "attempt": c.attempt.number,
+                    "started_at": ms(call.started_at),
+                    "duration_ms": duration_ms(call),
+                    "outcome": c.disposition.outcome().as_str(),
+                    "reason": c.disposition.reason().map(|r| r.as_str()),
+                    "error": c.disposition.error(),
+                    "plugin": call.plugin,
+                    "plugin_hash": call.plugin_hash,
+                    "instance": call.instance,
+                })
+            })
+            .collect();
+        match by_token {
+            Some(calls) => {
+                for sent in calls {
+                    let call = sent.call;
+                    let ids = sqlx::query_scalar::<_, i64>(COMPLETE_SENT_BY_TOKEN)
+                        .bind(token)
+                        .bind(now)
+                        .bind(&call.route)
+                        .bind(sent.max_attempts)
+                        .bind(ms(call.started_at))
+                        .bind(duration_ms(call))
+                        .bind(&call.plugin)
+                        .bind(&call.plugin_hash)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    if !sent.is_exactly(&ids) {
+                        tx.rollback().await?;
+                        return Ok(None);
+                    }
+                    updated.extend(ids);
+                }
+            }
+            None if !parts.sent.is_empty() => {
+                let rows: Vec<Value> = parts
+                    .sent
+                    .iter()
+                    .map(|c| {
+                        let call = &c.attempt.call;
+                        json!({
+                            "id": c.id,
+                            "max": c.max_attempts,
+                            "started_at": ms(call.started_at),
+                            "duration_ms": duration_ms(call),
+                            "plugin": call.plugin,
+                            "plugin_hash": call.plugin_hash,
+                        })
+                    })
+                    .collect();
+                let ids = sqlx::query_scalar::<_, i64>(COMPLETE_SENT)
+                    .bind(Value::Array(rows).to_string())
+                    .bind(now)
+                    .bind(token)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                updated.extend(ids);
+            }
+            None => {}
+        }
+        if !history.is_empty() {
+            sqlx::query(
+                "INSERT INTO ferry_attempts
+                     (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance)
+                 SELECT value->>'id', value->>'attempt', value->>'started_at', value->>'duration_ms',
+                        value->>'outcome', value->>'reason', value->>'error', value->>'plugin', value->>'plugin_hash',
+                        value->>'instance'
+                 FROM json_each(?1)",
+            )
+            .bind(Value::Array(history).to_string())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(Some(updated.len() as u64))
     }
 }
 
@@ -109,10 +244,23 @@ const LIST_COLUMNS: &str = "id, route, event_type, ordering_key, x'' AS payload,
 /// returns the ids written.
 const COMPLETE_SENT: &str = "UPDATE ferry_events
      SET status = 'SENT', processed_at = ?2, last_status_at = ?2, claim_token = NULL,
-         lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
-     FROM (SELECT value->>'id' AS id, value->>'max' AS max FROM json_each(?1)) AS u
+         lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max),
+         sent_started_at = u.started_at, sent_duration_ms = u.duration_ms, sent_plugin = u.plugin,
+         sent_plugin_hash = u.plugin_hash
+     FROM (SELECT value->>'id' AS id, value->>'max' AS max, value->>'started_at' AS started_at,
+                  value->>'duration_ms' AS duration_ms, value->>'plugin' AS plugin,
+                  value->>'plugin_hash' AS plugin_hash FROM json_each(?1)) AS u
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
+
+/// Records as SENT, at ?2, the rows of route ?3 still held by claim ?1, delivered by one plugin
+/// call (?5 to ?8); returns their ids.
+const COMPLETE_SENT_BY_TOKEN: &str = "UPDATE ferry_events
+     SET status = 'SENT', processed_at = ?2, last_status_at = ?2, claim_token = NULL, lease_until = NULL,
+         max_attempts = COALESCE(max_attempts, ?4), sent_started_at = ?5, sent_duration_ms = ?6,
+         sent_plugin = ?7, sent_plugin_hash = ?8
+     WHERE claim_token = ?1 AND status = 'PROCESSING' AND route = ?3
+     RETURNING id";
 
 const COMPLETE_RETRY: &str = "UPDATE ferry_events
      SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = ?2,
@@ -160,6 +308,7 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let writing = self.writer.lock().await;
         let rows = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
@@ -193,77 +342,23 @@ impl Store for SqliteStore {
         .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
         .fetch_all(&self.pool)
         .await?;
+        drop(writing);
         Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, claim.max_payload)).collect()))
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
-        // One statement per outcome kind, its rows passed as a JSON array, in one transaction.
         let parts = partition(items);
-        let now = ms(now);
-        let mut tx = self.pool.begin().await?;
-        let sent: Vec<Value> = parts.sent.iter().map(|c| json!({"id": c.id, "max": c.max_attempts})).collect();
-        let retry: Vec<Value> = parts
-            .retry
-            .iter()
-            .map(|(c, at, error)| json!({"id": c.id, "at": ms(*at), "error": error, "max": c.max_attempts}))
-            .collect();
-        let failed: Vec<Value> = parts
-            .failed
-            .iter()
-            .map(|(c, reason, error)| json!({"id": c.id, "reason": reason, "error": error, "max": c.max_attempts}))
-            .collect();
-        let mut updated: Vec<i64> = Vec::with_capacity(items.len());
-        for (rows, statement) in [(sent, COMPLETE_SENT), (retry, COMPLETE_RETRY), (failed, COMPLETE_FAILED)] {
-            if rows.is_empty() {
-                continue;
+        if let Some(calls) = sent_by_call(&parts.sent) {
+            if let Some(written) = self.record(token, now, &parts, Some(&calls)).await? {
+                return Ok(written);
             }
-            let ids = sqlx::query_scalar::<_, i64>(statement)
-                .bind(Value::Array(rows).to_string())
-                .bind(now)
-                .bind(token)
-                .fetch_all(&mut *tx)
-                .await?;
-            updated.extend(ids);
+            tracing::warn!(token, "the claim's rows differ from its batch; recording successes by id");
         }
-        // The history gets the attempts whose outcome was written (not those fenced off).
-        let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
-        let attempts: Vec<Value> = items
-            .iter()
-            .filter(|c| written.contains(&c.id))
-            .map(|c| {
-                let a = &c.attempt.call;
-                json!({
-                    "id": c.id,
-                    "attempt": c.attempt.number,
-                    "started_at": ms(a.started_at),
-                    "duration_ms": u64::try_from(a.duration.as_millis()).unwrap_or(u64::MAX),
-                    "outcome": c.disposition.outcome().as_str(),
-                    "reason": c.disposition.reason().map(|r| r.as_str()),
-                    "error": c.disposition.error(),
-                    "plugin": a.plugin,
-                    "plugin_hash": a.plugin_hash,
-                    "instance": a.instance,
-                })
-            })
-            .collect();
-        if !attempts.is_empty() {
-            sqlx::query(
-                "INSERT INTO ferry_attempts
-                     (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance)
-                 SELECT value->>'id', value->>'attempt', value->>'started_at', value->>'duration_ms',
-                        value->>'outcome', value->>'reason', value->>'error', value->>'plugin', value->>'plugin_hash',
-                        value->>'instance'
-                 FROM json_each(?1)",
-            )
-            .bind(Value::Array(attempts).to_string())
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(updated.len() as u64)
+        Ok(self.record(token, now, &parts, None).await?.unwrap_or_default())
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        let _writing = self.writer.lock().await;
         let done = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PENDING', attempts = MAX(attempts - 1, 0), last_status_at = ?1,
@@ -279,6 +374,7 @@ impl Store for SqliteStore {
     }
 
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
+        let _writing = self.writer.lock().await;
         let rows = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PENDING', last_status_at = ?1, next_attempt_at = ?1, claim_token = NULL,
@@ -336,6 +432,7 @@ impl Store for SqliteStore {
     }
 
     async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
+        let _writing = self.writer.lock().await;
         let done = sqlx::query(
             "DELETE FROM ferry_events WHERE id IN (
                  SELECT id FROM ferry_events WHERE status = 'SENT' AND processed_at < ?1 LIMIT ?2

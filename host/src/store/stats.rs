@@ -100,9 +100,19 @@ pub(crate) const ROUTE_COUNTS_SQL: &str =
 pub(crate) const LATENCY_SQL: &str = "SELECT event_time, created_at, processed_at FROM ferry_events
      WHERE status = 'SENT' AND processed_at >= $1 ORDER BY processed_at DESC LIMIT $2";
 
+/// An event's history: the attempts that went wrong, then the delivery that succeeded, which is
+/// kept on the event row (by the instance that claimed it). SENT events delivered before the
+/// success columns existed have their success among the history rows instead.
 pub(crate) const ATTEMPTS_SQL: &str =
-    "SELECT attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance
-     FROM ferry_attempts WHERE event_id = $1 ORDER BY id";
+    "SELECT attempt, started_at, duration_ms, outcome, reason, error, plugin, plugin_hash, instance FROM (
+         SELECT 0 AS part, id AS seq, attempt, started_at, duration_ms, outcome, reason, error, plugin,
+                plugin_hash, instance
+         FROM ferry_attempts WHERE event_id = $1
+         UNION ALL
+         SELECT 1, id, attempts, sent_started_at, sent_duration_ms, 'sent', NULL, NULL, sent_plugin,
+                sent_plugin_hash, claimed_by
+         FROM ferry_events WHERE id = $1 AND status = 'SENT' AND sent_started_at IS NOT NULL
+     ) AS history ORDER BY part, seq";
 
 /// The row of `WATCH_SQL`.
 #[derive(Debug, sqlx::FromRow)]

@@ -63,7 +63,8 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             // Applications and `ferry emit` write to the same file; wait for the lock, don't fail.
             .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(true);
+            .foreign_keys(true)
+            .row_buffer_size(ROW_BUFFER);
         if let Some(parent) = path.parent().filter(|p| create && !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| connect_error(sqlx::Error::Io(e)))?;
         }
@@ -226,6 +227,11 @@ impl SqliteStore {
 fn is_locked(e: &sqlx::Error) -> bool {
     e.as_database_error().and_then(|d| d.code()).is_some_and(|code| code == "5" || code == "6")
 }
+
+/// Rows a statement may run ahead of the task reading them. sqlx hands rows from its SQLite thread
+/// to the task one by one; a claim returns up to a batch of rows, and with sqlx's default (50) the
+/// thread stalls and is woken again every 50 of them.
+const ROW_BUFFER: usize = 1024;
 
 fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()

@@ -1,6 +1,7 @@
 //! Events per second through ferry on PostgreSQL, for each bundled transport delivering to a real
 //! receiver on this machine: `log` into a file, `http` into a local HTTP server, `kafka` into a
-//! tansu broker.
+//! tansu broker; and, in the same run, the accept-all `scripted` test transport, which answers
+//! success without sending anything: each transport's figure is also given as a ratio to it.
 //!
 //! Run: `cargo bench --bench transports [-- --events N --batch-size N --only PLUGIN]`
 //! (needs PostgreSQL as for the tests, the built plugins from `scripts/build-plugins`, and tansu
@@ -21,7 +22,7 @@ use ferry::event::Status;
 #[derive(clap::Parser)]
 struct Options {
     /// Events per plugin.
-    #[arg(long, default_value_t = 20_000)]
+    #[arg(long, default_value_t = 50_000)]
     events: usize,
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
@@ -41,6 +42,7 @@ fn options() -> Options {
 /// and the HTTP receiver to keep alive.
 async fn plugin_setup(plugin: &str, db: &TestDb) -> (String, String, Option<Receiver>) {
     match plugin {
+        "accept-all" => (String::new(), "{}".into(), None),
         "log" => {
             let out = db.dir.path().join("out");
             (format!("dirs = {{ \"/out\" = {out:?} }}"), "{ output = \"/out/events.jsonl\" }".into(), None)
@@ -64,12 +66,16 @@ async fn plugin_setup(plugin: &str, db: &TestDb) -> (String, String, Option<Rece
 
 async fn measure(plugin: &str, options: &Options) -> f64 {
     let db = TestDb::postgres().await;
-    let crate_name = format!("ferry_transport_{plugin}");
+    let crate_name = match plugin {
+        "accept-all" => "ferry_test_scripted".to_string(),
+        other => format!("ferry_transport_{other}"),
+    };
     let plugins = plugins_dir(db.dir.path(), &[crate_name.as_str()]);
+    let name = common::plugin_name(&crate_name);
     let (sandbox, config, _receiver) = plugin_setup(plugin, &db).await;
     let text = format!(
-        "[relay]\nbatch_size = {}\n[plugins]\ndir = {plugins:?}\n[sandbox.{plugin}]\n{sandbox}\n\
-         [route.bench]\nplugin = \"{plugin}\"\nconfig = {config}\n",
+        "[relay]\nbatch_size = {}\n[plugins]\ndir = {plugins:?}\n[sandbox.{name}]\n{sandbox}\n\
+         [route.bench]\nplugin = \"{name}\"\nconfig = {config}\n",
         options.batch_size
     );
     let running = Running::start(&db.config(&text)).await;
@@ -101,27 +107,39 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let options = options();
-    let plugins: Vec<&str> =
-        ["log", "http", "kafka"].into_iter().filter(|p| options.only.as_deref().is_none_or(|o| o == *p)).collect();
+    let plugins: Vec<&str> = ["accept-all", "log", "http", "kafka"]
+        .into_iter()
+        .filter(|p| options.only.as_deref().is_none_or(|o| o == *p))
+        .collect();
     let mut results = Vec::new();
     for plugin in plugins {
         let rate = measure(plugin, &options).await;
         eprintln!("{plugin}: {rate:.0} events/s");
         results.push((plugin, rate));
     }
-    println!("| plugin | receiver | events | batch size | events/s |\n| --- | --- | ---: | ---: | ---: |");
+    let accept_all = results.iter().find(|(p, _)| *p == "accept-all").map(|(_, r)| *r);
+    let ratio = |rate: f64| accept_all.map(|a| ((rate / a) * 1000.0).round() / 1000.0);
+    println!(
+        "| plugin | receiver | events | batch size | events/s | ÷ accept-all |\n| --- | --- | ---: | ---: | ---: | ---: |"
+    );
     for (plugin, rate) in &results {
         let receiver = match *plugin {
+            "accept-all" => "none (answers success)",
             "log" => "JSON lines file",
             "http" => "local HTTP/1.1 server",
             _ => "tansu broker, 3 partitions",
         };
-        println!("| {plugin} | {receiver} | {} | {} | {rate:.0} |", options.events, options.batch_size);
+        let shown = ratio(*rate).map_or("–".to_string(), |r| format!("{r:.2}×"));
+        println!("| {plugin} | {receiver} | {} | {} | {rate:.0} | {shown} |", options.events, options.batch_size);
     }
     let json = serde_json::json!({
         "events": options.events,
         "batch_size": options.batch_size,
-        "results": results.iter().map(|(p, r)| serde_json::json!({"plugin": p, "events_per_second": r.round()})).collect::<Vec<_>>(),
+        "results": results.iter().map(|(p, r)| serde_json::json!({
+            "plugin": p,
+            "events_per_second": r.round(),
+            "ratio_to_accept_all": ratio(*r),
+        })).collect::<Vec<_>>(),
     });
     let out = common::repo_root().join("target/bench");
     std::fs::create_dir_all(&out).expect("create target/bench");

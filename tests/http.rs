@@ -19,10 +19,20 @@ const OLD_SECRET: &str = "rotated-out";
 
 /// Ferry with the http plugin; `routes` maps route names to `(url, extra config)`.
 async fn setup(receiver: &Receiver, extra_origin: &str, routes: &[(&str, String, &str)]) -> Stepped {
+    setup_with(receiver, extra_origin, "", routes).await
+}
+
+/// As [`setup`], with more of the plugin's sandbox settings (TOML lines).
+async fn setup_with(
+    receiver: &Receiver,
+    extra_origin: &str,
+    sandbox: &str,
+    routes: &[(&str, String, &str)],
+) -> Stepped {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
     let mut text = format!(
-        "[plugins]\ndir = {plugins:?}\n[sandbox.http]\nhttp = [\"http://{}\", \"{extra_origin}\"]\n",
+        "[plugins]\ndir = {plugins:?}\n[sandbox.http]\nhttp = [\"http://{}\", \"{extra_origin}\"]\n{sandbox}\n",
         receiver.addr
     );
     for (name, url, extra) in routes {
@@ -119,6 +129,38 @@ async fn a_batch_is_sent_in_full_with_bounded_concurrency() {
     let mut expected: Vec<String> = (0..30).map(|i| format!("{{\"n\":{i}}}")).collect();
     expected.sort();
     assert_eq!(bodies, expected, "each event sent once");
+}
+
+/// Requests go out on kept-alive connections, reused across requests, plugin calls and batches,
+/// and never more at a time per origin than the sandbox allows, whatever the plugin asks for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_reused_and_capped_per_origin() {
+    let receiver = Receiver::start().await;
+    let capped = Receiver::start().await;
+    let routes = [
+        ("hooks", receiver.url("/ok"), ", concurrency = \"8\""),
+        ("capped", capped.url("/ok"), ", concurrency = \"32\""),
+    ];
+    let origins = format!("http://{}", capped.addr);
+    let s = setup_with(&receiver, &origins, "http_connections = 2", &routes).await;
+    // One cycle claims a batch of 100 (the default): 50 events per route.
+    for round in 0..6 {
+        let events: Vec<NewEvent> = (0..50)
+            .flat_map(|i| ["hooks", "capped"].map(|route| NewEvent::new(route, "t", format!("{{\"n\":{i}}}"))))
+            .collect();
+        let rows = s.deliver(&events).await;
+        let unsent: Vec<_> =
+            rows.iter().filter(|r| r.status != Status::Sent).map(|r| (r.status, &r.last_error)).collect();
+        assert!(unsent.is_empty(), "round {round}: {} not sent, first {:?}", unsent.len(), unsent.first());
+    }
+    assert_eq!((receiver.requests().len(), capped.requests().len()), (300, 300));
+    // Without pooling each request would open a connection: 300 each. At most 2 requests wait for
+    // an answer at a time; a connection still on its way back to the pool as the next request
+    // starts can make the client open another, so the bound checked is twice the cap.
+    for (origin, receiver) in [("hooks", &receiver), ("capped", &capped)] {
+        let opened = receiver.connections();
+        assert!((1..=4).contains(&opened), "{origin}: {opened} connections for 300 requests, 2 at a time");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -371,6 +371,7 @@ impl Received {
 pub struct Receiver {
     pub addr: std::net::SocketAddr,
     requests: Arc<std::sync::Mutex<Vec<Received>>>,
+    connections: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Receiver {
@@ -378,13 +379,20 @@ impl Receiver {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind receiver");
         let addr = listener.local_addr().unwrap();
         let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let log = requests.clone();
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (log, accepted) = (requests.clone(), connections.clone());
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 tokio::spawn(serve_connection(socket, log.clone()));
             }
         });
-        Receiver { addr, requests }
+        Receiver { addr, requests, connections }
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// `http://<addr><path>`.

@@ -72,6 +72,8 @@ pub struct Sandbox {
     pub dns: bool,
     /// Origins (`scheme://host:port`, normalized) the plugin may send wasi:http requests to.
     pub http: HashSet<String>,
+    /// wasi:http requests in flight at a time per origin (so HTTP/1.1 connections per origin).
+    pub http_connections: u32,
 }
 
 impl Sandbox {
@@ -84,6 +86,11 @@ impl Sandbox {
             tcp: config.tcp.clone(),
             dns: config.dns,
             http,
+            http_connections: match config.http_connections {
+                Some(0) => return Err("http_connections must be at least 1".into()),
+                Some(n) => n,
+                None => crate::plugins::DEFAULT_HTTP_CONNECTIONS,
+            },
         })
     }
 }

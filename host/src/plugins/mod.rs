@@ -10,9 +10,10 @@
 //! ticker, linkers), `sandbox.rs` (what an instance's store carries and enforces: memory, tables,
 //! instances, host resources, files, sockets, HTTP, logging), `imports.rs` (what the linker
 //! shadows or withholds: file-access guards, wasi:http for plugins without an `http` grant),
-//! `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
+//! `http_pool.rs` (pooled connections for wasi:http requests), `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
 //! instance pools, delivery calls, conversion to and from the WIT types).
 
+mod http_pool;
 mod imports;
 mod pool;
 mod registry;
@@ -21,6 +22,7 @@ mod sandbox;
 
 use std::time::Duration;
 
+pub use self::http_pool::DEFAULT_CONNECTIONS as DEFAULT_HTTP_CONNECTIONS;
 pub use self::pool::{Delivery, RouteTransport, route_transports};
 pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, check_wit_version, is_plugin_file, wasm_files};
 pub use self::runtime::Runtime;

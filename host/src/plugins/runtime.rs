@@ -40,6 +40,8 @@ pub struct Runtime {
     pub(super) create_dirs: bool,
     /// The deadline of `metadata` when a file is loaded (`plugins.timeout`).
     pub(super) load_timeout: std::time::Duration,
+    /// Pooled connections for every plugin's wasi:http requests.
+    pub(super) http: Arc<super::http_pool::HttpPool>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -131,6 +133,7 @@ impl Runtime {
             max_file_size,
             create_dirs: true,
             load_timeout,
+            http: Arc::new(super::http_pool::HttpPool::new()),
         })
     }
 

@@ -21,6 +21,7 @@ use wasmtime_wasi_http::{
 };
 
 use super::bindings::ferry::transport::{logging, types};
+use super::http_pool::HttpPool;
 use super::runtime::Runtime;
 use super::ticks;
 use crate::config::{PluginLimits, Sandbox, normalize_origin};
@@ -150,11 +151,14 @@ impl WasiHttpView for HostState {
     }
 }
 
-/// Outgoing wasi:http requests go only to the plugin's allowed origins; the `Host` header is set
-/// from the request's authority.
+/// Outgoing wasi:http requests go only to the plugin's allowed origins, on the process's pooled
+/// connections (`http_pool.rs`), at most `connections` at a time per origin; the `Host` header is
+/// set from the request's authority.
 struct HttpPolicy {
     plugin: Arc<str>,
     origins: HashSet<String>,
+    connections: u32,
+    pool: Arc<HttpPool>,
 }
 
 impl WasiHttpHooks for HttpPolicy {
@@ -179,15 +183,16 @@ impl WasiHttpHooks for HttpPolicy {
         let uri = request.uri();
         let origin =
             format!("{}://{}", uri.scheme_str().unwrap_or("https"), uri.authority().map_or("", |a| a.as_str()));
-        let allowed = normalize_origin(&origin).is_ok_and(|o| self.origins.contains(&o));
-        if !allowed {
+        let Some(origin) = normalize_origin(&origin).ok().filter(|o| self.origins.contains(o)) else {
             tracing::warn!(plugin = %self.plugin, %origin, "plugin denied an HTTP request to an origin not on its http allowlist");
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
-        }
+        };
+        let (pool, plugin, connections) = (self.pool.clone(), self.plugin.clone(), self.connections);
         Box::new(async move {
-            use http_body_util::BodyExt;
-            let (response, io) = wasmtime_wasi_http::default_send_request(request, options).await?;
-            Ok((response.map(BodyExt::boxed_unsync), Box::new(io) as Box<dyn Future<Output = _> + Send>))
+            let response = pool.send(plugin, origin, connections, request, options).await?;
+            // The pool drives its connections itself: nothing is left for the caller to await.
+            let done = async { Ok(()) };
+            Ok((response, Box::new(done) as Box<dyn Future<Output = _> + Send>))
         })
     }
 }
@@ -266,7 +271,12 @@ impl Runtime {
         let state = HostState {
             wasi: wasi.build(),
             http,
-            http_policy: HttpPolicy { plugin: plugin.clone(), origins: sandbox.http.clone() },
+            http_policy: HttpPolicy {
+                plugin: plugin.clone(),
+                origins: sandbox.http.clone(),
+                connections: sandbox.http_connections,
+                pool: self.http.clone(),
+            },
             table,
             limiter: Limiter::new(limits.memory),
             plugin,

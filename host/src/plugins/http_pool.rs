@@ -1,0 +1,325 @@
+//! Outgoing wasi:http requests on pooled connections. wasmtime's default sender opens a new TCP
+//! connection (and TLS session) for every request and closes it after the response; a webhook
+//! transport sending a batch of 500 events then pays 500 handshakes. Here every plugin's requests
+//! go through one client per ferry process that keeps connections alive and reuses them, speaks
+//! HTTP/2 when a TLS server offers it (ALPN), and resumes TLS sessions.
+//!
+//! What stays as it was: the origin allowlist is checked before a request reaches this module
+//! (`sandbox.rs`), names are resolved by the host as before, and the request's timeouts apply.
+//! What is new: requests waiting for their answer are capped per plugin and origin
+//! (`sandbox.NAME.http_connections`), so a plugin cannot make the host open connections without
+//! bound; a request beyond the cap waits for a slot within its own timeouts. The slot is given
+//! back when the answer's head arrives, not when its body is read: a plugin may wait for its
+//! answers in any order without holding up its own requests. A body the plugin drops unread is
+//! read to its end here (if short), so its connection can serve the next request.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Uri;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::{Connected, Connection};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
+use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
+
+/// How long an idle connection is kept for the next request.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long opening a connection (TCP and TLS) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// wasmtime's timeouts when a request sets none of its own.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Requests in flight per plugin and origin when the sandbox sets no `http_connections`.
+pub const DEFAULT_CONNECTIONS: u32 = 32;
+
+/// The process's HTTP client for plugins.
+pub(crate) struct HttpPool {
+    client: Client<Connector, WasiBody>,
+    /// Slots for requests waiting for their answer, per plugin and origin.
+    slots: Mutex<HashMap<SlotKey, Arc<Semaphore>>>,
+}
+
+/// A plugin, one of its origins, and its cap (a changed cap gets slots of its own).
+type SlotKey = (Arc<str>, String, u32);
+
+impl std::fmt::Debug for HttpPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpPool").finish_non_exhaustive()
+    }
+}
+
+impl HttpPool {
+    pub(crate) fn new() -> HttpPool {
+        let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.into() };
+        let mut tls = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let connector = Connector { tls: tokio_rustls::TlsConnector::from(Arc::new(tls)) };
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(IDLE_TIMEOUT)
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .build(connector);
+        HttpPool { client, slots: Mutex::default() }
+    }
+
+    /// Sends `request` (whose origin `origin` the caller has checked against the plugin's
+    /// allowlist) on a pooled connection, holding one of `plugin`'s `slots` for `origin` until the
+    /// response head has arrived.
+    pub(crate) async fn send(
+        &self,
+        plugin: Arc<str>,
+        origin: String,
+        slots: u32,
+        request: http::Request<WasiBody>,
+        options: Option<RequestOptions>,
+    ) -> Result<http::Response<WasiBody>, HttpError> {
+        let connect = options.and_then(|o| o.connect_timeout).unwrap_or(DEFAULT_TIMEOUT);
+        let first_byte = options.and_then(|o| o.first_byte_timeout).unwrap_or(DEFAULT_TIMEOUT);
+        // Tokio's interval panics on zero; a nanosecond is as good as none.
+        let between_bytes =
+            options.and_then(|o| o.between_bytes_timeout).unwrap_or(DEFAULT_TIMEOUT).max(Duration::from_nanos(1));
+        let semaphore = {
+            let mut all = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            all.entry((plugin, origin, slots))
+                .or_insert_with(|| Arc::new(Semaphore::new(slots.max(1) as usize)))
+                .clone()
+        };
+        let head = async {
+            let _slot = semaphore.acquire().await.map_err(|_| HttpError::ConnectionLimitReached)?;
+            self.client.request(request).await.map_err(|e| client_error(&e))
+        };
+        // Waiting for a slot, connecting and the first byte together get the request's connect
+        // and first-byte timeouts (wasmtime's sender gives each its own; a pooled request may
+        // need no connection at all).
+        let response = tokio::time::timeout(connect.saturating_add(first_byte), head)
+            .await
+            .map_err(|_| HttpError::ConnectionReadTimeout)??;
+        let mut timeout = tokio::time::interval(between_bytes);
+        timeout.reset();
+        let body = |incoming| ResponseBody { incoming: Some(incoming), timeout };
+        Ok(response.map(|incoming| http_body_util::BodyExt::boxed_unsync(body(incoming))))
+    }
+}
+
+/// A response body that fails when the server pauses longer than the request's between-bytes
+/// timeout. Dropped unread, it reads the rest (if short) so the connection can be reused.
+struct ResponseBody {
+    /// Taken by `drop`.
+    incoming: Option<Incoming>,
+    timeout: tokio::time::Interval,
+}
+
+/// The most of an unread body read after it is dropped, and how long that may take; a longer body
+/// costs its connection instead.
+const DRAIN_BYTES: usize = 64 << 10;
+const DRAIN_TIME: Duration = Duration::from_secs(1);
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        let Some(mut incoming) = self.incoming.take().filter(|i| !i.is_end_stream()) else { return };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            let drain = async {
+                let mut read = 0;
+                while read <= DRAIN_BYTES {
+                    match http_body_util::BodyExt::frame(&mut incoming).await {
+                        Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len()),
+                        _ => return,
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(DRAIN_TIME, drain).await;
+        });
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = HttpError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, HttpError>>> {
+        let Some(incoming) = self.incoming.as_mut() else { return Poll::Ready(None) };
+        match Pin::new(incoming).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                self.timeout.reset();
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) if e.is_timeout() => Poll::Ready(Some(Err(HttpError::HttpResponseTimeout))),
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(HttpError::Hyper(e)))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => match self.timeout.poll_tick(cx) {
+                Poll::Ready(_) => Poll::Ready(Some(Err(HttpError::ConnectionReadTimeout))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.incoming.as_ref().is_none_or(Incoming::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.incoming.as_ref().map_or_else(|| SizeHint::with_exact(0), Incoming::size_hint)
+    }
+}
+
+/// The wasi:http error for a failed request, from what the client reports.
+fn client_error(e: &hyper_util::client::legacy::Error) -> HttpError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if let Some(failed) = cause.downcast_ref::<ConnectError>() {
+            return match failed {
+                ConnectError::Timeout => HttpError::ConnectionTimeout,
+                ConnectError::Refused => HttpError::ConnectionRefused,
+                ConnectError::Io(e) => HttpError::Connect(io::Error::new(e.kind(), e.to_string())),
+                ConnectError::Tls(e) => HttpError::Tls(io::Error::new(e.kind(), e.to_string())),
+                ConnectError::Name(_) => HttpError::HttpRequestUriInvalid,
+            };
+        }
+        if let Some(e) = cause.downcast_ref::<hyper::Error>() {
+            return if e.is_timeout() {
+                HttpError::ConnectionReadTimeout
+            } else if e.is_parse() || e.is_parse_status() {
+                HttpError::HttpProtocolError
+            } else if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
+                HttpError::ConnectionTerminated
+            } else {
+                HttpError::InternalError(Some(e.to_string()))
+            };
+        }
+        source = cause.source();
+    }
+    HttpError::InternalError(Some(e.to_string()))
+}
+
+/// Why a connection could not be opened.
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error("connecting timed out")]
+    Timeout,
+    #[error("connection refused")]
+    Refused,
+    #[error("{0}")]
+    Io(io::Error),
+    #[error("TLS: {0}")]
+    Tls(io::Error),
+    #[error("not a host name TLS can verify: {0}")]
+    Name(String),
+}
+
+/// Opens TCP connections, and TLS over them for `https`.
+#[derive(Clone)]
+struct Connector {
+    tls: tokio_rustls::TlsConnector,
+}
+
+impl tower_service::Service<Uri> for Connector {
+    type Response = TokioIo<Stream>;
+    type Error = ConnectError;
+    type Future = Pin<Box<dyn Future<Output = Result<TokioIo<Stream>, ConnectError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), ConnectError>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let tls = self.tls.clone();
+        Box::pin(async move {
+            let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
+            let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
+            let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+            let open = async {
+                let tcp = TcpStream::connect((host.as_str(), port)).await.map_err(|e| match e.kind() {
+                    io::ErrorKind::ConnectionRefused => ConnectError::Refused,
+                    _ => ConnectError::Io(e),
+                })?;
+                let _ = tcp.set_nodelay(true);
+                if !https {
+                    return Ok(Stream::Plain(tcp));
+                }
+                let name = rustls::pki_types::ServerName::try_from(host.clone())
+                    .map_err(|e| ConnectError::Name(format!("{host}: {e}")))?;
+                let stream = tls.connect(name, tcp).await.map_err(ConnectError::Tls)?;
+                Ok(Stream::Tls(Box::new(stream)))
+            };
+            let stream = tokio::time::timeout(CONNECT_TIMEOUT, open).await.map_err(|_| ConnectError::Timeout)??;
+            Ok(TokioIo::new(stream))
+        })
+    }
+}
+
+/// A pooled connection: plain TCP, or TLS over it.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl Connection for Stream {
+    fn connected(&self) -> Connected {
+        match self {
+            Stream::Plain(_) => Connected::new(),
+            Stream::Tls(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2") => Connected::new().negotiated_h2(),
+            Stream::Tls(_) => Connected::new(),
+        }
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Plain(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+}

@@ -163,6 +163,25 @@ async fn connections_are_reused_and_capped_per_origin() {
     }
 }
 
+/// The plugin starts several requests, then writes their bodies in order; a body over a few KiB
+/// cannot be written until its request is under way. Slots are given in the order the requests
+/// were made, so the ones waiting for a slot are never the ones whose bodies the others need.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_bodies_never_wait_on_their_own_requests_for_a_slot() {
+    let receiver = Receiver::start().await;
+    let routes = [("big", receiver.url("/ok"), ", concurrency = \"8\", timeout_ms = \"3000\"")];
+    let s = setup_with(&receiver, "http://127.0.0.1:9", "http_connections = 2", &routes).await;
+    let padding = "x".repeat(64 << 10);
+    let events: Vec<NewEvent> =
+        (0..24).map(|i| NewEvent::new("big", "t", format!("{{\"n\":{i},\"pad\":\"{padding}\"}}"))).collect();
+    let started = std::time::Instant::now();
+    let rows = s.deliver(&events).await;
+    let unsent: Vec<_> = rows.iter().filter(|r| r.status != Status::Sent).map(|r| &r.last_error).collect();
+    assert!(unsent.is_empty(), "{} not sent, first {:?}", unsent.len(), unsent.first());
+    assert_eq!(receiver.requests().len(), 24);
+    assert!(started.elapsed() < std::time::Duration::from_secs(3), "took {:?}", started.elapsed());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_route_config_is_refused_by_init() {
     let receiver = Receiver::start().await;

@@ -109,11 +109,15 @@ async fn the_schema_refuses_what_ferry_cannot_represent(db: TestDb) {
             "INSERT INTO ferry_events (route, event_type, payload, event_time) VALUES ('s', 't', x'00', 'soon')",
             "INSERT INTO ferry_events (route, event_type, payload, max_attempts) VALUES ('s', 't', x'00', 9223372036854775807)",
             "INSERT INTO ferry_events (route, event_type, payload, next_attempt_at) VALUES ('s', 't', x'00', 1.5)",
+            "INSERT INTO ferry_events (route, event_type, payload, status, sent_started_at) VALUES ('s', 't', x'00', 'SENT', 'soon')",
+            "INSERT INTO ferry_events (route, event_type, payload, status, sent_duration_ms) VALUES ('s', 't', x'00', 'SENT', -1)",
         ],
         Backend::Postgres => [
             "INSERT INTO ferry_events (route, event_type, payload, event_time) VALUES ('s', 't', '\\x00', 'infinity')",
             "INSERT INTO ferry_events (route, event_type, payload, next_attempt_at) VALUES ('s', 't', '\\x00', '-infinity')",
             "INSERT INTO ferry_events (route, event_type, payload, created_at) VALUES ('s', 't', '\\x00', '294276-12-31')",
+            "INSERT INTO ferry_events (route, event_type, payload, status, sent_started_at) VALUES ('s', 't', '\\x00', 'SENT', 'infinity')",
+            "INSERT INTO ferry_events (route, event_type, payload, status, sent_duration_ms) VALUES ('s', 't', '\\x00', 'SENT', -1)",
         ],
     };
     for statement in attempts {

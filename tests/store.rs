@@ -516,6 +516,27 @@ async fn successes_are_recorded_on_the_event_row(db: TestDb) {
     let summary: Vec<(u32, &str)> = history.iter().map(|a| (a.attempt, a.outcome.as_str())).collect();
     assert_eq!(summary, [(1, "retry"), (2, "sent")], "the success follows what went wrong");
     assert_eq!(history_rows(&db).await, 1);
+
+    // A clean batch, recorded by token alone: every detail of the call reaches the rows.
+    let d1 = s.insert(&NewEvent::new("d", "t", "{}"), t0()).await.unwrap();
+    let d2 = s.insert(&NewEvent::new("d", "t", "{}"), t0()).await.unwrap();
+    assert_eq!(s.claim(&claim(t0() + secs(70), 10, "tok4")).await.unwrap().len(), 2);
+    let call_d = call("d", "pd", 42);
+    let outcomes = [by(&call_d, d1, Disposition::Sent), by(&call_d, d2, Disposition::Sent)];
+    assert_eq!(s.complete("tok4", t0() + secs(71), &outcomes).await.unwrap(), 2);
+    for id in [d1, d2] {
+        let row = s.get(id).await.unwrap().unwrap();
+        assert_eq!((row.status, row.max_attempts, row.processed_at), (Status::Sent, Some(4), Some(t0() + secs(71))));
+        let history = s.attempts(id).await.unwrap();
+        let a = &history[..];
+        assert_eq!(a.len(), 1);
+        assert_eq!((a[0].started_at, a[0].duration_ms, a[0].plugin.as_deref()), (t0() + secs(1), 42, Some("pd")));
+        assert_eq!(
+            (a[0].plugin_hash.as_deref(), a[0].instance.as_deref()),
+            (Some("pd".repeat(32).as_str()), Some("test-instance"))
+        );
+    }
+    assert_eq!(history_rows(&db).await, 1);
 }
 
 async fn stats_describe_the_outbox(db: TestDb) {

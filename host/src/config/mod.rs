@@ -239,7 +239,7 @@ pub struct SandboxConfig {
     /// Origins (`scheme://host[:port]`) the plugin may send wasi:http requests to.
     #[serde(default)]
     pub http: Vec<String>,
-    /// wasi:http requests in flight at a time per origin (default 32).
+    /// wasi:http requests per origin one instance may have waiting for their answer (default 32).
     pub http_connections: Option<u32>,
     pub timeout: Option<Dur>,
     pub memory: Option<ByteSize>,

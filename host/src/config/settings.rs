@@ -72,7 +72,7 @@ pub struct Sandbox {
     pub dns: bool,
     /// Origins (`scheme://host:port`, normalized) the plugin may send wasi:http requests to.
     pub http: HashSet<String>,
-    /// wasi:http requests in flight at a time per origin (so HTTP/1.1 connections per origin).
+    /// wasi:http requests per origin one instance may have waiting for their answer.
     pub http_connections: u32,
 }
 

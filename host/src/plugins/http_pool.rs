@@ -1,24 +1,25 @@
 //! Outgoing wasi:http requests on pooled connections. wasmtime's default sender opens a new TCP
 //! connection (and TLS session) for every request and closes it after the response; a webhook
-//! transport sending a batch of 500 events then pays 500 handshakes. Here every plugin's requests
-//! go through one client per ferry process that keeps connections alive and reuses them, speaks
-//! HTTP/2 when a TLS server offers it (ALPN), and resumes TLS sessions.
+//! transport sending a batch of 500 events then pays 500 handshakes. Here each plugin's requests
+//! go through a client of its own that keeps connections alive and reuses them across requests,
+//! calls and instances, speaks HTTP/2 when a TLS server offers it (ALPN), and resumes TLS sessions.
 //!
 //! What stays as it was: the origin allowlist is checked before a request reaches this module
 //! (`sandbox.rs`), names are resolved by the host as before, and the request's timeouts apply.
-//! What is new: requests waiting for their answer are capped per plugin and origin
-//! (`sandbox.NAME.http_connections`), so a plugin cannot make the host open connections without
-//! bound; a request beyond the cap waits for a slot within its own timeouts. The slot is given
-//! back when the answer's head arrives, not when its body is read: a plugin may wait for its
-//! answers in any order without holding up its own requests. A body the plugin drops unread is
-//! read to its end here (if short), so its connection can serve the next request.
+//! What is new: each instance may have at most `sandbox.NAME.http_connections` requests per origin
+//! waiting for their answer; more wait for a slot. Slots are handed out in the order the plugin
+//! made its requests (a [`Ticket`] is taken when the request is handed over, before its body is
+//! written), and given back when the answer's head arrives: a plugin that writes its bodies and
+//! reads its answers in the order it made the requests never waits on itself. A body the plugin
+//! drops unread is read to its end here (if short, a bounded number at a time), so its
+//! connection can serve the next request instead of being closed.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,27 +31,34 @@ use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::Semaphore;
+use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 
 /// How long an idle connection is kept for the next request.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Idle connections kept per origin and plugin; more are closed when they become idle.
+const IDLE_PER_ORIGIN: usize = 64;
 /// How long opening a connection (TCP and TLS) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// wasmtime's timeouts when a request sets none of its own.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
-/// Requests in flight per plugin and origin when the sandbox sets no `http_connections`.
+/// Requests per origin one instance may have waiting for their answer, when the sandbox sets no
+/// `http_connections`.
 pub const DEFAULT_CONNECTIONS: u32 = 32;
+/// Unread bodies read to their end at once, over all plugins; past that, one is dropped and its
+/// connection closed.
+const MAX_DRAINS: usize = 256;
+/// The most of an unread body read after it is dropped, and how long that may take; a longer body
+/// costs its connection instead.
+const DRAIN_BYTES: usize = 64 << 10;
+const DRAIN_TIME: Duration = Duration::from_secs(1);
 
-/// The process's HTTP client for plugins.
+/// The process's HTTP clients for plugins, one per plugin.
 pub(crate) struct HttpPool {
-    client: Client<Connector, WasiBody>,
-    /// Slots for requests waiting for their answer, per plugin and origin.
-    slots: Mutex<HashMap<SlotKey, Arc<Semaphore>>>,
+    tls: tokio_rustls::TlsConnector,
+    clients: Mutex<HashMap<Arc<str>, Client<Connector, WasiBody>>>,
+    drains: Arc<Semaphore>,
 }
-
-/// A plugin, one of its origins, and its cap (a changed cap gets slots of its own).
-type SlotKey = (Arc<str>, String, u32);
 
 impl std::fmt::Debug for HttpPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -63,23 +71,76 @@ impl HttpPool {
         let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.into() };
         let mut tls = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
         tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        let connector = Connector { tls: tokio_rustls::TlsConnector::from(Arc::new(tls)) };
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .build(connector);
-        HttpPool { client, slots: Mutex::default() }
+        HttpPool {
+            tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
+            clients: Mutex::default(),
+            drains: Arc::new(Semaphore::new(MAX_DRAINS)),
+        }
     }
 
-    /// Sends `request` (whose origin `origin` the caller has checked against the plugin's
-    /// allowlist) on a pooled connection, holding one of `plugin`'s `slots` for `origin` until the
-    /// response head has arrived.
+    /// What sends `plugin`'s requests: its own client, so one plugin's connections (and, on
+    /// HTTP/2, their streams and flow-control windows) are never another's.
+    pub(crate) fn sender(&self, plugin: &Arc<str>) -> Sender {
+        let mut clients = self.clients.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let client = clients
+            .entry(plugin.clone())
+            .or_insert_with(|| {
+                Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(IDLE_TIMEOUT)
+                    .pool_max_idle_per_host(IDLE_PER_ORIGIN)
+                    .pool_timer(TokioTimer::new())
+                    .timer(TokioTimer::new())
+                    .build(Connector { tls: self.tls.clone() })
+            })
+            .clone();
+        Sender { client, drains: self.drains.clone() }
+    }
+}
+
+/// A place in the queue for one of an instance's slots for an origin, taken when the plugin hands
+/// a request over (so in the order it made them), held until the answer's head arrives.
+pub(crate) enum Ticket {
+    Held(OwnedSemaphorePermit),
+    Queued(Pin<Box<dyn Future<Output = Result<OwnedSemaphorePermit, AcquireError>> + Send>>),
+    Closed,
+}
+
+impl Ticket {
+    /// Joins the queue of `slots` now: the semaphore is fair, and a waiter's place is fixed by
+    /// its first poll.
+    pub(crate) fn take(slots: Arc<Semaphore>) -> Ticket {
+        let mut wait = Box::pin(slots.acquire_owned());
+        match wait.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(permit)) => Ticket::Held(permit),
+            Poll::Ready(Err(_)) => Ticket::Closed,
+            Poll::Pending => Ticket::Queued(wait),
+        }
+    }
+
+    async fn redeem(self) -> Option<OwnedSemaphorePermit> {
+        match self {
+            Ticket::Held(permit) => Some(permit),
+            Ticket::Queued(wait) => wait.await.ok(),
+            Ticket::Closed => None,
+        }
+    }
+}
+
+/// One plugin's client.
+pub(crate) struct Sender {
+    client: Client<Connector, WasiBody>,
+    drains: Arc<Semaphore>,
+}
+
+impl Sender {
+    /// Sends `request` (whose origin the caller has checked against the plugin's allowlist) on a
+    /// pooled connection once `ticket` gets its slot. Waiting for the slot is bounded by the
+    /// request's connect timeout (`ConnectionLimitReached` when it runs out); connecting and the
+    /// answer's head by its first-byte timeout plus the connect timeout (at most 10 s); each pause
+    /// in the body by its between-bytes timeout.
     pub(crate) async fn send(
-        &self,
-        plugin: Arc<str>,
-        origin: String,
-        slots: u32,
+        self,
+        ticket: Ticket,
         request: http::Request<WasiBody>,
         options: Option<RequestOptions>,
     ) -> Result<http::Response<WasiBody>, HttpError> {
@@ -88,25 +149,15 @@ impl HttpPool {
         // Tokio's interval panics on zero; a nanosecond is as good as none.
         let between_bytes =
             options.and_then(|o| o.between_bytes_timeout).unwrap_or(DEFAULT_TIMEOUT).max(Duration::from_nanos(1));
-        let semaphore = {
-            let mut all = self.slots.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            all.entry((plugin, origin, slots))
-                .or_insert_with(|| Arc::new(Semaphore::new(slots.max(1) as usize)))
-                .clone()
-        };
-        let head = async {
-            let _slot = semaphore.acquire().await.map_err(|_| HttpError::ConnectionLimitReached)?;
-            self.client.request(request).await.map_err(|e| client_error(&e))
-        };
-        // Waiting for a slot, connecting and the first byte together get the request's connect
-        // and first-byte timeouts (wasmtime's sender gives each its own; a pooled request may
-        // need no connection at all).
-        let response = tokio::time::timeout(connect.saturating_add(first_byte), head)
-            .await
-            .map_err(|_| HttpError::ConnectionReadTimeout)??;
+        let slot = tokio::time::timeout(connect, ticket.redeem()).await.ok().flatten();
+        let Some(_slot) = slot else { return Err(HttpError::ConnectionLimitReached) };
+        let head =
+            tokio::time::timeout(first_byte.saturating_add(connect.min(CONNECT_TIMEOUT)), self.client.request(request));
+        let response = head.await.map_err(|_| HttpError::ConnectionReadTimeout)?.map_err(|e| client_error(&e))?;
         let mut timeout = tokio::time::interval(between_bytes);
         timeout.reset();
-        let body = |incoming| ResponseBody { incoming: Some(incoming), timeout };
+        let drains = self.drains;
+        let body = |incoming| ResponseBody { incoming: Some(incoming), timeout, drains };
         Ok(response.map(|incoming| http_body_util::BodyExt::boxed_unsync(body(incoming))))
     }
 }
@@ -117,18 +168,17 @@ struct ResponseBody {
     /// Taken by `drop`.
     incoming: Option<Incoming>,
     timeout: tokio::time::Interval,
+    drains: Arc<Semaphore>,
 }
-
-/// The most of an unread body read after it is dropped, and how long that may take; a longer body
-/// costs its connection instead.
-const DRAIN_BYTES: usize = 64 << 10;
-const DRAIN_TIME: Duration = Duration::from_secs(1);
 
 impl Drop for ResponseBody {
     fn drop(&mut self) {
         let Some(mut incoming) = self.incoming.take().filter(|i| !i.is_end_stream()) else { return };
+        // Too many drains at once: this one's connection is closed instead.
+        let Ok(draining) = self.drains.clone().try_acquire_owned() else { return };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         runtime.spawn(async move {
+            let _draining = draining;
             let drain = async {
                 let mut read = 0;
                 while read <= DRAIN_BYTES {

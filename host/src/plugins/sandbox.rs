@@ -5,13 +5,14 @@
 //! are symbolic links), the TCP allowlist, the HTTP origin allowlist, and the host side of
 //! ferry's `logging` import. What the linker shadows or withholds is in `imports.rs`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use tokio::sync::Semaphore;
 use wasmtime::component::ResourceTable;
 use wasmtime::{ResourceLimiter, Store as WasmStore};
 use wasmtime_wasi::sockets::SocketAddrUse;
@@ -21,7 +22,7 @@ use wasmtime_wasi_http::{
 };
 
 use super::bindings::ferry::transport::{logging, types};
-use super::http_pool::HttpPool;
+use super::http_pool::{HttpPool, Ticket};
 use super::runtime::Runtime;
 use super::ticks;
 use crate::config::{PluginLimits, Sandbox, normalize_origin};
@@ -151,14 +152,16 @@ impl WasiHttpView for HostState {
     }
 }
 
-/// Outgoing wasi:http requests go only to the plugin's allowed origins, on the process's pooled
-/// connections (`http_pool.rs`), at most `connections` at a time per origin; the `Host` header is
-/// set from the request's authority.
+/// Outgoing wasi:http requests go only to the plugin's allowed origins, on the plugin's pooled
+/// connections (`http_pool.rs`), with at most `connections` per origin waiting for an answer in
+/// this instance; the `Host` header is set from the request's authority.
 struct HttpPolicy {
     plugin: Arc<str>,
     origins: HashSet<String>,
     connections: u32,
     pool: Arc<HttpPool>,
+    /// This instance's slots, per allowed origin.
+    slots: HashMap<String, Arc<Semaphore>>,
 }
 
 impl WasiHttpHooks for HttpPolicy {
@@ -187,9 +190,13 @@ impl WasiHttpHooks for HttpPolicy {
             tracing::warn!(plugin = %self.plugin, %origin, "plugin denied an HTTP request to an origin not on its http allowlist");
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         };
-        let (pool, plugin, connections) = (self.pool.clone(), self.plugin.clone(), self.connections);
+        let connections = self.connections.max(1) as usize;
+        let slots = self.slots.entry(origin).or_insert_with(|| Arc::new(Semaphore::new(connections)));
+        // Taken now, while the plugin hands the request over: slots go in the order of requests.
+        let ticket = Ticket::take(slots.clone());
+        let sender = self.pool.sender(&self.plugin);
         Box::new(async move {
-            let response = pool.send(plugin, origin, connections, request, options).await?;
+            let response = sender.send(ticket, request, options).await?;
             // The pool drives its connections itself: nothing is left for the caller to await.
             let done = async { Ok(()) };
             Ok((response, Box::new(done) as Box<dyn Future<Output = _> + Send>))
@@ -276,6 +283,7 @@ impl Runtime {
                 origins: sandbox.http.clone(),
                 connections: sandbox.http_connections,
                 pool: self.http.clone(),
+                slots: HashMap::new(),
             },
             table,
             limiter: Limiter::new(limits.memory),

@@ -27,7 +27,7 @@ use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEven
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
-    /// Taken by the relay's writes (claims, outcomes, recovery, retention). SQLite lets one
+    /// Taken by the relay's writes (claims, outcomes, breakers, recovery, retention). SQLite lets one
     /// connection write at a time, and a connection that finds the file locked sleeps in steps of
     /// milliseconds before trying again; the relay's own writers queue here instead, and wake the
     /// moment the previous write commits. Other processes still wait on the busy timeout.
@@ -358,7 +358,10 @@ impl Store for SqliteStore {
             if let Some(written) = self.record(token, now, &parts, Some(&calls)).await? {
                 return Ok(written);
             }
-            tracing::warn!(token, "the claim's rows differ from its batch; recording successes by id");
+            tracing::debug!(
+                token,
+                "the claim's rows differ from its batch (some fenced off); recording successes by id"
+            );
         }
         Ok(self.record(token, now, &parts, None).await?.unwrap_or_default())
     }
@@ -533,6 +536,7 @@ impl Store for SqliteStore {
         threshold: u32,
         now: DateTime<Utc>,
     ) -> Result<Breaker, StoreError> {
+        let _writing = self.writer.lock().await;
         let row = sqlx::query_as(
             "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
              VALUES (?1, ?2, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?5 END, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?3 END, ?5)
@@ -567,6 +571,7 @@ impl Store for SqliteStore {
         now: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> Result<bool, StoreError> {
+        let _writing = self.writer.lock().await;
         let done = sqlx::query(
             "UPDATE ferry_breakers SET probe_until = ?4, updated_at = ?3
              WHERE route = ?1 AND opened_at <= ?2 AND manual = 0 AND (probe_until IS NULL OR probe_until <= ?3)",
@@ -581,6 +586,7 @@ impl Store for SqliteStore {
     }
 
     async fn release_probe(&self, route: &str) -> Result<(), StoreError> {
+        let _writing = self.writer.lock().await;
         sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = ?1")
             .bind(route)
             .execute(&self.pool)

@@ -2,6 +2,9 @@
 //! sent (body, headers, Standard Webhooks signatures) and how every kind of answer maps to an
 //! outcome.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
 use ferry::NewEvent;
 use ferry::clock::Clock;
 use ferry::event::Status;
@@ -180,6 +183,141 @@ async fn large_bodies_never_wait_on_their_own_requests_for_a_slot() {
     assert!(unsent.is_empty(), "{} not sent, first {:?}", unsent.len(), unsent.first());
     assert_eq!(receiver.requests().len(), 24);
     assert!(started.elapsed() < std::time::Duration::from_secs(3), "took {:?}", started.elapsed());
+}
+
+/// An HTTPS server on 127.0.0.1 ("localhost") with a certificate from a CA made for the test by
+/// `openssl`; it offers HTTP/2 and HTTP/1.1 by ALPN, counts connections and records the HTTP
+/// version of each request.
+struct TlsReceiver {
+    port: u16,
+    ca: std::path::PathBuf,
+    connections: Arc<AtomicUsize>,
+    versions: Arc<Mutex<Vec<http::Version>>>,
+}
+
+async fn tls_receiver(dir: &std::path::Path) -> TlsReceiver {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl").args(args).current_dir(dir).output().expect("openssl runs");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+    openssl(
+        &[
+            &["req", "-x509"][..],
+            &ec,
+            &["-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ferry test CA"],
+        ]
+        .concat(),
+    );
+    openssl(&[&["req"][..], &ec, &["-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"]].concat());
+    std::fs::write(dir.join("san.ext"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+    let certs: Vec<CertificateDer<'static>> =
+        CertificateDer::pem_slice_iter(&std::fs::read(dir.join("server.pem")).unwrap()).map(Result::unwrap).collect();
+    let key = PrivateKeyDer::from_pem_slice(&std::fs::read(dir.join("server.key")).unwrap()).unwrap();
+    let mut config = rustls::ServerConfig::builder().with_no_client_auth().with_single_cert(certs, key).unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let versions = Arc::new(Mutex::new(Vec::new()));
+    let (accepted, seen) = (connections.clone(), versions.clone());
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            accepted.fetch_add(1, Ordering::SeqCst);
+            let (acceptor, seen) = (acceptor.clone(), seen.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+                let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                    let seen = seen.clone();
+                    async move {
+                        seen.lock().unwrap().push(request.version());
+                        let _ = http_body_util::BodyExt::collect(request.into_body()).await;
+                        Ok::<_, std::convert::Infallible>(http::Response::new(
+                            http_body_util::Empty::<bytes::Bytes>::new(),
+                        ))
+                    }
+                });
+                let io = hyper_util::rt::TokioIo::new(tls);
+                if h2 {
+                    let builder = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
+                    let _ = builder.serve_connection(io, service).await;
+                } else {
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+                }
+            });
+        }
+    });
+    TlsReceiver { port, ca: dir.join("ca.pem"), connections, versions }
+}
+
+/// HTTPS through the pool: the server's certificate is verified (against `http_ca`; without it
+/// the request fails as a TLS error), HTTP/2 is spoken when the server offers it, and later
+/// requests reuse the connections the first ones opened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_is_verified_and_speaks_http2_on_shared_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = tls_receiver(dir.path()).await;
+    let origin = format!("https://localhost:{}", server.port);
+    let url = format!("{origin}/in");
+    let plain = Receiver::start().await;
+    let routes = [("tls", url.clone(), ", concurrency = \"8\"")];
+    let trusted = format!("http_ca = {:?}", server.ca);
+    let s = setup_with(&plain, &origin, &trusted, &routes).await;
+    let mut after_first = 0;
+    for round in 0..3 {
+        let events: Vec<NewEvent> = (0..40).map(|i| NewEvent::new("tls", "t", format!("{{\"n\":{i}}}"))).collect();
+        let rows = s.deliver(&events).await;
+        let unsent: Vec<_> = rows.iter().filter(|r| r.status != Status::Sent).map(|r| &r.last_error).collect();
+        assert!(unsent.is_empty(), "round {round}: {} not sent, first {:?}", unsent.len(), unsent.first());
+        if round == 0 {
+            after_first = server.connections.load(Ordering::SeqCst);
+        }
+    }
+    let versions = server.versions.lock().unwrap().clone();
+    assert_eq!(versions.len(), 120);
+    assert!(versions.iter().all(|v| *v == http::Version::HTTP_2), "{versions:?}");
+    // The first requests race to open connections before any has said it speaks HTTP/2 (at most
+    // the plugin's 8 at a time); after that every request rides on the connections there are.
+    let opened = server.connections.load(Ordering::SeqCst);
+    assert!((1..=8).contains(&after_first), "{after_first} connections for the first 40 requests, 8 at a time");
+    assert_eq!(opened, after_first, "the next 80 requests opened no connection");
+
+    // The same server without its CA: the certificate does not verify.
+    let s = setup_with(&plain, &origin, "", &routes).await;
+    let rows = s.deliver(&[NewEvent::new("tls", "t", "{}")]).await;
+    assert_eq!(rows[0].status, Status::Pending, "a TLS failure is transient");
+    let error = rows[0].last_error.as_deref().unwrap_or_default();
+    assert!(error.contains("Tls") || error.contains("certificate"), "{error}");
+    assert_eq!(server.versions.lock().unwrap().len(), 120, "nothing reached the server");
+
+    // A CA file that is not one fails the route's events, naming the file.
+    std::fs::write(dir.path().join("not-a-ca.pem"), "hello").unwrap();
+    let broken = format!("http_ca = {:?}", dir.path().join("not-a-ca.pem"));
+    let s = setup_with(&plain, &origin, &broken, &routes).await;
+    let rows = s.deliver(&[NewEvent::new("tls", "t", "{}")]).await;
+    let error = rows[0].last_error.as_deref().unwrap_or_default();
+    assert!(error.contains("http_ca") && error.contains("not-a-ca.pem"), "{error}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

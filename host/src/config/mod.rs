@@ -241,6 +241,9 @@ pub struct SandboxConfig {
     pub http: Vec<String>,
     /// wasi:http requests per origin one instance may have waiting for their answer (default 32).
     pub http_connections: Option<u32>,
+    /// A PEM file of CA certificates the plugin's HTTPS servers may be verified against, besides
+    /// the public roots.
+    pub http_ca: Option<PathBuf>,
     pub timeout: Option<Dur>,
     pub memory: Option<ByteSize>,
     pub instances: Option<u32>,

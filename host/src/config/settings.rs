@@ -74,6 +74,8 @@ pub struct Sandbox {
     pub http: HashSet<String>,
     /// wasi:http requests per origin one instance may have waiting for their answer.
     pub http_connections: u32,
+    /// A PEM file of CA certificates trusted for wasi:http, besides the public roots.
+    pub http_ca: Option<PathBuf>,
 }
 
 impl Sandbox {
@@ -91,6 +93,7 @@ impl Sandbox {
                 Some(n) => n,
                 None => crate::plugins::DEFAULT_HTTP_CONNECTIONS,
             },
+            http_ca: config.http_ca.as_ref().map(|path| normalize_path(path)),
         })
     }
 }

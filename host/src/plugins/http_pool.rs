@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -53,12 +54,14 @@ const MAX_DRAINS: usize = 256;
 const DRAIN_BYTES: usize = 64 << 10;
 const DRAIN_TIME: Duration = Duration::from_secs(1);
 
-/// The process's HTTP clients for plugins, one per plugin.
+/// The process's HTTP clients for plugins, one per plugin (and extra CA file).
 pub(crate) struct HttpPool {
-    tls: tokio_rustls::TlsConnector,
-    clients: Mutex<HashMap<Arc<str>, Client<Connector, WasiBody>>>,
+    clients: Mutex<HashMap<ClientKey, Client<Connector, WasiBody>>>,
     drains: Arc<Semaphore>,
 }
+
+/// A plugin and the CA file its sandbox trusts besides the public roots.
+type ClientKey = (Arc<str>, Option<PathBuf>);
 
 impl std::fmt::Debug for HttpPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -68,33 +71,54 @@ impl std::fmt::Debug for HttpPool {
 
 impl HttpPool {
     pub(crate) fn new() -> HttpPool {
-        let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.into() };
-        let mut tls = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
-        tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        HttpPool {
-            tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
-            clients: Mutex::default(),
-            drains: Arc::new(Semaphore::new(MAX_DRAINS)),
-        }
+        HttpPool { clients: Mutex::default(), drains: Arc::new(Semaphore::new(MAX_DRAINS)) }
     }
 
     /// What sends `plugin`'s requests: its own client, so one plugin's connections (and, on
-    /// HTTP/2, their streams and flow-control windows) are never another's.
-    pub(crate) fn sender(&self, plugin: &Arc<str>) -> Sender {
+    /// HTTP/2, their streams and flow-control windows) are never another's. Servers are verified
+    /// against the public (webpki) roots and, with `ca`, the certificates in that PEM file. The
+    /// error names the file when it cannot be used.
+    pub(crate) fn sender(&self, plugin: &Arc<str>, ca: Option<&Path>) -> Result<Sender, String> {
         let mut clients = self.clients.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let client = clients
-            .entry(plugin.clone())
-            .or_insert_with(|| {
-                Client::builder(TokioExecutor::new())
+        let key = (plugin.clone(), ca.map(Path::to_path_buf));
+        let client = match clients.get(&key) {
+            Some(client) => client.clone(),
+            None => {
+                let client = Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(IDLE_TIMEOUT)
                     .pool_max_idle_per_host(IDLE_PER_ORIGIN)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
-                    .build(Connector { tls: self.tls.clone() })
-            })
-            .clone();
-        Sender { client, drains: self.drains.clone() }
+                    .build(Connector { tls: tls_connector(ca)? });
+                clients.insert(key, client.clone());
+                client
+            }
+        };
+        Ok(Sender { client, drains: self.drains.clone() })
     }
+}
+
+/// TLS for one client: the public roots, those of `ca`, ALPN for HTTP/2 and HTTP/1.1, and
+/// rustls's in-memory session cache (sessions are resumed).
+fn tls_connector(ca: Option<&Path>) -> Result<tokio_rustls::TlsConnector, String> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.into() };
+    if let Some(ca) = ca {
+        let pem = std::fs::read(ca).map_err(|e| format!("cannot read {}: {e}", ca.display()))?;
+        let certs = CertificateDer::pem_slice_iter(&pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{} is not a PEM file of certificates: {e}", ca.display()))?;
+        if certs.is_empty() {
+            return Err(format!("{} holds no PEM certificate", ca.display()));
+        }
+        for cert in certs {
+            roots.add(cert).map_err(|e| format!("{}: a certificate cannot be used as a root: {e}", ca.display()))?;
+        }
+    }
+    let mut tls = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
+    tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(Arc::new(tls)))
 }
 
 /// A place in the queue for one of an instance's slots for an origin, taken when the plugin hands
@@ -127,6 +151,7 @@ impl Ticket {
 }
 
 /// One plugin's client.
+#[derive(Clone)]
 pub(crate) struct Sender {
     client: Client<Connector, WasiBody>,
     drains: Arc<Semaphore>,

@@ -22,7 +22,7 @@ use wasmtime_wasi_http::{
 };
 
 use super::bindings::ferry::transport::{logging, types};
-use super::http_pool::{HttpPool, Ticket};
+use super::http_pool::{Sender, Ticket};
 use super::runtime::Runtime;
 use super::ticks;
 use crate::config::{PluginLimits, Sandbox, normalize_origin};
@@ -159,7 +159,8 @@ struct HttpPolicy {
     plugin: Arc<str>,
     origins: HashSet<String>,
     connections: u32,
-    pool: Arc<HttpPool>,
+    /// The plugin's client; `None` without an `http` grant (its requests never get this far).
+    sender: Option<Sender>,
     /// This instance's slots, per allowed origin.
     slots: HashMap<String, Arc<Semaphore>>,
 }
@@ -194,7 +195,7 @@ impl WasiHttpHooks for HttpPolicy {
         let slots = self.slots.entry(origin).or_insert_with(|| Arc::new(Semaphore::new(connections)));
         // Taken now, while the plugin hands the request over: slots go in the order of requests.
         let ticket = Ticket::take(slots.clone());
-        let sender = self.pool.sender(&self.plugin);
+        let Some(sender) = self.sender.clone() else { return Box::new(async { Err(HttpError::HttpRequestDenied) }) };
         Box::new(async move {
             let response = sender.send(ticket, request, options).await?;
             // The pool drives its connections itself: nothing is left for the caller to await.
@@ -275,6 +276,14 @@ impl Runtime {
         http.set_field_size_limit(FIELD_SIZE_LIMIT);
         let mut table = ResourceTable::new();
         table.set_max_capacity((limits.memory / RESOURCE_BYTES).max(MIN_RESOURCES));
+        let sender = match sandbox.http.is_empty() {
+            true => None,
+            false => Some(
+                self.http
+                    .sender(&plugin, sandbox.http_ca.as_deref())
+                    .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.http_ca: {e}"))?,
+            ),
+        };
         let state = HostState {
             wasi: wasi.build(),
             http,
@@ -282,7 +291,7 @@ impl Runtime {
                 plugin: plugin.clone(),
                 origins: sandbox.http.clone(),
                 connections: sandbox.http_connections,
-                pool: self.http.clone(),
+                sender,
                 slots: HashMap::new(),
             },
             table,

@@ -96,7 +96,7 @@ async fn memory() -> (f64, f64) {
          [route.log]\nplugin = \"log\"\nconfig = {{ output = \"/out/events.jsonl\" }}\n\
          [route.http]\nplugin = \"http\"\nconfig = {{ url = \"{url}\", concurrency = \"32\" }}\n\
          [route.kafka]\nplugin = \"kafka\"\nconfig = {{ brokers = \"{broker}\", topic = \"{topic}\" }}\n",
-        cache = repo_root().join("target/test-plugin-cache"),
+        cache = common::target_dir().join("test-plugin-cache"),
         addr = receiver.addr,
         url = receiver.url("/bench"),
         broker = broker.addr(),
@@ -127,7 +127,7 @@ async fn scaling(instances: usize, events: usize) -> f64 {
             "[database]\nurl = {:?}\n[relay]\nbatch_size = 500\n[plugins]\ndir = {plugins:?}\ncache_dir = {:?}\n\
              [route.bench]\nplugin = \"scripted\"\n",
             db.url,
-            repo_root().join("target/test-plugin-cache")
+            common::target_dir().join("test-plugin-cache")
         ),
     )
     .unwrap();

@@ -113,3 +113,73 @@ fn plugins_of_an_incompatible_contract_version_are_refused_naming_both() {
     assert!(compatible.status.success(), "a compatible version loads: {}", String::from_utf8_lossy(&compatible.stderr));
     assert!(String::from_utf8_lossy(&compatible.stdout).contains("\"template\""));
 }
+
+/// The SDK builds from its own copy of the WIT package, so a transport crate outside this
+/// repository needs only the SDK; the copy must be the contract itself, file for file.
+#[test]
+fn the_sdk_carries_the_wit_package_unchanged() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let files = |dir: &str| -> Vec<(String, String)> {
+        let mut files: Vec<(String, String)> = std::fs::read_dir(root.join(dir))
+            .unwrap_or_else(|e| panic!("{dir}: {e}"))
+            .map(|entry| {
+                let path = entry.unwrap().path();
+                let name = path.file_name().unwrap().to_string_lossy().into_owned();
+                (name, std::fs::read_to_string(&path).unwrap())
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let (contract, copy) = (files("wit"), files("plugins/sdk/wit"));
+    assert!(!contract.is_empty());
+    let names = |f: &[(String, String)]| f.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&copy), names(&contract), "plugins/sdk/wit holds the same files as wit/");
+    for ((name, ours), (_, theirs)) in copy.iter().zip(&contract) {
+        assert!(ours == theirs, "plugins/sdk/wit/{name} differs from wit/{name}: copy wit/ over it");
+    }
+}
+
+/// A transport crate outside this repository builds for wasm32-wasip2 with nothing but the SDK: a
+/// copy of `plugins/sdk` alone (as vendored or published), away from the repository's `wit/`;
+/// and `transport!` reports the crate's own version.
+#[test]
+fn a_transport_crate_outside_the_repository_builds_with_the_sdk_alone() {
+    let root = crate::common::repo_root();
+    let outside = tempfile::tempdir().unwrap();
+    let sdk = outside.path().join("sdk");
+    for sub in ["src", "wit"] {
+        std::fs::create_dir_all(sdk.join(sub)).unwrap();
+        for entry in std::fs::read_dir(root.join("plugins/sdk").join(sub)).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, sdk.join(sub).join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::copy(root.join("plugins/sdk/Cargo.toml"), sdk.join("Cargo.toml")).unwrap();
+    let krate = outside.path().join("elsewhere");
+    std::fs::create_dir_all(krate.join("src")).unwrap();
+    let manifest = "[package]\nname = \"elsewhere\"\nversion = \"3.4.5\"\nedition = \"2024\"\n\n[lib]\n\
+                    crate-type = [\"cdylib\"]\n\n[dependencies]\nferry-plugin-sdk = { path = \"../sdk\" }\n\n[workspace]\n";
+    std::fs::write(krate.join("Cargo.toml"), manifest).unwrap();
+    let template = std::fs::read_to_string(root.join("plugins/template/src/lib.rs")).unwrap();
+    std::fs::write(krate.join("src/lib.rs"), template.replace("\"template\"", "\"elsewhere\"")).unwrap();
+    // A target directory of its own, kept between runs: the build is cached after the first.
+    let target = crate::common::target_dir().join("outside-sdk");
+    let out = std::process::Command::new(env!("CARGO"))
+        .args(["build", "--release", "--quiet", "--target", "wasm32-wasip2"])
+        .env("CARGO_TARGET_DIR", &target)
+        .current_dir(&krate)
+        .output()
+        .expect("cargo runs");
+    assert!(out.status.success(), "the outside crate did not build:\n{}", String::from_utf8_lossy(&out.stderr));
+    let wasm = target.join("wasm32-wasip2/release/elsewhere.wasm");
+    let out = std::process::Command::new(crate::common::ferry_bin())
+        .args(["plugins", "check", "--json"])
+        .arg(&wasm)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!((report["name"].as_str(), report["version"].as_str()), (Some("elsewhere"), Some("3.4.5")), "{report}");
+}

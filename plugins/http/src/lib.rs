@@ -33,7 +33,6 @@ struct Settings {
 
 impl Transport for Settings {
     const NAME: &'static str = "http";
-    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn init(config: &mut Config) -> Result<Settings, String> {
         let target = policy::parse_url(&config.required("url")?)?;

@@ -73,7 +73,6 @@ struct State {
 
 impl Transport for State {
     const NAME: &'static str = "kafka";
-    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn init(config: &mut Config) -> Result<State, String> {
         let settings = parse_settings(config)?;

@@ -23,7 +23,6 @@ enum Output {
 
 impl Transport for Output {
     const NAME: &'static str = "log";
-    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn init(config: &mut Config) -> Result<Output, String> {
         let output = match config.optional("output") {

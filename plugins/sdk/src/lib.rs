@@ -9,7 +9,7 @@
 //!
 //! impl Transport for Stdout {
 //!     const NAME: &'static str = "stdout";
-//!     const VERSION: &'static str = env!("CARGO_PKG_VERSION");
+//!     // VERSION defaults to this crate's version (Cargo.toml).
 //!
 //!     fn init(config: &mut Config) -> Result<Self, String> {
 //!         Ok(Stdout { prefix: config.optional("prefix").unwrap_or_default() })
@@ -31,10 +31,12 @@
 // The generated export macro refers to this crate by name, also from inside it.
 extern crate self as ferry_plugin_sdk;
 
-/// The bindings of the `ferry:transport` world, generated from the repository's `wit/` package.
+/// The bindings of the `ferry:transport` world, generated from the SDK's own copy of the WIT
+/// package (`plugins/sdk/wit`, kept identical to the repository's `wit/` by a test), so a
+/// transport crate anywhere builds with a dependency on this crate alone.
 pub mod bindings {
     wit_bindgen::generate!({
-        path: "../../wit",
+        path: "wit",
         world: "transport-plugin",
         pub_export_macro: true,
         export_macro_name: "export_bindings",
@@ -58,8 +60,9 @@ pub mod __private {
 pub trait Transport: Sized + 'static {
     /// The name routes use to select the plugin: lowercase letters, digits and `-`.
     const NAME: &'static str;
-    /// The plugin's own version, shown by `ferry plugins list`.
-    const VERSION: &'static str;
+    /// The plugin's own version, shown by `ferry plugins list`. Left empty (the default),
+    /// [`transport!`] fills in the plugin crate's version (its `CARGO_PKG_VERSION`).
+    const VERSION: &'static str = "";
 
     /// Builds the transport for one route from its configuration. An error message should name
     /// the bad key; ferry then refuses the plugin for that route and says why.
@@ -83,10 +86,12 @@ macro_rules! transport {
 
         impl $crate::bindings::exports::ferry::transport::transport::Guest for __FerryExport {
             fn metadata() -> $crate::PluginInfo {
-                $crate::PluginInfo {
-                    name: <$transport as $crate::Transport>::NAME.into(),
-                    version: <$transport as $crate::Transport>::VERSION.into(),
-                }
+                let version = match <$transport as $crate::Transport>::VERSION {
+                    // Expanded in the plugin crate: its own version.
+                    "" => ::std::env!("CARGO_PKG_VERSION"),
+                    version => version,
+                };
+                $crate::PluginInfo { name: <$transport as $crate::Transport>::NAME.into(), version: version.into() }
             }
 
             fn init(config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>) -> Result<(), String> {

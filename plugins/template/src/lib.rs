@@ -11,7 +11,6 @@ struct Stdout {
 
 impl Transport for Stdout {
     const NAME: &'static str = "template";
-    const VERSION: &'static str = env!("CARGO_PKG_VERSION");
 
     fn init(config: &mut Config) -> Result<Self, String> {
         Ok(Stdout { prefix: config.optional("prefix").unwrap_or_default() })

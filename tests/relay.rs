@@ -118,6 +118,38 @@ async fn transient_retries_with_backoff_then_fails(db: TestDb) {
     assert_eq!(row.event_time, start, "event time is immutable");
 }
 
+/// Events ending FAILED are said in the log, at most once a minute per route, with how many
+/// ended so since the last line and why the last one did.
+async fn failed_events_are_logged_at_most_once_a_minute_per_route(db: TestDb) {
+    use tracing::instrument::WithSubscriber as _;
+    let s = setup(db).await;
+    let log = crate::common::Captured::default();
+    let line = "events ended FAILED";
+    s.emit("s", "permanent").await;
+    s.emit("s", "permanent").await;
+    s.emit("s", "ok").await;
+    assert_eq!(s.cycle().with_subscriber(log.subscriber()).await.failed, 2);
+    let text = log.text();
+    assert_eq!(text.matches(line).count(), 1, "{text}");
+    assert!(text.contains("route=\"s\"") || text.contains("route=s"), "{text}");
+    assert!(text.contains("failed=2") && text.contains("last_reason=permanent"), "{text}");
+    assert!(text.contains("scripted permanent failure") && text.contains("ferry failed list --route s"), "{text}");
+
+    s.emit("s", "permanent").await;
+    s.cycle().with_subscriber(log.subscriber()).await;
+    assert_eq!(log.text().matches(line).count(), 1, "within the minute: no second line");
+
+    s.clock.advance(Duration::from_secs(61));
+    s.emit("s", "permanent").await;
+    s.cycle().with_subscriber(log.subscriber()).await;
+    let text = log.text();
+    assert_eq!(text.matches(line).count(), 2, "{text}");
+    assert!(
+        text.lines().filter(|l| l.contains(line)).nth(1).unwrap().contains("failed=2"),
+        "the one held back counts: {text}"
+    );
+}
+
 async fn retry_after_hint_is_honoured(db: TestDb) {
     let s = setup(db).await;
     let id = s.emit_event(NewEvent::new("s", "transient", "{}").with_header("retry-after-ms", "45000")).await;
@@ -363,6 +395,7 @@ async fn permanent_failures_do_not_trip_the_breaker(db: TestDb) {
 }
 
 crate::both_backends!(
+    failed_events_are_logged_at_most_once_a_minute_per_route,
     an_open_breaker_pauses_its_route_until_a_probe_succeeds,
     a_failed_probe_opens_the_breaker_again_at_once,
     a_probe_that_fails_permanently_is_given_back_at_once,

@@ -79,6 +79,18 @@ pub struct Relay {
     wake: Arc<Notify>,
     metrics: Arc<Metrics>,
     health: Arc<RelayHealth>,
+    /// Per route, when events ending FAILED were last logged and how many ended so since.
+    failed_notices: std::sync::Mutex<HashMap<String, FailedNotice>>,
+}
+
+/// How often, at most, the log says per route that events ended FAILED.
+const FAILED_NOTICE_EVERY: Duration = Duration::from_secs(60);
+
+/// The FAILED events of a route not yet in the log, and when it last said so.
+#[derive(Debug, Default)]
+struct FailedNotice {
+    logged_at: Option<DateTime<Utc>>,
+    unlogged: u64,
 }
 
 impl Relay {
@@ -109,6 +121,7 @@ impl Relay {
             wake: Arc::new(Notify::new()),
             metrics,
             health: Arc::new(RelayHealth::new(config.relay.workers, config.relay.lease.0)),
+            failed_notices: std::sync::Mutex::default(),
         }
     }
 
@@ -274,6 +287,7 @@ impl Relay {
         let done_at = self.clock.now();
         let written = self.store.complete(&token, done_at, &completions).await?;
         self.count(&events, &completions, done_at);
+        self.log_failed(&events, &completions, done_at);
         self.record_breakers(&events, &completions, &breakers, &probed).await?;
         stats.fenced_off = completions.len().saturating_sub(written as usize);
         if stats.fenced_off > 0 {
@@ -358,6 +372,41 @@ impl Relay {
             }
         }
         Ok(())
+    }
+
+    /// Says in the log, at most once a minute per route, that events ended FAILED: how many since
+    /// the last line, why the last one failed, and the command that lists them.
+    fn log_failed(&self, events: &[ClaimedEvent], completions: &[Completion], now: DateTime<Utc>) {
+        let route_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.route.as_str())).collect();
+        let mut failed: BTreeMap<&str, (u64, FailureReason, &str)> = BTreeMap::new();
+        for completion in completions {
+            if let (Disposition::Failed { reason, error }, Some(route)) =
+                (&completion.disposition, route_of.get(&completion.id))
+            {
+                let entry = failed.entry(route).or_insert((0, *reason, error));
+                *entry = (entry.0 + 1, *reason, error);
+            }
+        }
+        if failed.is_empty() {
+            return;
+        }
+        let mut notices = self.failed_notices.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (route, (count, reason, error)) in failed {
+            let notice = notices.entry(route.to_string()).or_default();
+            notice.unlogged += count;
+            let due = notice.logged_at.is_none_or(|at| crate::clock::later(at, FAILED_NOTICE_EVERY) <= now);
+            if due {
+                tracing::warn!(
+                    route,
+                    failed = notice.unlogged,
+                    last_reason = %reason,
+                    last_error = error,
+                    "events ended FAILED (kept for inspection: `ferry failed list --route {route}`, `ferry failed resend`)"
+                );
+                notice.logged_at = Some(now);
+                notice.unlogged = 0;
+            }
+        }
     }
 
     /// Counts a batch's outcomes in the metrics.

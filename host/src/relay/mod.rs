@@ -287,7 +287,7 @@ impl Relay {
         let done_at = self.clock.now();
         let written = self.store.complete(&token, done_at, &completions).await?;
         self.count(&events, &completions, done_at);
-        self.log_failed(&events, &completions, done_at);
+        self.log_failed(&completions, done_at);
         self.record_breakers(&events, &completions, &breakers, &probed).await?;
         stats.fenced_off = completions.len().saturating_sub(written as usize);
         if stats.fenced_off > 0 {
@@ -376,14 +376,12 @@ impl Relay {
 
     /// Says in the log, at most once a minute per route, that events ended FAILED: how many since
     /// the last line, why the last one failed, and the command that lists them.
-    fn log_failed(&self, events: &[ClaimedEvent], completions: &[Completion], now: DateTime<Utc>) {
-        let route_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.route.as_str())).collect();
+    fn log_failed(&self, completions: &[Completion], now: DateTime<Utc>) {
         let mut failed: BTreeMap<&str, (u64, FailureReason, &str)> = BTreeMap::new();
         for completion in completions {
-            if let (Disposition::Failed { reason, error }, Some(route)) =
-                (&completion.disposition, route_of.get(&completion.id))
-            {
-                let entry = failed.entry(route).or_insert((0, *reason, error));
+            if let Disposition::Failed { reason, error } = &completion.disposition {
+                // A plugin call is for one route: the event's.
+                let entry = failed.entry(&completion.attempt.call.route).or_insert((0, *reason, error));
                 *entry = (entry.0 + 1, *reason, error);
             }
         }

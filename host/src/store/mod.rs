@@ -410,6 +410,38 @@ fn sent_by_call<'a>(sent: &[&'a Completion]) -> Option<Vec<SentCall<'a>>> {
     Some(calls)
 }
 
+/// How a backend writes a batch's outcomes in one transaction: retries and failures by id, then
+/// the successes — by claim token and route for each of `by_token`'s calls, or by id — then the
+/// history rows of the retries and failures. `None` (nothing written) when a statement by token
+/// did not find exactly the rows its call delivered.
+trait RecordOutcomes {
+    async fn record(
+        &self,
+        token: &str,
+        now: DateTime<Utc>,
+        parts: &Partitioned<'_>,
+        by_token: Option<&[SentCall<'_>]>,
+    ) -> Result<Option<u64>, StoreError>;
+}
+
+/// [`Store::complete`] for both backends: successes by token where [`sent_by_call`] allows, and
+/// by id when it does not or when the shortcut found other rows than the batch's.
+async fn complete_batch(
+    store: &impl RecordOutcomes,
+    token: &str,
+    now: DateTime<Utc>,
+    items: &[Completion],
+) -> Result<u64, StoreError> {
+    let parts = partition(items);
+    if let Some(calls) = sent_by_call(&parts.sent) {
+        if let Some(written) = store.record(token, now, &parts, Some(&calls)).await? {
+            return Ok(written);
+        }
+        tracing::debug!(token, "the claim's rows differ from its batch (some fenced off); recording successes by id");
+    }
+    Ok(store.record(token, now, &parts, None).await?.unwrap_or_default())
+}
+
 /// The distinct plugin calls of `items`, and for each item the 1-based index of its call: what
 /// describes a call (start, duration, plugin, instance) is sent once per call, not once per event.
 fn calls_of<'a>(items: &[&'a Completion]) -> (Vec<&'a CallLog>, Vec<i32>) {

@@ -18,8 +18,8 @@ use ferry_outbox::Outbox;
 
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL,
-    Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, counts_by_status, duration_ms,
-    in_claim_order, partition, sent_by_call, stats_from,
+    RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, complete_batch,
+    counts_by_status, duration_ms, in_claim_order, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -56,12 +56,9 @@ impl PostgresStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+}
 
-    /// Writes a batch's outcomes in one transaction: retries and failures by id, each kind with
-    /// one statement, then the successes (by claim token and route for each of `by_token`'s calls,
-    /// or by id), then the history rows of the retries and failures. Returns how many rows were
-    /// written, or `None` (nothing written) when a statement by token did not find exactly the
-    /// rows its call delivered.
+impl RecordOutcomes for PostgresStore {
     async fn record(
         &self,
         token: &str,
@@ -298,17 +295,7 @@ impl Store for PostgresStore {
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
-        let parts = partition(items);
-        if let Some(calls) = sent_by_call(&parts.sent) {
-            if let Some(written) = self.record(token, now, &parts, Some(&calls)).await? {
-                return Ok(written);
-            }
-            tracing::debug!(
-                token,
-                "the claim's rows differ from its batch (some fenced off); recording successes by id"
-            );
-        }
-        Ok(self.record(token, now, &parts, None).await?.unwrap_or_default())
+        complete_batch(self, token, now, items).await
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {

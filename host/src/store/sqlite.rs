@@ -18,8 +18,8 @@ use ferry_outbox::Outbox;
 
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL,
-    Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, claimed_event, counts_by_status, duration_ms,
-    in_claim_order, partition, sent_by_call, stats_from,
+    RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, claimed_event, complete_batch,
+    counts_by_status, duration_ms, in_claim_order, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -93,12 +93,9 @@ impl SqliteStore {
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
     }
+}
 
-    /// Writes a batch's outcomes in one transaction: retries and failures by id (their rows as a
-    /// JSON array), then the successes (by claim token and route for each of `by_token`'s calls,
-    /// or by id), then the history rows of the retries and failures. Returns how many rows were
-    /// written, or `None` (nothing written) when a statement by token did not find exactly the
-    /// rows its call delivered.
+impl RecordOutcomes for SqliteStore {
     async fn record(
         &self,
         token: &str,
@@ -117,10 +114,29 @@ impl SqliteStore {
             .iter()
             .map(|(c, reason, error)| json!({"id": c.id, "reason": reason, "error": error, "max": c.max_attempts}))
             .collect();
+        // Without calls to record by token, the successes are written by id like the rest.
+        let sent: Vec<Value> = match by_token {
+            Some(_) => Vec::new(),
+            None => parts
+                .sent
+                .iter()
+                .map(|c| {
+                    let call = &c.attempt.call;
+                    json!({
+                        "id": c.id,
+                        "max": c.max_attempts,
+                        "started_at": ms(call.started_at),
+                        "duration_ms": duration_ms(call),
+                        "plugin": call.plugin,
+                        "plugin_hash": call.plugin_hash,
+                    })
+                })
+                .collect(),
+        };
         let _writing = self.writer.lock().await;
         let mut tx = self.pool.begin().await?;
         let mut updated: Vec<i64> = Vec::new();
-        for (rows, statement) in [(retry, COMPLETE_RETRY), (failed, COMPLETE_FAILED)] {
+        for (rows, statement) in [(retry, COMPLETE_RETRY), (failed, COMPLETE_FAILED), (sent, COMPLETE_SENT)] {
             if rows.is_empty() {
                 continue;
             }
@@ -157,53 +173,24 @@ impl SqliteStore {
                 })
             })
             .collect();
-        match by_token {
-            Some(calls) => {
-                for sent in calls {
-                    let call = sent.call;
-                    let ids = sqlx::query_scalar::<_, i64>(COMPLETE_SENT_BY_TOKEN)
-                        .bind(token)
-                        .bind(now)
-                        .bind(&call.route)
-                        .bind(sent.max_attempts)
-                        .bind(ms(call.started_at))
-                        .bind(duration_ms(call))
-                        .bind(&call.plugin)
-                        .bind(&call.plugin_hash)
-                        .fetch_all(&mut *tx)
-                        .await?;
-                    if !sent.is_exactly(&ids) {
-                        tx.rollback().await?;
-                        return Ok(None);
-                    }
-                    updated.extend(ids);
-                }
+        for sent in by_token.unwrap_or_default() {
+            let call = sent.call;
+            let ids = sqlx::query_scalar::<_, i64>(COMPLETE_SENT_BY_TOKEN)
+                .bind(token)
+                .bind(now)
+                .bind(&call.route)
+                .bind(sent.max_attempts)
+                .bind(ms(call.started_at))
+                .bind(duration_ms(call))
+                .bind(&call.plugin)
+                .bind(&call.plugin_hash)
+                .fetch_all(&mut *tx)
+                .await?;
+            if !sent.is_exactly(&ids) {
+                tx.rollback().await?;
+                return Ok(None);
             }
-            None if !parts.sent.is_empty() => {
-                let rows: Vec<Value> = parts
-                    .sent
-                    .iter()
-                    .map(|c| {
-                        let call = &c.attempt.call;
-                        json!({
-                            "id": c.id,
-                            "max": c.max_attempts,
-                            "started_at": ms(call.started_at),
-                            "duration_ms": duration_ms(call),
-                            "plugin": call.plugin,
-                            "plugin_hash": call.plugin_hash,
-                        })
-                    })
-                    .collect();
-                let ids = sqlx::query_scalar::<_, i64>(COMPLETE_SENT)
-                    .bind(Value::Array(rows).to_string())
-                    .bind(now)
-                    .bind(token)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                updated.extend(ids);
-            }
-            None => {}
+            updated.extend(ids);
         }
         if !history.is_empty() {
             sqlx::query(
@@ -353,17 +340,7 @@ impl Store for SqliteStore {
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {
-        let parts = partition(items);
-        if let Some(calls) = sent_by_call(&parts.sent) {
-            if let Some(written) = self.record(token, now, &parts, Some(&calls)).await? {
-                return Ok(written);
-            }
-            tracing::debug!(
-                token,
-                "the claim's rows differ from its batch (some fenced off); recording successes by id"
-            );
-        }
-        Ok(self.record(token, now, &parts, None).await?.unwrap_or_default())
+        complete_batch(self, token, now, items).await
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {

@@ -2,6 +2,7 @@
 //! compiled from `plugins/` and `tests/plugins/`. One test binary, so wasmtime is linked once.
 
 mod admin;
+mod authoring;
 mod chaos;
 mod contract;
 mod e2e;

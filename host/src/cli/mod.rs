@@ -5,6 +5,7 @@
 
 mod client;
 mod render;
+mod scaffold;
 
 use std::io::Read as _;
 use std::path::PathBuf;
@@ -18,7 +19,7 @@ use crate::clock::SystemClock;
 use crate::config::{Config, parse_duration};
 use crate::event::NewEvent;
 use crate::ops::{self, FilterInput, FrontEnd, OpError, Ops};
-use crate::plugins::{Registry, Runtime};
+use crate::plugins::{Registry, Runtime, trial};
 use crate::report::{Cancelled, Created, FailedCount, Purged, ReloadResult, ReloadView, Resent};
 use crate::service;
 use crate::store::{BulkOp, EndEvent};
@@ -191,6 +192,63 @@ pub enum PluginsCommand {
         /// The component to check.
         file: PathBuf,
     },
+    /// Write a new transport project, in Rust, JavaScript or Python, that builds where it is
+    /// written: sources, the WIT package, sample events and a README. Prints the build command.
+    #[command(
+        after_help = "Examples:\n  ferry plugins new audit-log --lang rust\n                              ferry plugins new hook --lang javascript ~/src/hook-transport"
+    )]
+    New {
+        /// The plugin's name, what routes put in `plugin = "…"`: lowercase letters, digits and '-'.
+        name: String,
+        /// The language to write it in.
+        #[arg(long, value_enum)]
+        lang: scaffold::Lang,
+        /// Where to write the project (default ./NAME); must not exist, or be empty.
+        dir: Option<PathBuf>,
+    },
+    /// Run a transport the way `serve` does (same runtime, sandbox and limits) on events given
+    /// as JSON lines, without a database: prints each outcome, what the plugin logged, the time
+    /// per call and what the sandbox refused. Exits 0 when every event succeeded.
+    #[command(after_help = TRY_HELP)]
+    Try(TryArgs),
+}
+
+const TRY_HELP: &str = "\
+Events are JSON lines, one object per event:
+  {\"type\": \"order.paid\", \"payload\": {\"total\": 3}}
+  {\"type\": \"note\", \"payload\": \"plain text\", \"content_type\": \"text/plain\"}
+  {\"type\": \"blob\", \"payload_base64\": \"//79\", \"key\": \"k1\", \"headers\": {\"tenant\": \"acme\"}}
+Also: id (default: the line's position), attempt (default 1), time (RFC 3339, default now).
+The plugin's sandbox and limits are those of [sandbox.NAME] and [plugins] in the configuration
+file, unless --sandbox-toml gives the sandbox; `--route NAME` starts from that route's config.
+
+Examples:
+  ferry plugins try target/wasm32-wasip2/release/audit_log.wasm --events events.jsonl
+  echo '{\"payload\": \"hi\"}' | ferry plugins try hook.wasm --set url=http://127.0.0.1:8080/in \\
+      --sandbox-toml sandbox.toml --events -";
+
+#[derive(Debug, clap::Args)]
+pub struct TryArgs {
+    /// The component to run.
+    pub file: PathBuf,
+    /// A key of the route's `config` table, as `init` receives it; may be repeated. (`--config`
+    /// names ferry's configuration file, as for every command.)
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// A TOML file with the plugin's sandbox: the keys of a [sandbox.NAME] table (http, dirs,
+    /// tcp, dns, env, memory, timeout, …), or a file holding one such table.
+    #[arg(long, value_name = "FILE")]
+    pub sandbox_toml: Option<PathBuf>,
+    /// JSON lines of events to deliver; `-` reads standard input. Without it, one sample event.
+    #[arg(long, value_name = "FILE|-")]
+    pub events: Option<PathBuf>,
+    /// The route the events belong to; a route of that name in the configuration file gives its
+    /// config, which --set adds to.
+    #[arg(long, default_value = "try")]
+    pub route: String,
+    /// Events per deliver-batch call (default: relay.batch_size).
+    #[arg(long)]
+    pub batch_size: Option<u32>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -267,8 +325,12 @@ fn failed(e: OpError) -> anyhow::Error {
 
 /// Runs the parsed command.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
-    let config = cli.load_config()?;
     let json = cli.json;
+    // Writing a project needs no configuration: a broken ferry.toml where it runs is no obstacle.
+    if let Command::Plugins(PluginsCommand::New { name, lang, dir }) = &cli.command {
+        return plugins_new(name, *lang, dir.as_deref(), json);
+    }
+    let config = cli.load_config()?;
     match cli.command {
         Command::Serve => {
             let shutdown = CancellationToken::new();
@@ -289,6 +351,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plugins(PluginsCommand::List) => plugins_list(&config, json).await,
         Command::Plugins(PluginsCommand::Check { file }) => plugins_check(&config, &file, json).await,
         Command::Plugins(PluginsCommand::Reload) => plugins_reload(&config, json).await,
+        Command::Plugins(PluginsCommand::New { name, lang, dir }) => plugins_new(&name, lang, dir.as_deref(), json),
+        Command::Plugins(PluginsCommand::Try(args)) => plugins_try(&config, args, json).await,
         Command::Resend { ids } => {
             let ops = ops(&config).await?;
             let mut errors = Vec::new();
@@ -403,6 +467,51 @@ async fn plugins_check(config: &Config, file: &std::path::Path, json: bool) -> a
             &plugin.hash[..12]
         )
     })
+}
+
+/// Writes a new transport project into `dir` (default ./NAME).
+fn plugins_new(name: &str, lang: scaffold::Lang, dir: Option<&std::path::Path>, json: bool) -> anyhow::Result<()> {
+    let dir = dir.map_or_else(|| PathBuf::from(name), std::path::Path::to_path_buf);
+    let project = scaffold::write(name, lang, &dir)?;
+    say(json, &project, render::scaffold)
+}
+
+async fn plugins_try(config: &Config, args: TryArgs, json: bool) -> anyhow::Result<()> {
+    let mut route_config = std::collections::BTreeMap::new();
+    for pair in &args.set {
+        let Some((key, value)) = pair.split_once('=') else {
+            bail!("--set {pair:?} must be KEY=VALUE");
+        };
+        route_config.insert(key.to_string(), value.to_string());
+    }
+    let sandbox = args.sandbox_toml.as_deref().map(trial::read_sandbox).transpose()?;
+    let max_payload = config.relay.max_payload.0;
+    let text = match &args.events {
+        None => trial::SAMPLE_EVENT.to_string(),
+        Some(path) if path.as_os_str() == "-" => {
+            let mut text = String::new();
+            std::io::stdin().read_to_string(&mut text).context("reading events from standard input")?;
+            text
+        }
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading events file {}", path.display()))?
+        }
+    };
+    let events = trial::parse_events(&text, &args.route, max_payload, chrono::Utc::now())?;
+    if events.is_empty() {
+        bail!("no events to deliver: the events file holds no JSON line");
+    }
+    let batch_size = args.batch_size.unwrap_or(config.relay.batch_size).max(1) as usize;
+    let setup = trial::TrialSetup { file: args.file, route: args.route, route_config, sandbox, batch_size };
+    let report = trial::run(config, &setup, &events).await?;
+    say(json, &report, render::trial)?;
+    if let Some(error) = &report.init.error {
+        bail!("init failed: {error}");
+    }
+    if report.succeeded < report.events {
+        bail!("{} of {} events did not succeed", report.events - report.succeeded, report.events);
+    }
+    Ok(())
 }
 
 /// Asks the running ferry whether it is live or ready, through the admin API.

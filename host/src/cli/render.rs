@@ -215,3 +215,72 @@ impl Progress {
         }
     }
 }
+
+/// `ferry plugins new`: what was written and what to run next.
+pub fn scaffold(project: &super::scaffold::Scaffold) -> String {
+    let dir = project.dir.display();
+    let mut out = format!("wrote the {} transport {:?} in {dir}:", project.lang.label(), project.name);
+    for file in &project.files {
+        let _ = write!(out, "\n  {file}");
+    }
+    let _ = write!(out, "\n\nbuild it:\n  cd {dir} && {}", project.build);
+    let _ = write!(out, "\ntry it on the sample events:\n  {}", project.try_command);
+    out
+}
+
+/// `ferry plugins try`: the plugin, how `init` went, then per call its outcomes and what was
+/// heard, and a count.
+pub fn trial(report: &crate::plugins::trial::TrialReport) -> String {
+    use crate::plugins::trial::Heard;
+    let text = |s: &str| crate::untrusted::clean(s, crate::untrusted::MAX_LOG_LINE);
+    let heard = |out: &mut String, heard: &Heard| {
+        for line in &heard.logs {
+            let _ = write!(out, "\n  log {:<5} {}", line.level, text(&line.message));
+        }
+        for refusal in &heard.refused {
+            let _ = write!(out, "\n  refused   {}", text(refusal));
+        }
+        for warning in &heard.warnings {
+            let _ = write!(out, "\n  warning   {}", text(warning));
+        }
+    };
+    let p = &report.plugin;
+    let mut out = format!(
+        "plugin {} {} (sha256 {}) from {}",
+        text(&p.name),
+        text(&p.version),
+        p.hash.get(..12).unwrap_or(&p.hash),
+        p.file.display()
+    );
+    match &report.init.error {
+        None => {
+            let _ = write!(out, "\ninit: ok, route {:?} ({} ms)", report.route, report.init.duration_ms);
+        }
+        Some(error) => {
+            let _ = write!(out, "\ninit: failed ({} ms): {}", report.init.duration_ms, text(error));
+        }
+    }
+    heard(&mut out, &report.init.heard);
+    for (n, call) in report.calls.iter().enumerate() {
+        let events = call.outcomes.len();
+        let plural = if events == 1 { "" } else { "s" };
+        let _ = write!(out, "\ncall {}: {events} event{plural} in {} ms", n + 1, call.duration_ms);
+        if let Some(fault) = &call.fault {
+            let _ = write!(out, " — {}", text(fault));
+        }
+        for o in &call.outcomes {
+            let _ = write!(out, "\n  event {} {}: {}", o.id, text(&o.event_type), o.outcome);
+            if let Some(reason) = &o.reason {
+                let _ = write!(out, ": {}", text(reason));
+            }
+            if let Some(ms) = o.retry_after_ms {
+                let _ = write!(out, " (retry after {ms} ms)");
+            }
+        }
+        heard(&mut out, &call.heard);
+    }
+    if report.init.error.is_none() {
+        let _ = write!(out, "\n{} of {} events succeeded", report.succeeded, report.events);
+    }
+    out
+}

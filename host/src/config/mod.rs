@@ -250,7 +250,21 @@ pub struct SandboxConfig {
     pub max_calls: Option<u64>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+impl SandboxConfig {
+    /// Makes the granted directories and the CA file absolute, relative to `base` (the directory
+    /// of the file they were read from).
+    pub fn resolve_paths(&mut self, base: &Path) {
+        let join = |p: &Path| if p.is_relative() { base.join(p) } else { p.to_path_buf() };
+        for dir in self.dirs.values_mut() {
+            *dir = join(dir);
+        }
+        if let Some(ca) = &mut self.http_ca {
+            *ca = join(ca);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     /// The plugin (by the name it reports) that delivers this route's events.
@@ -466,9 +480,7 @@ impl Config {
             self.plugins.cache_dir = join(&self.plugins.cache_dir);
         }
         for sandbox in self.sandbox.values_mut() {
-            for dir in sandbox.dirs.values_mut() {
-                *dir = join(dir);
-            }
+            sandbox.resolve_paths(base);
         }
         if let Some((path, query)) = sqlite_file(&self.database.url)
             && Path::new(path).is_relative()

@@ -19,6 +19,7 @@ mod pool;
 mod registry;
 mod runtime;
 mod sandbox;
+pub mod trial;
 
 use std::time::Duration;
 

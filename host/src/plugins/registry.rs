@@ -144,6 +144,14 @@ impl Registry {
         self.plugins.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
     }
 
+    /// Makes `plugin` the active version of its name, without the checks a file of the plugins
+    /// directory goes through (its file name need not be the plugin's): for `ferry plugins try`,
+    /// which runs one file from anywhere.
+    pub(crate) fn activate(&self, plugin: Plugin) {
+        let name = plugin.info.name.clone();
+        self.plugins.write().unwrap_or_else(|e| e.into_inner()).insert(name, Arc::new(plugin));
+    }
+
     /// Names of the active plugins.
     pub fn names(&self) -> Vec<String> {
         self.plugins.read().unwrap_or_else(|e| e.into_inner()).keys().cloned().collect()
@@ -284,6 +292,21 @@ impl Runtime {
     /// known, for the metadata call, it gets no wasi:http, no grants, and the largest memory
     /// limit any plugin has.
     pub async fn load(&self, path: &Path, settings: &Settings) -> anyhow::Result<Plugin> {
+        self.load_granting(path, settings.largest_plugin_memory(), |name| {
+            !settings.plugin(name).sandbox.http.is_empty()
+        })
+        .await
+    }
+
+    /// [`Runtime::load`] for a caller that decides the grants itself once the component has said
+    /// its name: `memory` caps the metadata call, and `grants_http(name)` says whether the plugin
+    /// is linked with wasi:http.
+    pub(crate) async fn load_granting(
+        &self,
+        path: &Path,
+        memory: usize,
+        grants_http: impl FnOnce(&str) -> bool,
+    ) -> anyhow::Result<Plugin> {
         let (file, max) = (path.to_path_buf(), self.max_file_size);
         let bytes = tokio::task::spawn_blocking(move || read_plugin_file(&file, max))
             .await?
@@ -303,7 +326,6 @@ impl Runtime {
         }
         let pre = self.pre_instantiate(&without_http, &component, path)?;
         let label: Arc<str> = Arc::from(path.file_name().and_then(|n| n.to_str()).unwrap_or("plugin"));
-        let memory = settings.largest_plugin_memory();
         let probe_limits = PluginLimits { timeout: self.load_timeout, memory, instances: 1, max_calls: 1 };
         let mut store = self.store(label, &Sandbox::default(), &probe_limits, &[])?;
         // The epoch deadline stops wasm code; this timeout also covers a guest parked in the host.
@@ -338,7 +360,7 @@ impl Runtime {
                 crate::untrusted::clean(&info.name, 64)
             );
         }
-        let pre = if wants_http && !settings.plugin(&info.name).sandbox.http.is_empty() {
+        let pre = if wants_http && grants_http(&info.name) {
             self.pre_instantiate(&self.linker, &component, path)?
         } else {
             pre

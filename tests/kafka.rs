@@ -19,7 +19,10 @@ use crate::common::{Backend, Captured, Stepped, TestDb, plugins_dir};
 mod policy;
 
 mod unit {
-    use super::policy::{Class, classify, murmur2, parse_acks, parse_brokers, partition_for_key, stale_metadata};
+    use super::policy::{
+        Class, classify, ends_producer_session, is_duplicate, murmur2, parse_acks, parse_brokers, partition_for_key,
+        stale_metadata,
+    };
 
     #[test]
     fn murmur2_matches_the_java_client() {
@@ -62,6 +65,14 @@ mod unit {
         assert_eq!(classify(6), Class::Transient("NOT_LEADER_OR_FOLLOWER"));
         assert!(matches!(classify(3), Class::Permanent(why) if why.starts_with("UNKNOWN_TOPIC_OR_PARTITION")));
         assert!(stale_metadata(6) && stale_metadata(3) && !stale_metadata(10) && !stale_metadata(0));
+        // The idempotent producer's: a duplicate is a delivery; a broken session starts anew
+        // and its events are retried.
+        assert!(is_duplicate(46) && !is_duplicate(0) && !is_duplicate(45));
+        for code in [45, 47, 59, 90] {
+            assert!(ends_producer_session(code), "code {code}");
+            assert!(matches!(classify(code), Class::Transient(name) if name != "broker error"), "code {code}");
+        }
+        assert!(!ends_producer_session(6) && !ends_producer_session(46));
     }
 
     #[test]
@@ -326,4 +337,108 @@ async fn a_batch_is_one_produce_request_per_leader_over_a_kept_connection() {
     assert_eq!(proxy.count(metadata), metadata_base + 1, "leaders are cached between batches");
     assert_eq!(proxy.count(api_versions), versions_base + 1, "one connection, negotiated once");
     assert_eq!(own.records(&topic, 4).await.len(), 150);
+}
+
+/// A broker of its own that tells clients to reach it through a proxy in front of it, and ferry
+/// with the kafka plugin allowed to reach only the proxy; `routes` are `(name, extra config)`,
+/// each on a topic of its own with `partitions`. Returns the topics in the order of `routes`.
+async fn behind_a_proxy(
+    routes: &[(&str, &str)],
+    partitions: i32,
+) -> (Broker, crate::common::broker::CountingProxy, Stepped, Vec<String>) {
+    use crate::common::broker::CountingProxy;
+    let proxy_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let own = Broker::start(Some(proxy_port));
+    let proxy = CountingProxy::start_on(proxy_port, own.port).await;
+    let mut topics = Vec::new();
+    let mut configs = Vec::new();
+    for (name, extra) in routes {
+        let topic = own.topic(name, partitions).await;
+        configs.push((*name, format!("brokers = \"127.0.0.1:{proxy_port}\", topic = \"{topic}\"{extra}")));
+        topics.push(topic);
+    }
+    let s = setup(&format!("tcp = [\"127.0.0.1:{proxy_port}\"]"), &configs).await;
+    (own, proxy, s, topics)
+}
+
+/// Every record of `topic` as kafka-python reads it (tests/kafka/read.py): a Kafka client that
+/// shares nothing with the plugin. Each is a JSON object with partition, offset, key, value and
+/// headers.
+async fn read_independently(broker: &Broker, topic: &str) -> Vec<serde_json::Value> {
+    let root = crate::common::repo_root();
+    let out = tokio::process::Command::new(root.join("target/kafka-py/bin/python"))
+        .arg(root.join("tests/kafka/read.py"))
+        .args([&broker.addr(), topic])
+        .output()
+        .await
+        .expect("kafka-python runs (scripts/test installs it into target/kafka-py)");
+    assert!(out.status.success(), "kafka-python: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compressed_batches_are_read_back_by_an_independent_client() {
+    let codecs = ["none", "gzip", "snappy", "lz4", "zstd"];
+    let routes: Vec<(&str, String)> = codecs.iter().map(|c| (*c, format!(", compression = \"{c}\""))).collect();
+    let routes: Vec<(&str, &str)> = routes.iter().map(|(n, c)| (*n, c.as_str())).collect();
+    let (own, proxy, s, topics) = behind_a_proxy(&routes, 1).await;
+    for (codec, topic) in codecs.iter().zip(&topics) {
+        let payloads: Vec<String> = (0..20).map(|n| format!("{codec} event {n}: {}", "ferry ".repeat(300))).collect();
+        let events: Vec<NewEvent> = payloads.iter().map(|p| NewEvent::new(*codec, "t", p.clone())).collect();
+        let before = proxy.bytes(0);
+        let rows = s.deliver(&events).await;
+        assert!(rows.iter().all(|r| r.status == Status::Sent), "{codec}: {:?}", rows[0].last_error);
+        let (sent, raw) = (proxy.bytes(0) - before, payloads.iter().map(String::len).sum::<usize>() as u64);
+        if *codec == "none" {
+            assert!(sent > raw, "uncompressed: {sent} bytes on the wire for {raw} bytes of payload");
+        } else {
+            assert!(sent < raw / 4, "{codec}: {sent} bytes on the wire for {raw} bytes of payload");
+        }
+        let records = read_independently(&own, topic).await;
+        let mut read: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
+        let mut expected: Vec<&str> = payloads.iter().map(String::as_str).collect();
+        read.sort();
+        expected.sort();
+        assert_eq!(read, expected, "{codec}: kafka-python reads every record once");
+        let ids: Vec<&str> = records.iter().map(|r| r["headers"]["ferry-event-id"].as_str().unwrap()).collect();
+        assert_eq!(ids.len(), rows.len(), "{codec}: {ids:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_produce_answer_is_retried_without_writing_records_twice() {
+    // Idempotence is on by default; the control route turns it off to show what it prevents.
+    let (own, proxy, s, topics) = behind_a_proxy(&[("idem", ""), ("plain", ", idempotence = \"false\"")], 2).await;
+    for (route, topic, expected) in [("idem", &topics[0], 10), ("plain", &topics[1], 20)] {
+        // Half keyed, half not: an unkeyed event must go back to the partition it was sent to.
+        let events: Vec<NewEvent> = (0..10)
+            .map(|n| {
+                let event = NewEvent::new(route, "t", format!("{route} {n}"));
+                if n % 2 == 0 { event.with_key(format!("k{n}")) } else { event }
+            })
+            .collect();
+        proxy.lose_next_produce_answer();
+        let rows = s.deliver(&events).await;
+        for row in &rows {
+            assert_eq!(row.status, Status::Pending, "{route}: the answer was lost: {:?}", row.last_error);
+            assert!(row.last_error.as_deref().unwrap().contains("Produce"), "{route}: {:?}", row.last_error);
+        }
+        // Retried after the backoff; the route's breaker may have opened, and then a probe goes
+        // first and the rest once it closes.
+        let mut unsent = rows.len();
+        for _ in 0..4 {
+            s.clock.advance(Duration::from_secs(2 * 3600));
+            s.ferry.relay.cycle(&tokio_util::sync::CancellationToken::new()).await.unwrap();
+            unsent = 0;
+            for row in &rows {
+                unsent += usize::from(s.db.store.get(row.id).await.unwrap().unwrap().status != Status::Sent);
+            }
+            if unsent == 0 {
+                break;
+            }
+        }
+        assert_eq!(unsent, 0, "{route}: every event is delivered on retry");
+        let records = own.records(topic, 2).await;
+        assert_eq!(records.len(), expected, "{route}: records written");
+    }
 }

@@ -1,13 +1,17 @@
 //! A Kafka-protocol broker for the tests: tansu with in-memory storage, started once per test
 //! binary, plus a Kafka client (rskafka) to create topics and read back what was produced.
 
+use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rskafka::client::partition::UnknownTopicHandling;
 use rskafka::client::{Client, ClientBuilder};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::OnceCell;
 
 /// A tansu broker with in-memory storage, shared by the tests of this binary. It is started
@@ -107,38 +111,40 @@ impl Broker {
 }
 
 /// A TCP proxy in front of a broker that counts the Kafka requests passing through it, by API key
-/// (the first two bytes after each frame's length).
+/// (the first two bytes after each frame's length), and their bytes; it can also lose the answer
+/// to a produce request (the broker gets the request, the client never sees the answer).
 pub struct CountingProxy {
-    counts: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<i16, u32>>>,
+    counts: Arc<Mutex<HashMap<i16, (u32, u64)>>>,
+    lose_produce_answer: Arc<AtomicBool>,
 }
 
 impl CountingProxy {
     /// Listens on `port` (which the broker advertises) and forwards to the broker on `upstream`.
     pub async fn start_on(port: u16, upstream: u16) -> CountingProxy {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.expect("bind proxy");
-        let counts = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
-        let tally = counts.clone();
+        let proxy = CountingProxy { counts: Arc::default(), lose_produce_answer: Arc::default() };
+        let (tally, lose) = (proxy.counts.clone(), proxy.lose_produce_answer.clone());
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { continue };
                 let (mut server_read, mut server_write) = server.into_split();
                 let (mut client_read, mut client_write) = client.into_split();
-                let tally = tally.clone();
+                let (tally, lose) = (tally.clone(), lose.clone());
+                // Set when this connection's next answer is to be lost.
+                let swallow = Arc::new(AtomicBool::new(false));
+                let swallowing = swallow.clone();
                 tokio::spawn(async move {
                     // Requests: forward frame by frame, counting API keys.
-                    loop {
-                        let mut size = [0u8; 4];
-                        if client_read.read_exact(&mut size).await.is_err() {
-                            break;
-                        }
-                        let mut frame = vec![0u8; i32::from_be_bytes(size).max(0) as usize];
-                        if client_read.read_exact(&mut frame).await.is_err() {
-                            break;
-                        }
+                    while let Some((size, frame)) = read_frame(&mut client_read).await {
                         if frame.len() >= 2 {
                             let key = i16::from_be_bytes([frame[0], frame[1]]);
-                            *tally.lock().unwrap().entry(key).or_insert(0) += 1;
+                            let mut counts = tally.lock().unwrap();
+                            let entry = counts.entry(key).or_insert((0, 0));
+                            entry.0 += 1;
+                            entry.1 += frame.len() as u64 + 4;
+                            if key == 0 && lose.swap(false, Ordering::SeqCst) {
+                                swallowing.store(true, Ordering::SeqCst);
+                            }
                         }
                         if server_write.write_all(&size).await.is_err() || server_write.write_all(&frame).await.is_err()
                         {
@@ -147,15 +153,46 @@ impl CountingProxy {
                     }
                 });
                 tokio::spawn(async move {
-                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                    // Answers: forwarded, unless one is to be lost: then the connection closes
+                    // without it, as when a network fails after the broker wrote the records.
+                    while let Some((size, frame)) = read_frame(&mut server_read).await {
+                        if swallow.load(Ordering::SeqCst) {
+                            let _ = client_write.shutdown().await;
+                            break;
+                        }
+                        if client_write.write_all(&size).await.is_err() || client_write.write_all(&frame).await.is_err()
+                        {
+                            break;
+                        }
+                    }
                 });
             }
         });
-        CountingProxy { counts }
+        proxy
     }
 
     /// How many requests with this API key went through (0 = Produce, 3 = Metadata).
     pub fn count(&self, api_key: i16) -> u32 {
-        self.counts.lock().unwrap().get(&api_key).copied().unwrap_or(0)
+        self.counts.lock().unwrap().get(&api_key).map_or(0, |c| c.0)
     }
+
+    /// How many bytes of requests with this API key went through, frames included.
+    pub fn bytes(&self, api_key: i16) -> u64 {
+        self.counts.lock().unwrap().get(&api_key).map_or(0, |c| c.1)
+    }
+
+    /// Loses the answer to the next produce request: the broker handles it, the connection to
+    /// the client is closed before the answer reaches it.
+    pub fn lose_next_produce_answer(&self) {
+        self.lose_produce_answer.store(true, Ordering::SeqCst);
+    }
+}
+
+/// One Kafka frame (size prefix, then that many bytes), or `None` at the end of the stream.
+async fn read_frame(from: &mut (impl tokio::io::AsyncRead + Unpin)) -> Option<([u8; 4], Vec<u8>)> {
+    let mut size = [0u8; 4];
+    from.read_exact(&mut size).await.ok()?;
+    let mut frame = vec![0u8; i32::from_be_bytes(size).max(0) as usize];
+    from.read_exact(&mut frame).await.ok()?;
+    Some((size, frame))
 }

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use kafka_protocol::messages::{
-    ApiKey, ApiVersionsRequest, ApiVersionsResponse, MetadataRequest, MetadataResponse, ProduceRequest,
-    ProduceResponse, RequestHeader, ResponseHeader,
+    ApiKey, ApiVersionsRequest, ApiVersionsResponse, InitProducerIdRequest, InitProducerIdResponse, MetadataRequest,
+    MetadataResponse, ProduceRequest, ProduceResponse, RequestHeader, ResponseHeader,
 };
 use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
 
@@ -20,6 +20,8 @@ pub type NetError = String;
 /// (later versions move to topic ids); the broker's own maximum is used when it is lower.
 const PRODUCE_MAX: i16 = 9;
 const METADATA_MAX: i16 = 9;
+/// InitProducerId v0 (Kafka 0.11) is enough for an idempotent, non-transactional producer.
+const INIT_PRODUCER_ID_MAX: i16 = 4;
 
 /// One open connection to one broker.
 pub struct Connection {
@@ -28,6 +30,8 @@ pub struct Connection {
     next_correlation: i32,
     produce_version: i16,
     metadata_version: i16,
+    /// The InitProducerId version to use; `None` when the broker does not offer it.
+    init_producer_id_version: Option<i16>,
 }
 
 impl Connection {
@@ -45,8 +49,14 @@ impl Connection {
                     let _ = stream.set_nodelay(true);
                     stream.set_read_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
                     stream.set_write_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
-                    let mut connection =
-                        Connection { address, stream, next_correlation: 1, produce_version: 3, metadata_version: 4 };
+                    let mut connection = Connection {
+                        address,
+                        stream,
+                        next_correlation: 1,
+                        produce_version: 3,
+                        metadata_version: 4,
+                        init_producer_id_version: None,
+                    };
                     // A refused connection can surface only at the first write (wasi-libc's
                     // non-blocking connect), so a failed negotiation counts as a failed connect.
                     connection.negotiate(client_id).map_err(|e| format!("cannot connect: {e}"))?;
@@ -84,6 +94,7 @@ impl Connection {
         };
         self.produce_version = pick(ApiKey::Produce, 3, PRODUCE_MAX)?;
         self.metadata_version = pick(ApiKey::Metadata, 4, METADATA_MAX)?;
+        self.init_producer_id_version = pick(ApiKey::InitProducerId, 0, INIT_PRODUCER_ID_MAX).ok();
         Ok(())
     }
 
@@ -156,6 +167,22 @@ impl Connection {
 
     pub fn receive_produce(&mut self, correlation: i32) -> Result<ProduceResponse, NetError> {
         self.receive(ApiKey::Produce, self.produce_version, correlation)
+    }
+
+    /// Asks for a producer id and epoch for an idempotent (not transactional) producer. The
+    /// answer's error code is the caller's to judge.
+    pub fn init_producer_id(&mut self, timeout: Duration, client_id: &str) -> Result<InitProducerIdResponse, NetError> {
+        let Some(version) = self.init_producer_id_version else {
+            return Err(format!(
+                "{}: the broker does not support InitProducerId, which idempotence needs (set idempotence = false)",
+                self.address
+            ));
+        };
+        let mut request = InitProducerIdRequest::default();
+        request.transactional_id = None;
+        request.transaction_timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        let correlation = self.send(ApiKey::InitProducerId, version, &request, client_id)?;
+        self.receive(ApiKey::InitProducerId, version, correlation)
     }
 }
 

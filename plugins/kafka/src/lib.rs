@@ -21,9 +21,10 @@
 //! across calls. Broker answers map to outcomes as in [`policy::classify`].
 
 mod client;
+mod codec;
 pub mod policy;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -53,6 +54,8 @@ struct Settings {
     max_request_bytes: usize,
     client_id: String,
     metadata_max_age: Duration,
+    compression: Compression,
+    idempotence: bool,
 }
 
 /// Where the partitions of the route's topic live, as last read from the cluster.
@@ -69,6 +72,7 @@ struct State {
     connections: Connections,
     cluster: Option<Cluster>,
     next_partition: u32,
+    producer: Option<Producer>,
 }
 
 impl Transport for State {
@@ -77,7 +81,7 @@ impl Transport for State {
     fn init(config: &mut Config) -> Result<State, String> {
         let settings = parse_settings(config)?;
         log::info(&format!("producing to topic {} via {} bootstrap broker(s)", settings.topic, settings.brokers.len()));
-        Ok(State { settings, connections: Connections::default(), cluster: None, next_partition: 0 })
+        Ok(State { settings, connections: Connections::default(), cluster: None, next_partition: 0, producer: None })
     }
 
     fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
@@ -102,31 +106,132 @@ fn parse_settings(config: &mut Config) -> Result<Settings, String> {
     }
     let client_id = config.optional("client_id").unwrap_or_else(|| "ferry".into());
     let metadata_max_age = Duration::from_millis(config.positive_or("metadata_max_age_ms", 300_000)?);
-    Ok(Settings { brokers, topic, acks, timeout, max_request_bytes, client_id, metadata_max_age })
+    let compression = match config.optional("compression") {
+        Some(value) => codec::parse(&value)?,
+        None => Compression::None,
+    };
+    // Idempotence needs every in-sync replica's acknowledgement: on by default with acks = all.
+    let idempotence = match config.optional("idempotence").as_deref().map(str::trim) {
+        None => acks == -1,
+        Some("true") if acks == -1 => true,
+        Some("true") => return Err("idempotence: needs acks = all".into()),
+        Some("false") => false,
+        Some(other) => return Err(format!("idempotence: expected true or false, got {other:?}")),
+    };
+    Ok(Settings {
+        brokers,
+        topic,
+        acks,
+        timeout,
+        max_request_bytes,
+        client_id,
+        metadata_max_age,
+        compression,
+        idempotence,
+    })
 }
 
 /// The events bound for one partition, by their index in the batch.
 type PartitionGroups = BTreeMap<i32, Vec<usize>>;
+
+/// Events of one leader: (index in the batch, record size bound, partition).
+type Members = Vec<(usize, usize, i32)>;
 
 /// A produce request written to a broker and awaiting its answer.
 struct InFlight {
     leader: i32,
     correlation: Option<i32>,
     partitions: PartitionGroups,
+    /// Each partition's record batch as sent, and its base sequence number (idempotent producer).
+    batches: BTreeMap<i32, (Bytes, i32)>,
+}
+
+/// The idempotent producer's session: the id and epoch the cluster gave it, the next sequence
+/// number of each partition, and the batches whose answer was lost.
+struct Producer {
+    id: i64,
+    epoch: i16,
+    next_sequence: HashMap<i32, i32>,
+    /// Per partition, a batch the broker may or may not have written (its answer was lost), as it
+    /// was sent, with its events' ids and base sequence. It is sent again unchanged before
+    /// anything else goes to that partition, so a broker that wrote it answers
+    /// DUPLICATE_SEQUENCE_NUMBER instead of writing it twice.
+    in_doubt: BTreeMap<i32, InDoubt>,
+    /// Events that such a batch wrote and that have not come back since: when they do, they are
+    /// answered at once, not produced again.
+    delivered: HashSet<u64>,
+    /// A fatal answer (fenced, unknown producer, sequence out of order): start a new session.
+    reset: bool,
+}
+
+struct InDoubt {
+    ids: Vec<u64>,
+    batch: Bytes,
+    base_sequence: i32,
+}
+
+/// Events delivered by a batch in doubt that are remembered until they come back; beyond this,
+/// the oldest are forgotten (and would be produced again, as without idempotence).
+const MAX_REMEMBERED: usize = 100_000;
+
+impl Producer {
+    /// Records the broker's answer `code` for a partition's batch of `count` records sent from
+    /// sequence `base`.
+    fn settle(&mut self, partition: i32, base: i32, count: usize, code: i16) {
+        if code == 0 || policy::is_duplicate(code) {
+            self.next_sequence.insert(partition, sequence_after(base, count));
+        } else if policy::ends_producer_session(code) {
+            self.reset = true;
+        } else {
+            // Refused, not written: the next batch takes these sequence numbers.
+            self.next_sequence.insert(partition, base);
+        }
+    }
+}
+
+/// The sequence number after `count` records from `base`; Kafka's sequences wrap at i32::MAX.
+fn sequence_after(base: i32, count: usize) -> i32 {
+    let next = i64::from(base) + count as i64;
+    (next % (i64::from(i32::MAX) + 1)) as i32
 }
 
 impl State {
     fn produce(&mut self, events: &[Event]) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = events.iter().map(|_| None).collect();
-        if let Err(outcome) = self.ensure_cluster() {
+        if let Err(outcome) = self.ensure_cluster().and_then(|()| self.ensure_producer()) {
             return events.iter().map(|_| outcome.clone()).collect();
         }
-        let cluster = self.cluster.as_ref().expect("ensure_cluster sets the cluster");
+        let mut stale = self.resend_in_doubt();
+        if let Some(producer) = self.producer.as_mut() {
+            for (i, event) in events.iter().enumerate() {
+                if producer.delivered.remove(&event.id) {
+                    outcomes[i] = Some(Outcome::Success);
+                }
+            }
+        }
+        let (by_leader, unassigned) = self.assign(events, &mut outcomes);
+        stale |= unassigned;
+        stale |= self.round(events, by_leader, &mut outcomes);
+        if stale && let Some(cluster) = self.cluster.as_mut() {
+            cluster.stale = true;
+        }
+        if self.producer.as_ref().is_some_and(|p| p.reset) {
+            log::warn(&format!("starting a new idempotent producer session for topic {}", self.settings.topic));
+            self.producer = None;
+        }
+        outcomes.into_iter().map(|o| o.unwrap_or_else(|| transient("kafka transport: no answer"))).collect()
+    }
 
-        // Assign each event its partition, grouped by leader, refusing records that can never fit.
-        let mut by_leader: BTreeMap<i32, Vec<(usize, usize, i32)>> = BTreeMap::new();
+    /// Gives each event without an outcome its partition, grouped by leader; records that can
+    /// never fit are refused here. Also returns whether the metadata should be refreshed.
+    fn assign(&mut self, events: &[Event], outcomes: &mut [Option<Outcome>]) -> (BTreeMap<i32, Members>, bool) {
+        let cluster = self.cluster.as_ref().expect("ensure_cluster sets the cluster");
+        let mut by_leader = BTreeMap::<i32, Members>::new();
         let mut stale = false;
         for (i, event) in events.iter().enumerate() {
+            if outcomes[i].is_some() {
+                continue;
+            }
             let size = record_size(event);
             if size + REQUEST_OVERHEAD > self.settings.max_request_bytes {
                 outcomes[i] = Some(permanent(format!(
@@ -154,8 +259,15 @@ impl State {
                 }
             }
         }
+        (by_leader, stale)
+    }
 
-        // Write every request first, so the leaders work in parallel, then collect the answers.
+    /// Sends one produce request per leader (split where `max_request_bytes` demands), all before
+    /// reading any answer so the leaders work in parallel, then collects the answers. A partition
+    /// whose batch is still in doubt waits. Returns whether metadata should be refreshed.
+    fn round(&mut self, events: &[Event], by_leader: BTreeMap<i32, Members>, outcomes: &mut [Option<Outcome>]) -> bool {
+        let mut stale = false;
+        let mut cursor: HashMap<i32, i32> = HashMap::new();
         let mut in_flight = Vec::new();
         for (leader, members) in by_leader {
             for chunk in split_by_size(&members, self.settings.max_request_bytes) {
@@ -163,22 +275,112 @@ impl State {
                 for &(i, _, partition) in chunk {
                     partitions.entry(partition).or_default().push(i);
                 }
-                match self.send(leader, events, &partitions) {
-                    Ok(correlation) => in_flight.push(InFlight { leader, correlation, partitions }),
-                    Err(reason) => {
+                let mut batches = BTreeMap::new();
+                let mut refused = Vec::new();
+                for (&partition, members) in &partitions {
+                    let producer = self.producer.as_ref();
+                    if producer.is_some_and(|p| p.in_doubt.contains_key(&partition)) {
+                        refused.push(partition);
+                        continue;
+                    }
+                    let identity = producer.map(|p| {
+                        let next = cursor
+                            .entry(partition)
+                            .or_insert_with(|| p.next_sequence.get(&partition).copied().unwrap_or(0));
+                        let base = *next;
+                        *next = sequence_after(base, members.len());
+                        ((p.id, p.epoch), base)
+                    });
+                    let batch = encode_batch(members.iter().map(|&i| &events[i]), self.settings.compression, identity);
+                    match batch {
+                        Ok(batch) => {
+                            batches.insert(partition, (batch, identity.map_or(NO_SEQUENCE, |(_, base)| base)));
+                        }
+                        Err(reason) => {
+                            fill(outcomes, members, transient(reason));
+                            refused.push(partition);
+                        }
+                    }
+                }
+                for partition in refused {
+                    if let Some(members) = partitions.remove(&partition)
+                        && members.iter().any(|&i| outcomes[i].is_none())
+                    {
+                        let reason = format!(
+                            "{}[{partition}]: waiting for an earlier batch whose answer was lost",
+                            self.settings.topic
+                        );
+                        fill(outcomes, &members, transient(reason));
+                    }
+                }
+                if partitions.is_empty() {
+                    continue;
+                }
+                match self.send(leader, &batches) {
+                    Ok(correlation) => in_flight.push(InFlight { leader, correlation, partitions, batches }),
+                    Err((reason, maybe_written)) => {
                         stale = true;
-                        fill(&mut outcomes, partitions.values().flatten(), transient(reason));
+                        if maybe_written {
+                            self.doubt(events, &partitions, &batches);
+                        }
+                        fill(outcomes, partitions.values().flatten(), transient(reason));
                     }
                 }
             }
         }
         for request in in_flight {
-            stale |= self.collect(request, &mut outcomes);
+            stale |= self.collect(events, request, outcomes);
         }
-        if stale && let Some(cluster) = self.cluster.as_mut() {
-            cluster.stale = true;
+        stale
+    }
+
+    /// Sends every batch in doubt again, unchanged, and reads the answers: a batch the broker
+    /// has (written now, or recognised as a duplicate) is settled and its events remembered as
+    /// delivered. Returns whether metadata should be refreshed.
+    fn resend_in_doubt(&mut self) -> bool {
+        let Some(producer) = &self.producer else { return false };
+        if producer.in_doubt.is_empty() {
+            return false;
         }
-        outcomes.into_iter().map(|o| o.unwrap_or_else(|| transient("kafka transport: no answer"))).collect()
+        let cluster = self.cluster.as_ref().expect("ensure_cluster sets the cluster");
+        let mut by_leader: BTreeMap<i32, BTreeMap<i32, (Bytes, i32)>> = BTreeMap::new();
+        for (&partition, doubt) in &producer.in_doubt {
+            if let Some(Some(leader)) = cluster.leaders.get(partition as usize) {
+                by_leader.entry(*leader).or_default().insert(partition, (doubt.batch.clone(), doubt.base_sequence));
+            }
+        }
+        let mut stale = false;
+        for (leader, batches) in by_leader {
+            let answer = self.send(leader, &batches).map_err(|(reason, _)| reason).and_then(|correlation| {
+                let connection =
+                    self.connections.by_broker.get_mut(&leader).ok_or_else(|| "connection lost".to_string())?;
+                connection.receive_produce(correlation.unwrap_or_default())
+            });
+            let response = match answer {
+                Ok(response) => response,
+                Err(reason) => {
+                    self.connections.by_broker.remove(&leader);
+                    log::warn(&format!("resending a batch whose answer was lost: {reason}"));
+                    stale = true;
+                    continue;
+                }
+            };
+            let producer = self.producer.as_mut().expect("checked above");
+            for (partition, code) in partition_codes(&response, &self.settings.topic) {
+                stale |= policy::stale_metadata(code);
+                let Some(doubt) = producer.in_doubt.get(&partition) else { continue };
+                let (base, count) = (doubt.base_sequence, doubt.ids.len());
+                producer.settle(partition, base, count, code);
+                if code == 0 || policy::is_duplicate(code) {
+                    let doubt = producer.in_doubt.remove(&partition).expect("present");
+                    if producer.delivered.len() + doubt.ids.len() > MAX_REMEMBERED {
+                        producer.delivered.clear();
+                    }
+                    producer.delivered.extend(doubt.ids);
+                }
+            }
+        }
+        stale
     }
 
     /// Makes sure partition leaders are known and fresh; the error is the outcome for every event.
@@ -215,6 +417,57 @@ impl State {
             }
         }
         Err(transient(format!("no broker answered a metadata request: {}", failures.join("; "))))
+    }
+
+    /// With idempotence on, makes sure this instance has a producer session.
+    fn ensure_producer(&mut self) -> Result<(), Outcome> {
+        if !self.settings.idempotence || self.producer.is_some() {
+            return Ok(());
+        }
+        let cluster = self.cluster.as_ref().expect("ensure_cluster sets the cluster");
+        let Some(leader) = cluster.leaders.iter().flatten().next().copied() else {
+            return Err(transient(format!(
+                "no partition of {} has a leader to ask for a producer id",
+                self.settings.topic
+            )));
+        };
+        let (timeout, client_id) = (self.settings.timeout, self.settings.client_id.clone());
+        let answer = self.connection(leader).and_then(|c| c.init_producer_id(timeout, &client_id));
+        let response = match answer {
+            Ok(response) => response,
+            Err(reason) => {
+                self.connections.by_broker.remove(&leader);
+                return Err(transient(format!("InitProducerId: {reason}")));
+            }
+        };
+        match policy::classify(response.error_code) {
+            Class::Ok => {}
+            Class::Transient(why) | Class::Permanent(why) => {
+                return Err(transient(format!("InitProducerId: {why} (code {})", response.error_code)));
+            }
+        }
+        self.producer = Some(Producer {
+            id: response.producer_id.0,
+            epoch: response.producer_epoch,
+            next_sequence: HashMap::new(),
+            in_doubt: BTreeMap::new(),
+            delivered: HashSet::new(),
+            reset: false,
+        });
+        Ok(())
+    }
+
+    /// Marks the batches of `partitions` as in doubt: written or not, nobody knows.
+    fn doubt(&mut self, events: &[Event], partitions: &PartitionGroups, batches: &BTreeMap<i32, (Bytes, i32)>) {
+        let Some(producer) = self.producer.as_mut() else { return };
+        for (partition, members) in partitions {
+            if let Some((batch, base_sequence)) = batches.get(partition) {
+                let ids = members.iter().map(|&i| events[i].id).collect();
+                let doubt = InDoubt { ids, batch: batch.clone(), base_sequence: *base_sequence };
+                producer.in_doubt.insert(*partition, doubt);
+                producer.next_sequence.insert(*partition, *base_sequence);
+            }
+        }
     }
 
     fn adopt(&mut self, response: kafka_protocol::messages::MetadataResponse) -> Result<(), Outcome> {
@@ -270,29 +523,32 @@ impl State {
         Ok(self.connections.by_broker.get_mut(&leader).expect("inserted"))
     }
 
-    fn send(&mut self, leader: i32, events: &[Event], partitions: &PartitionGroups) -> Result<Option<i32>, NetError> {
+    /// Writes one produce request of `batches` (per partition); the error says whether the
+    /// broker may have received it.
+    fn send(&mut self, leader: i32, batches: &BTreeMap<i32, (Bytes, i32)>) -> Result<Option<i32>, (NetError, bool)> {
         let mut request = ProduceRequest::default();
         request.acks = self.settings.acks;
         request.timeout_ms = i32::try_from(self.settings.timeout.as_millis()).unwrap_or(i32::MAX);
         let mut data = TopicProduceData::default();
         data.name = StrBytes::from_string(self.settings.topic.clone()).into();
-        for (&partition, members) in partitions {
+        for (&partition, (batch, _)) in batches {
             let mut part = PartitionProduceData::default();
             part.index = partition;
-            part.records = Some(encode_batch(members.iter().map(|&i| &events[i]))?);
+            part.records = Some(batch.clone());
             data.partition_data.push(part);
         }
         request.topic_data.push(data);
         let client_id = self.settings.client_id.clone();
-        let result = self.connection(leader)?.send_produce(&request, &client_id);
+        let connection = self.connection(leader).map_err(|e| (e, false))?;
+        let result = connection.send_produce(&request, &client_id);
         if result.is_err() {
             self.connections.by_broker.remove(&leader);
         }
-        result
+        result.map_err(|e| (e, true))
     }
 
     /// Reads one produce answer into `outcomes`; returns whether the metadata should be refreshed.
-    fn collect(&mut self, request: InFlight, outcomes: &mut [Option<Outcome>]) -> bool {
+    fn collect(&mut self, events: &[Event], request: InFlight, outcomes: &mut [Option<Outcome>]) -> bool {
         let all = |outcomes: &mut [Option<Outcome>], outcome: Outcome| {
             fill(outcomes, request.partitions.values().flatten(), outcome);
         };
@@ -307,13 +563,16 @@ impl State {
         let response = match answer {
             Ok(response) => response,
             Err(reason) => {
-                // The stream may hold half an answer; start afresh next time.
+                // The stream may hold half an answer; start afresh next time. The broker may
+                // have written the records: with idempotence they go again as they were.
                 self.connections.by_broker.remove(&request.leader);
+                self.doubt(events, &request.partitions, &request.batches);
                 all(outcomes, transient(reason));
                 return true;
             }
         };
-        let topic = &self.settings.topic;
+        let topic = self.settings.topic.clone();
+        let topic = &topic;
         let mut stale = false;
         let answers: HashMap<i32, _> = response
             .responses
@@ -328,6 +587,11 @@ impl State {
             };
             let code = answer.error_code;
             stale |= policy::stale_metadata(code);
+            if let (Some(producer), Some((_, base))) = (self.producer.as_mut(), request.batches.get(partition)) {
+                producer.settle(*partition, *base, members.len(), code);
+            }
+            // The broker already has these records from an attempt whose answer was lost.
+            let code = if policy::is_duplicate(code) { 0 } else { code };
             let detail = answer.error_message.as_ref().map(|m| format!(": {}", m.as_str())).unwrap_or_default();
             match policy::classify(code) {
                 Class::Ok => fill(outcomes, members, Outcome::Success),
@@ -389,8 +653,16 @@ fn record_size(event: &Event) -> usize {
         + event.content_type.len()
 }
 
-/// Encodes the events as one uncompressed record batch (format v2, with headers).
-fn encode_batch<'a>(events: impl Iterator<Item = &'a Event>) -> Result<Bytes, NetError> {
+/// Encodes the events as one record batch (format v2, with headers), compressed with `compression`.
+/// With `identity` (producer id and epoch, and the batch's base sequence), the batch is an
+/// idempotent producer's.
+fn encode_batch<'a>(
+    events: impl Iterator<Item = &'a Event>,
+    compression: Compression,
+    identity: Option<((i64, i16), i32)>,
+) -> Result<Bytes, NetError> {
+    let ((producer_id, producer_epoch), base_sequence) =
+        identity.unwrap_or(((NO_PRODUCER_ID, NO_PRODUCER_EPOCH), NO_SEQUENCE));
     let records: Vec<Record> = events
         .enumerate()
         .map(|(offset, event)| {
@@ -406,11 +678,15 @@ fn encode_batch<'a>(events: impl Iterator<Item = &'a Event>) -> Result<Bytes, Ne
                 control: false,
                 delete_horizon: false,
                 partition_leader_epoch: NO_PARTITION_LEADER_EPOCH,
-                producer_id: NO_PRODUCER_ID,
-                producer_epoch: NO_PRODUCER_EPOCH,
+                producer_id,
+                producer_epoch,
                 timestamp_type: TimestampType::Creation,
                 offset: offset as i64,
-                sequence: NO_SEQUENCE,
+                sequence: if base_sequence == NO_SEQUENCE {
+                    NO_SEQUENCE
+                } else {
+                    sequence_after(base_sequence, offset)
+                },
                 timestamp: event.event_time,
                 key: event.ordering_key.as_ref().map(|k| Bytes::from(k.clone().into_bytes())),
                 value: Some(Bytes::from(event.payload.clone())),
@@ -419,9 +695,20 @@ fn encode_batch<'a>(events: impl Iterator<Item = &'a Event>) -> Result<Bytes, Ne
         })
         .collect();
     let mut buf = BytesMut::new();
-    RecordBatchEncoder::encode(&mut buf, &records, &RecordEncodeOptions { version: 2, compression: Compression::None })
+    let options = RecordEncodeOptions { version: 2, compression };
+    RecordBatchEncoder::encode_with_custom_compression(&mut buf, &records, &options, Some(codec::compress))
         .map_err(|e| format!("encoding records: {e}"))?;
     Ok(buf.freeze())
+}
+
+/// Each partition's error code in a produce answer, for `topic`.
+fn partition_codes(response: &kafka_protocol::messages::ProduceResponse, topic: &str) -> Vec<(i32, i16)> {
+    response
+        .responses
+        .iter()
+        .filter(|t| t.name.0.as_str() == topic)
+        .flat_map(|t| t.partition_responses.iter().map(|p| (p.index, p.error_code)))
+        .collect()
 }
 
 fn fill<'a>(outcomes: &mut [Option<Outcome>], members: impl IntoIterator<Item = &'a usize>, outcome: Outcome) {

@@ -82,11 +82,28 @@ fn transient_name(code: i16) -> &'static str {
         14 => "COORDINATOR_LOAD_IN_PROGRESS",
         19 => "NOT_ENOUGH_REPLICAS",
         20 => "NOT_ENOUGH_REPLICAS_AFTER_APPEND",
+        45 => "OUT_OF_ORDER_SEQUENCE_NUMBER",
+        47 => "INVALID_PRODUCER_EPOCH",
         56 => "KAFKA_STORAGE_ERROR",
+        59 => "UNKNOWN_PRODUCER_ID",
         74 => "FENCED_LEADER_EPOCH",
         75 => "UNKNOWN_LEADER_EPOCH",
+        90 => "PRODUCER_FENCED",
         _ => "broker error",
     }
+}
+
+/// DUPLICATE_SEQUENCE_NUMBER: the broker already wrote this idempotent producer's batch (an
+/// earlier attempt whose answer was lost); the records are delivered.
+pub fn is_duplicate(code: i16) -> bool {
+    code == 46
+}
+
+/// Codes after which an idempotent producer's session cannot go on (the broker no longer knows
+/// it, or its sequence numbers no longer line up): the transport starts a new one, and the
+/// events are retried.
+pub fn ends_producer_session(code: i16) -> bool {
+    matches!(code, 45 | 47 | 59 | 90)
 }
 
 /// Whether an error code means the cached cluster metadata (partition leaders) is out of date and

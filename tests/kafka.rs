@@ -17,6 +17,8 @@ use crate::common::{Backend, Captured, Stepped, TestDb, plugins_dir};
 /// its unit tests run natively and the tests can predict partitions with it.
 #[path = "../plugins/kafka/src/policy.rs"]
 mod policy;
+#[path = "../plugins/kafka/src/sasl.rs"]
+mod sasl;
 
 mod unit {
     use super::policy::{
@@ -73,6 +75,46 @@ mod unit {
             assert!(matches!(classify(code), Class::Transient(name) if name != "broker error"), "code {code}");
         }
         assert!(!ends_producer_session(6) && !ends_producer_session(46));
+    }
+
+    #[test]
+    fn scram_follows_the_rfc_examples() {
+        use super::sasl::{Credentials, Mechanism, Scram};
+        // RFC 7677, section 3: SCRAM-SHA-256, user "user", password "pencil".
+        let credentials = Credentials { username: "user".into(), password: "pencil".into() };
+        let mut scram = Scram::new(Mechanism::ScramSha256, &credentials, "rOprNGfwEbeRWgbNEkqO");
+        assert_eq!(scram.client_first(), b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO");
+        let server_first = b"r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,s=W22ZaJ0SNY7soEsUEjb6gQ==,i=4096";
+        let client_final = String::from_utf8(scram.client_final(server_first).unwrap()).unwrap();
+        assert_eq!(
+            client_final,
+            "c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ="
+        );
+        assert_eq!(scram.verify_server_final(b"v=6rriTRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4="), Ok(()));
+        let forged = scram.verify_server_final(b"v=AAAATRBi23WpRR/wtup+mMhUZUn/dB5nLTJRsjl95G4=").unwrap_err();
+        assert!(forged.contains("does not know the password"), "{forged}");
+        assert!(scram.verify_server_final(b"e=invalid-proof").unwrap_err().contains("invalid-proof"));
+
+        // What a hostile or broken server may send is refused before any work is done.
+        let mut fresh = || Scram::new(Mechanism::ScramSha512, &credentials, "abc");
+        for (server_first, why) in [
+            (&b"r=xyz,s=QQ==,i=4096"[..], "does not extend"),
+            (b"r=abcdef,s=QQ==,i=99999999", "iterations"),
+            (b"r=abcdef,s=QQ==,i=100", "iterations"),
+            (b"r=abcdef,i=4096", "salt"),
+            (b"m=ext,r=abcdef,s=QQ==,i=4096", "extension"),
+        ] {
+            let err = fresh().client_final(server_first).unwrap_err();
+            assert!(err.contains(why), "{err}");
+        }
+        // User names escape '=' and ','; PLAIN is one message; no password in Debug.
+        let odd = Credentials { username: "a=b,c".into(), password: "p".into() };
+        assert_eq!(Scram::new(Mechanism::ScramSha256, &odd, "n").client_first(), b"n,,n=a=3Db=2Cc,r=n");
+        assert_eq!(super::sasl::plain(&credentials), b"\0user\0pencil");
+        assert!(!format!("{credentials:?}").contains("pencil"));
+        assert_eq!(Mechanism::parse("scram-sha-512"), Ok(Mechanism::ScramSha512));
+        assert!(Mechanism::parse("GSSAPI").unwrap_err().starts_with("sasl_mechanism: expected PLAIN"));
+        assert_eq!(Mechanism::Plain.name(), "PLAIN");
     }
 
     #[test]
@@ -364,11 +406,13 @@ async fn behind_a_proxy(
 /// Every record of `topic` as kafka-python reads it (tests/kafka/read.py): a Kafka client that
 /// shares nothing with the plugin. Each is a JSON object with partition, offset, key, value and
 /// headers.
-async fn read_independently(broker: &Broker, topic: &str) -> Vec<serde_json::Value> {
+/// With `sasl` (mechanism, user, password), it authenticates.
+async fn read_independently(broker: &Broker, topic: &str, sasl: Option<[&str; 3]>) -> Vec<serde_json::Value> {
     let root = crate::common::repo_root();
     let out = tokio::process::Command::new(root.join("target/kafka-py/bin/python"))
         .arg(root.join("tests/kafka/read.py"))
         .args([&broker.addr(), topic])
+        .args(sasl.iter().flatten())
         .output()
         .await
         .expect("kafka-python runs (scripts/test installs it into target/kafka-py)");
@@ -394,7 +438,7 @@ async fn compressed_batches_are_read_back_by_an_independent_client() {
         } else {
             assert!(sent < raw / 4, "{codec}: {sent} bytes on the wire for {raw} bytes of payload");
         }
-        let records = read_independently(&own, topic).await;
+        let records = read_independently(&own, topic, None).await;
         let mut read: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
         let mut expected: Vec<&str> = payloads.iter().map(String::as_str).collect();
         read.sort();
@@ -441,4 +485,86 @@ async fn a_lost_produce_answer_is_retried_without_writing_records_twice() {
         let records = own.records(topic, 2).await;
         assert_eq!(records.len(), expected, "{route}: records written");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sasl_scram_authenticates_and_a_refused_login_waits_without_revealing_the_password() {
+    let users = [("alice", "alice-256-secret", "scram256"), ("bob", "bob-512-secret", "scram512")];
+    let broker =
+        tokio::task::spawn_blocking(move || Broker::start_authenticated(&users, &[("secured", 2)])).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let secrets = dir.path().join("secrets");
+    std::fs::create_dir_all(&secrets).unwrap();
+    std::fs::write(secrets.join("bob"), "bob-512-secret\n").unwrap();
+    let sandbox = format!(
+        "{}\nenv = {{ BOB_PASSWORD = \"bob-512-secret\" }}\ndirs = {{ \"/secrets\" = {secrets:?} }}",
+        sandbox_for(&broker)
+    );
+    let base = format!("brokers = \"localhost:{}\", topic = \"secured\"", broker.port);
+    let route = |sasl: &str| format!("{base}{sasl}");
+    let routes = [
+        (
+            "sha256",
+            route(
+                ", sasl_mechanism = \"SCRAM-SHA-256\", sasl_username = \"alice\", sasl_password = \"alice-256-secret\"",
+            ),
+        ),
+        (
+            "sha512env",
+            route(
+                ", sasl_mechanism = \"SCRAM-SHA-512\", sasl_username = \"bob\", sasl_password_env = \"BOB_PASSWORD\"",
+            ),
+        ),
+        (
+            "sha512file",
+            route(
+                ", sasl_mechanism = \"scram-sha-512\", sasl_username = \"bob\", sasl_password_file = \"/secrets/bob\"",
+            ),
+        ),
+        (
+            "wrong",
+            route(
+                ", sasl_mechanism = \"SCRAM-SHA-256\", sasl_username = \"alice\", sasl_password = \"not-alices-password\"",
+            ),
+        ),
+        (
+            "plain",
+            route(", sasl_mechanism = \"PLAIN\", sasl_username = \"alice\", sasl_password = \"alice-256-secret\""),
+        ),
+        ("anonymous", route("")),
+    ];
+    let routes: Vec<(&str, String)> = routes.into_iter().collect();
+    let s = setup(&sandbox, &routes).await;
+    let log = Captured::default();
+    let events: Vec<NewEvent> =
+        routes.iter().map(|(name, _)| NewEvent::new(*name, "t", format!("via {name}"))).collect();
+    let rows = s.deliver(&events).with_subscriber(log.subscriber()).await;
+    for row in &rows[..3] {
+        assert_eq!(row.status, Status::Sent, "{}: {:?}", row.route, row.last_error);
+    }
+    let reason = |n: usize| rows[n].last_error.clone().unwrap_or_default();
+    assert_eq!(rows[3].status, Status::Pending, "a refused login waits (transient): {}", reason(3));
+    assert!(reason(3).contains("SASL_AUTHENTICATION_FAILED"), "{}", reason(3));
+    assert_eq!(rows[4].status, Status::Pending, "{}", reason(4));
+    // tansu offers no PLAIN: it drops the connection at the handshake (a broker that answers
+    // says UNSUPPORTED_SASL_MECHANISM); either way the events wait.
+    assert!(reason(4).contains("SaslHandshake"), "{}", reason(4));
+    assert_eq!(
+        rows[5].status,
+        Status::Pending,
+        "a broker that wants a login refuses anonymous requests: {}",
+        reason(5)
+    );
+
+    // The passwords are nowhere: not in the reasons stored with the events, not in the log.
+    let log = log.text();
+    for secret in ["alice-256-secret", "bob-512-secret", "not-alices-password"] {
+        assert!(!log.contains(secret), "the log shows a password: {log}");
+        assert!(rows.iter().all(|r| !r.last_error.as_deref().unwrap_or("").contains(secret)), "{rows:?}");
+    }
+
+    let records = read_independently(&broker, "secured", Some(["SCRAM-SHA-256", "alice", "alice-256-secret"])).await;
+    let mut values: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
+    values.sort();
+    assert_eq!(values, ["via sha256", "via sha512env", "via sha512file"]);
 }

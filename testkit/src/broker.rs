@@ -20,6 +20,8 @@ use tokio::sync::OnceCell;
 pub struct Broker {
     pub port: u16,
     _wrapper: std::process::Child,
+    /// The storage of a broker that keeps users (SQLite), removed with it.
+    _dir: Option<tempfile::TempDir>,
 }
 
 static BROKER: OnceCell<Broker> = OnceCell::const_new();
@@ -51,35 +53,51 @@ impl Broker {
     /// advertise names, so the plugin needs dns), or as `127.0.0.1:<advertise>` when given, for
     /// tests that put a proxy in front of it.
     pub fn start(advertise: Option<u16>) -> Broker {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let tansu = tansu_binary();
+        let port = free_port();
         let advertised = match advertise {
             Some(proxy) => format!("tcp://127.0.0.1:{proxy}"),
             None => format!("tcp://localhost:{port}"),
         };
-        let script = format!(
-            "{tansu:?} broker --listener-url tcp://127.0.0.1:{port} --advertised-listener-url {advertised} \
-             --storage-engine memory://tansu/ >\"$LOG\" 2>&1 & pid=$!; cat >/dev/null; kill $pid"
-        );
-        let log = std::env::temp_dir().join(format!("ferry-test-tansu-{port}.log"));
-        let wrapper = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .env("LOG", &log)
-            .stdin(Stdio::piped())
-            .spawn()
-            .expect("start tansu");
-        let broker = Broker { port, _wrapper: wrapper };
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "tansu did not listen on {port} within 30s; its log: {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
+        let (wrapper, log) = spawn(port, &advertised, "memory://tansu/", &[], None);
+        wait_for(port, &log);
+        Broker { port, _wrapper: wrapper, _dir: None }
+    }
+
+    /// Starts a broker that requires SASL (SCRAM-SHA-256 and -512; tansu has no PLAIN) from the
+    /// users `(name, password, mechanism)` (mechanism `scram256` or `scram512`), with the topics
+    /// `(name, partitions)` already made. Users live in the storage, so it is a SQLite file: the
+    /// broker is started once without authentication to create them and the topics, then again
+    /// with it.
+    pub fn start_authenticated(users: &[(&str, &str, &str)], topics: &[(&str, i32)]) -> Broker {
+        let dir = tempfile::tempdir().expect("broker storage directory");
+        let storage = "sqlite://tansu.db";
+        let port = free_port();
+        let advertised = format!("tcp://localhost:{port}");
+        let url = format!("tcp://127.0.0.1:{port}");
+        let (mut setup, log) = spawn(port, &advertised, storage, &[], Some(dir.path()));
+        wait_for(port, &log);
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new(tansu_binary())
+                .args(args)
+                .current_dir(dir.path())
+                .output()
+                .expect("tansu runs");
+            assert!(out.status.success(), "tansu {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        for (name, password, mechanism) in users {
+            run(&["user", "create", "--broker", &url, "--mechanism", mechanism, name, password]);
         }
-        broker
+        for (topic, partitions) in topics {
+            run(&["topic", "create", "--broker", &url, "--partitions", &partitions.to_string(), topic]);
+        }
+        drop(setup.stdin.take());
+        let _ = setup.wait();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (wrapper, log) = spawn(port, &advertised, storage, &["--authentication"], Some(dir.path()));
+        wait_for(port, &log);
+        Broker { port, _wrapper: wrapper, _dir: Some(dir) }
     }
 
     pub fn addr(&self) -> String {
@@ -107,6 +125,48 @@ impl Broker {
             all.extend(records.into_iter().map(|r| (partition, r.record)));
         }
         all
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Starts tansu on `port` through a shell wrapper that stops it when its stdin closes (when the
+/// test process goes away, or the returned child's stdin is dropped). Returns the wrapper and
+/// the broker's log file.
+fn spawn(
+    port: u16,
+    advertised: &str,
+    storage: &str,
+    extra: &[&str],
+    dir: Option<&std::path::Path>,
+) -> (std::process::Child, PathBuf) {
+    let tansu = tansu_binary();
+    let extra = extra.join(" ");
+    let script = format!(
+        "{tansu:?} broker --listener-url tcp://127.0.0.1:{port} --advertised-listener-url {advertised} \
+         --storage-engine {storage} {extra} >\"$LOG\" 2>&1 & pid=$!; cat >/dev/null; kill $pid; wait $pid"
+    );
+    let log = std::env::temp_dir().join(format!("ferry-test-tansu-{port}.log"));
+    let mut command = std::process::Command::new("sh");
+    command.arg("-c").arg(script).env("LOG", &log).stdin(Stdio::piped());
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    (command.spawn().expect("start tansu"), log)
+}
+
+/// Waits until the broker on `port` accepts connections.
+fn wait_for(port: u16, log: &std::path::Path) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tansu did not listen on {port} within 30s; its log: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

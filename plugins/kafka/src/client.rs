@@ -4,14 +4,17 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use kafka_protocol::messages::{
     ApiKey, ApiVersionsRequest, ApiVersionsResponse, InitProducerIdRequest, InitProducerIdResponse, MetadataRequest,
-    MetadataResponse, ProduceRequest, ProduceResponse, RequestHeader, ResponseHeader,
+    MetadataResponse, ProduceRequest, ProduceResponse, RequestHeader, ResponseHeader, SaslAuthenticateRequest,
+    SaslAuthenticateResponse, SaslHandshakeRequest, SaslHandshakeResponse,
 };
 use kafka_protocol::protocol::{Decodable, Encodable, StrBytes};
+
+use crate::sasl::{self, Credentials, Mechanism, Scram};
 
 /// Why talking to a broker failed. Always transient for the events concerned.
 pub type NetError = String;
@@ -23,6 +26,13 @@ const METADATA_MAX: i16 = 9;
 /// InitProducerId v0 (Kafka 0.11) is enough for an idempotent, non-transactional producer.
 const INIT_PRODUCER_ID_MAX: i16 = 4;
 
+/// How the transport authenticates to brokers.
+#[derive(Debug, Clone)]
+pub struct Auth {
+    pub mechanism: Mechanism,
+    pub credentials: Credentials,
+}
+
 /// One open connection to one broker.
 pub struct Connection {
     address: String,
@@ -32,11 +42,23 @@ pub struct Connection {
     metadata_version: i16,
     /// The InitProducerId version to use; `None` when the broker does not offer it.
     init_producer_id_version: Option<i16>,
+    sasl_authenticate_version: i16,
+    auth: Option<Auth>,
+    /// When the broker's SASL session runs out, authenticate again before this.
+    reauthenticate_at: Option<Instant>,
+    /// Requests written and not yet answered.
+    outstanding: usize,
 }
 
 impl Connection {
-    /// Connects to `host:port` and negotiates request versions.
-    pub fn open(host: &str, port: u16, timeout: Duration, client_id: &str) -> Result<Connection, NetError> {
+    /// Connects to `host:port`, negotiates request versions and, with `auth`, authenticates.
+    pub fn open(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        client_id: &str,
+        auth: Option<&Auth>,
+    ) -> Result<Connection, NetError> {
         let address = format!("{host}:{port}");
         let addrs: Vec<_> = (host, port)
             .to_socket_addrs()
@@ -56,10 +78,15 @@ impl Connection {
                         produce_version: 3,
                         metadata_version: 4,
                         init_producer_id_version: None,
+                        sasl_authenticate_version: 0,
+                        auth: auth.cloned(),
+                        reauthenticate_at: None,
+                        outstanding: 0,
                     };
                     // A refused connection can surface only at the first write (wasi-libc's
                     // non-blocking connect), so a failed negotiation counts as a failed connect.
                     connection.negotiate(client_id).map_err(|e| format!("cannot connect: {e}"))?;
+                    connection.authenticate(client_id)?;
                     return Ok(connection);
                 }
                 Err(e) => last = format!("cannot connect to {address} ({addr}): {e}"),
@@ -95,6 +122,82 @@ impl Connection {
         self.produce_version = pick(ApiKey::Produce, 3, PRODUCE_MAX)?;
         self.metadata_version = pick(ApiKey::Metadata, 4, METADATA_MAX)?;
         self.init_producer_id_version = pick(ApiKey::InitProducerId, 0, INIT_PRODUCER_ID_MAX).ok();
+        if self.auth.is_some() {
+            // SaslHandshake v1 frames the exchange in SaslAuthenticate requests; v1 of those
+            // carries the session lifetime, after which the broker wants a new authentication.
+            pick(ApiKey::SaslHandshake, 1, 1)?;
+            self.sasl_authenticate_version = pick(ApiKey::SaslAuthenticate, 0, 2)?;
+        }
+        Ok(())
+    }
+
+    /// Authenticates with the configured mechanism, if any. Errors name the broker and the
+    /// mechanism, never the credentials.
+    fn authenticate(&mut self, client_id: &str) -> Result<(), NetError> {
+        let Some(auth) = self.auth.clone() else { return Ok(()) };
+        self.reauthenticate_at = None;
+        let mechanism = auth.mechanism.name();
+        let mut handshake = SaslHandshakeRequest::default();
+        handshake.mechanism = StrBytes::from_static_str(mechanism);
+        let correlation = self.send(ApiKey::SaslHandshake, 1, &handshake, client_id)?;
+        let answer: SaslHandshakeResponse = self.receive(ApiKey::SaslHandshake, 1, correlation)?;
+        if answer.error_code != 0 {
+            let offered: Vec<&str> = answer.mechanisms.iter().map(|m| m.as_str()).collect();
+            return Err(format!(
+                "{}: UNSUPPORTED_SASL_MECHANISM: the broker does not offer SASL {mechanism} (it offers: {})",
+                self.address,
+                if offered.is_empty() { "none".to_string() } else { offered.join(", ") }
+            ));
+        }
+        let failed = |address: &str, why: String| {
+            format!(
+                "{address}: SASL_AUTHENTICATION_FAILED: {mechanism} authentication refused: {why} (check the credentials)"
+            )
+        };
+        let lifetime_ms = match auth.mechanism {
+            Mechanism::Plain => self.sasl_step(sasl::plain(&auth.credentials), client_id)?.1,
+            scram => {
+                let mut conversation = Scram::new(scram, &auth.credentials, &nonce());
+                let (server_first, _) = self.sasl_step(conversation.client_first(), client_id)?;
+                let client_final = conversation.client_final(&server_first).map_err(|e| failed(&self.address, e))?;
+                let (server_final, lifetime_ms) = self.sasl_step(client_final, client_id)?;
+                conversation.verify_server_final(&server_final).map_err(|e| failed(&self.address, e))?;
+                lifetime_ms
+            }
+        };
+        if lifetime_ms > 0 {
+            // Well before the broker's deadline, as the Java client does (85% of the lifetime).
+            self.reauthenticate_at = Some(Instant::now() + Duration::from_millis(lifetime_ms as u64 * 85 / 100));
+        }
+        Ok(())
+    }
+
+    /// One SaslAuthenticate round trip: the server's bytes and the session lifetime it states.
+    fn sasl_step(&mut self, auth_bytes: Vec<u8>, client_id: &str) -> Result<(Vec<u8>, i64), NetError> {
+        let version = self.sasl_authenticate_version;
+        let mut request = SaslAuthenticateRequest::default();
+        request.auth_bytes = Bytes::from(auth_bytes);
+        let correlation = self.send(ApiKey::SaslAuthenticate, version, &request, client_id)?;
+        let answer: SaslAuthenticateResponse = self.receive(ApiKey::SaslAuthenticate, version, correlation)?;
+        if answer.error_code != 0 {
+            let name = if answer.error_code == 58 { "SASL_AUTHENTICATION_FAILED" } else { "SASL error" };
+            let detail = answer.error_message.as_ref().map(|m| m.as_str().to_string()).unwrap_or_default();
+            let mechanism = self.auth.as_ref().map_or("", |a| a.mechanism.name());
+            return Err(format!(
+                "{}: {name} (code {}): {mechanism} authentication refused{}{detail} (check the credentials)",
+                self.address,
+                answer.error_code,
+                if detail.is_empty() { "" } else { ": " }
+            ));
+        }
+        Ok((answer.auth_bytes.to_vec(), answer.session_lifetime_ms))
+    }
+
+    /// Authenticates again when the broker's session is about to run out and nothing is in flight.
+    fn refresh(&mut self, client_id: &str) -> Result<(), NetError> {
+        if self.outstanding == 0 && self.reauthenticate_at.is_some_and(|at| Instant::now() >= at) {
+            self.authenticate(client_id)?;
+        }
         Ok(())
     }
 
@@ -117,11 +220,13 @@ impl Connection {
         let size = i32::try_from(frame.len() - 4).map_err(|_| format!("{key:?} request too large"))?;
         frame[..4].copy_from_slice(&size.to_be_bytes());
         self.stream.write_all(&frame).map_err(|e| format!("{}: sending {key:?}: {e}", self.address))?;
+        self.outstanding += 1;
         Ok(correlation)
     }
 
     /// Reads the answer to the request with `correlation`.
     fn receive<R: Decodable>(&mut self, key: ApiKey, version: i16, correlation: i32) -> Result<R, NetError> {
+        self.outstanding = self.outstanding.saturating_sub(1);
         let mut size = [0u8; 4];
         self.stream.read_exact(&mut size).map_err(|e| read_error(&self.address, key, &e))?;
         let size = i32::from_be_bytes(size);
@@ -153,6 +258,7 @@ impl Connection {
         wanted.name = Some(StrBytes::from_string(topic.to_string()).into());
         request.topics = Some(vec![wanted]);
         request.allow_auto_topic_creation = false;
+        self.refresh(client_id)?;
         let version = self.metadata_version;
         let correlation = self.send(ApiKey::Metadata, version, &request, client_id)?;
         self.receive(ApiKey::Metadata, version, correlation)
@@ -161,7 +267,12 @@ impl Connection {
     /// Writes a produce request; with `acks = 0` the broker sends no answer, so `None` is returned
     /// in place of a correlation id to wait for.
     pub fn send_produce(&mut self, request: &ProduceRequest, client_id: &str) -> Result<Option<i32>, NetError> {
+        self.refresh(client_id)?;
         let correlation = self.send(ApiKey::Produce, self.produce_version, request, client_id)?;
+        if request.acks == 0 {
+            // No answer will come.
+            self.outstanding = self.outstanding.saturating_sub(1);
+        }
         Ok((request.acks != 0).then_some(correlation))
     }
 
@@ -181,9 +292,16 @@ impl Connection {
         let mut request = InitProducerIdRequest::default();
         request.transactional_id = None;
         request.transaction_timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        self.refresh(client_id)?;
         let correlation = self.send(ApiKey::InitProducerId, version, &request, client_id)?;
         self.receive(ApiKey::InitProducerId, version, correlation)
     }
+}
+
+/// A fresh SCRAM client nonce: 18 random bytes from the host, as base64.
+fn nonce() -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(wasi::random::random::get_random_bytes(18))
 }
 
 fn read_error(address: &str, key: ApiKey, error: &std::io::Error) -> NetError {

@@ -23,6 +23,7 @@
 mod client;
 mod codec;
 pub mod policy;
+mod sasl;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -37,7 +38,7 @@ use kafka_protocol::records::{
     RecordEncodeOptions, TimestampType,
 };
 
-use client::{Connection, Connections, NetError};
+use client::{Auth, Connection, Connections, NetError};
 use ferry_plugin_sdk::outcome::{permanent, transient};
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::Class;
@@ -56,6 +57,7 @@ struct Settings {
     metadata_max_age: Duration,
     compression: Compression,
     idempotence: bool,
+    auth: Option<Auth>,
 }
 
 /// Where the partitions of the route's topic live, as last read from the cluster.
@@ -118,7 +120,9 @@ fn parse_settings(config: &mut Config) -> Result<Settings, String> {
         Some("false") => false,
         Some(other) => return Err(format!("idempotence: expected true or false, got {other:?}")),
     };
+    let auth = parse_auth(config)?;
     Ok(Settings {
+        auth,
         brokers,
         topic,
         acks,
@@ -129,6 +133,44 @@ fn parse_settings(config: &mut Config) -> Result<Settings, String> {
         compression,
         idempotence,
     })
+}
+
+/// The SASL settings: a mechanism, a user name, and the password from exactly one of the route's
+/// config, an environment variable granted to the plugin, or a file in a directory granted to it.
+fn parse_auth(config: &mut Config) -> Result<Option<Auth>, String> {
+    let mechanism = config.optional("sasl_mechanism");
+    let username = config.optional("sasl_username");
+    let sources =
+        (config.optional("sasl_password"), config.optional("sasl_password_env"), config.optional("sasl_password_file"));
+    let Some(mechanism) = mechanism else {
+        if username.is_some() || sources != (None, None, None) {
+            return Err(
+                "sasl_mechanism: required with sasl_username and a password (PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512)"
+                    .into(),
+            );
+        }
+        return Ok(None);
+    };
+    let mechanism = sasl::Mechanism::parse(&mechanism)?;
+    let username = username.filter(|u| !u.is_empty()).ok_or("sasl_username: required with sasl_mechanism")?;
+    let password = match sources {
+        (Some(password), None, None) => password,
+        (None, Some(variable), None) => std::env::var(&variable).map_err(|_| {
+            format!("sasl_password_env: the plugin sees no variable {variable:?} (grant it with sandbox.kafka.env)")
+        })?,
+        (None, None, Some(path)) => {
+            std::fs::read_to_string(&path).map(|text| text.trim_end_matches(['\r', '\n']).to_string()).map_err(|e| {
+                format!("sasl_password_file: cannot read {path:?}: {e} (grant its directory with sandbox.kafka.dirs)")
+            })?
+        }
+        (None, None, None) => {
+            return Err(
+                "sasl_password: required with sasl_mechanism (or sasl_password_env, or sasl_password_file)".into()
+            );
+        }
+        _ => return Err("sasl_password: give one of sasl_password, sasl_password_env and sasl_password_file".into()),
+    };
+    Ok(Some(Auth { mechanism, credentials: sasl::Credentials { username, password } }))
 }
 
 /// The events bound for one partition, by their index in the batch.
@@ -406,8 +448,14 @@ impl State {
             }
         }
         for (host, port) in self.settings.brokers.clone() {
-            let attempt = Connection::open(&host, port, self.settings.timeout, &self.settings.client_id)
-                .and_then(|mut c| c.metadata(&topic, &self.settings.client_id).map(|r| (c, r)));
+            let attempt = Connection::open(
+                &host,
+                port,
+                self.settings.timeout,
+                &self.settings.client_id,
+                self.settings.auth.as_ref(),
+            )
+            .and_then(|mut c| c.metadata(&topic, &self.settings.client_id).map(|r| (c, r)));
             match attempt {
                 Ok((connection, response)) => {
                     self.connections.bootstrap = Some(connection);
@@ -516,7 +564,13 @@ impl State {
             let reuse = self.connections.bootstrap.take_if(|c| c.address() == format!("{host}:{port}"));
             let connection = match reuse {
                 Some(c) => c,
-                None => Connection::open(host, *port, self.settings.timeout, &self.settings.client_id)?,
+                None => Connection::open(
+                    host,
+                    *port,
+                    self.settings.timeout,
+                    &self.settings.client_id,
+                    self.settings.auth.as_ref(),
+                )?,
             };
             self.connections.by_broker.insert(leader, connection);
         }

@@ -96,7 +96,7 @@ mod unit {
         assert!(scram.verify_server_final(b"e=invalid-proof").unwrap_err().contains("invalid-proof"));
 
         // What a hostile or broken server may send is refused before any work is done.
-        let mut fresh = || Scram::new(Mechanism::ScramSha512, &credentials, "abc");
+        let fresh = || Scram::new(Mechanism::ScramSha512, &credentials, "abc");
         for (server_first, why) in [
             (&b"r=xyz,s=QQ==,i=4096"[..], "does not extend"),
             (b"r=abcdef,s=QQ==,i=99999999", "iterations"),

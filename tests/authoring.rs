@@ -114,6 +114,8 @@ fn check_and_try(project: &Path, component: &Path, name: &str, version: &str) {
 fn a_rust_transport_starts_from_plugins_new_and_runs_with_plugins_try() {
     let outside = tempfile::tempdir().unwrap();
     let project = scaffold(outside.path(), "audit-log", "rust", "cargo build --release");
+    let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
+    assert!(readme.contains("target/wasm32-wasip2/release/audit_log.wasm"), "the README names the component: {readme}");
     // The author's own version reaches `metadata` (`transport!` reads CARGO_PKG_VERSION).
     let manifest = std::fs::read_to_string(project.join("Cargo.toml")).unwrap();
     std::fs::write(project.join("Cargo.toml"), manifest.replace("version = \"0.1.0\"", "version = \"3.4.5\"")).unwrap();
@@ -138,11 +140,11 @@ fn a_javascript_transport_starts_from_plugins_new_and_runs_with_plugins_try() {
 fn a_python_transport_starts_from_plugins_new_and_runs_with_plugins_try() {
     let outside = tempfile::tempdir().unwrap();
     let project = scaffold(outside.path(), "spooler", "python", "componentize-py -d wit -w transport-plugin");
-    // The build command the README gives, with the componentize-py scripts/build-plugins
-    // installed (the version requirements.txt pins) instead of a fresh virtualenv.
-    let componentize = repo_root().join("target/py/bin/componentize-py");
-    let args = ["-d", "wit", "-w", "transport-plugin", "componentize", "app", "-o", "spooler.wasm"];
-    build(&project, componentize.to_str().unwrap(), &args, &[]);
+    // The build command exactly as printed: a virtualenv of the project's own, componentize-py
+    // from requirements.txt (pip's cache has it from scripts/build-plugins).
+    let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
+    let command = readme.lines().map(str::trim).find(|l| l.starts_with("python3 -m venv")).expect("build command");
+    build(&project, "sh", &["-c", command], &[]);
     check_and_try(&project, &project.join("spooler.wasm"), "spooler", "0.1.0");
 }
 
@@ -204,6 +206,13 @@ fn plugins_try_applies_the_sandbox_and_reports_refusals_and_faults() {
     ] {
         assert!(printed.contains(line), "missing {line:?} in:\n{printed}");
     }
+
+    // Limits `serve` would refuse are refused here too, naming the key.
+    std::fs::write(dir.path().join("zero.toml"), "instances = 0\n").unwrap();
+    let zero: Vec<&str> = args.iter().map(|a| if *a == "sandbox.toml" { "zero.toml" } else { a }).collect();
+    let out = ferry(dir.path(), &zero, "{}");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("instances"), "{}", text(&out));
 
     // The spinning event alone, so the timeout from the sandbox file is what ends the call.
     let args_spin: Vec<&str> = args.iter().copied().filter(|a| *a != "--batch-size" && *a != "5").collect();

@@ -194,9 +194,7 @@ pub enum PluginsCommand {
     },
     /// Write a new transport project, in Rust, JavaScript or Python, that builds where it is
     /// written: sources, the WIT package, sample events and a README. Prints the build command.
-    #[command(
-        after_help = "Examples:\n  ferry plugins new audit-log --lang rust\n                              ferry plugins new hook --lang javascript ~/src/hook-transport"
-    )]
+    #[command(after_help = NEW_HELP)]
     New {
         /// The plugin's name, what routes put in `plugin = "…"`: lowercase letters, digits and '-'.
         name: String,
@@ -213,12 +211,18 @@ pub enum PluginsCommand {
     Try(TryArgs),
 }
 
+const NEW_HELP: &str = "\
+Examples:
+  ferry plugins new audit-log --lang rust
+  ferry plugins new hook --lang javascript ~/src/hook-transport";
+
 const TRY_HELP: &str = "\
 Events are JSON lines, one object per event:
   {\"type\": \"order.paid\", \"payload\": {\"total\": 3}}
   {\"type\": \"note\", \"payload\": \"plain text\", \"content_type\": \"text/plain\"}
   {\"type\": \"blob\", \"payload_base64\": \"//79\", \"key\": \"k1\", \"headers\": {\"tenant\": \"acme\"}}
-Also: id (default: the line's position), attempt (default 1), time (RFC 3339, default now).
+Also: id (default: the event's place in the file, 1 for the first), attempt (default 1),
+time (RFC 3339, default now).
 The plugin's sandbox and limits are those of [sandbox.NAME] and [plugins] in the configuration
 file, unless --sandbox-toml gives the sandbox; `--route NAME` starts from that route's config.
 
@@ -246,8 +250,8 @@ pub struct TryArgs {
     /// config, which --set adds to.
     #[arg(long, default_value = "try")]
     pub route: String,
-    /// Events per deliver-batch call (default: relay.batch_size).
-    #[arg(long)]
+    /// Events per deliver-batch call, 1 to 10000 (default: relay.batch_size).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub batch_size: Option<u32>,
 }
 

@@ -223,7 +223,7 @@ pub fn scaffold(project: &super::scaffold::Scaffold) -> String {
     for file in &project.files {
         let _ = write!(out, "\n  {file}");
     }
-    let _ = write!(out, "\n\nbuild it:\n  cd {dir} && {}", project.build);
+    let _ = write!(out, "\n\nbuild it:\n  cd {} && {}", shell_word(&dir.to_string()), project.build);
     let _ = write!(out, "\ntry it on the sample events:\n  {}", project.try_command);
     out
 }
@@ -242,6 +242,9 @@ pub fn trial(report: &crate::plugins::trial::TrialReport) -> String {
         }
         for warning in &heard.warnings {
             let _ = write!(out, "\n  warning   {}", text(warning));
+        }
+        if heard.left_out > 0 {
+            let _ = write!(out, "\n  … {} more lines not shown", heard.left_out);
         }
     };
     let p = &report.plugin;
@@ -283,4 +286,10 @@ pub fn trial(report: &crate::plugins::trial::TrialReport) -> String {
         let _ = write!(out, "\n{} of {} events succeeded", report.succeeded, report.events);
     }
     out
+}
+
+/// `word` as one shell word: as it is when it is plain, else in single quotes.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty() && word.chars().all(|c| c.is_ascii_alphanumeric() || "/._-+=:,@%".contains(c));
+    if plain { word.to_string() } else { format!("'{}'", word.replace('\'', "'\\''")) }
 }

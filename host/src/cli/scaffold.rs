@@ -83,9 +83,83 @@ pub fn check_name(name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Names a Rust package cannot have: keywords, the standard crates, and the SDK it depends on.
+const RUST_TAKEN: &[&str] = &[
+    "abstract",
+    "alloc",
+    "as",
+    "async",
+    "await",
+    "become",
+    "box",
+    "break",
+    "const",
+    "continue",
+    "core",
+    "crate",
+    "do",
+    "dyn",
+    "else",
+    "enum",
+    "extern",
+    "false",
+    "ferry-plugin-sdk",
+    "final",
+    "fn",
+    "for",
+    "gen",
+    "if",
+    "impl",
+    "in",
+    "let",
+    "loop",
+    "macro",
+    "match",
+    "mod",
+    "move",
+    "mut",
+    "override",
+    "priv",
+    "proc-macro",
+    "pub",
+    "ref",
+    "return",
+    "self",
+    "static",
+    "std",
+    "struct",
+    "super",
+    "test",
+    "trait",
+    "true",
+    "try",
+    "type",
+    "typeof",
+    "unsafe",
+    "unsized",
+    "use",
+    "virtual",
+    "where",
+    "while",
+    "yield",
+];
+
+/// Checks that `name` can also name a Rust package.
+fn check_rust_name(name: &str) -> anyhow::Result<()> {
+    if RUST_TAKEN.contains(&name) {
+        bail!(
+            "{name:?} cannot name a Rust package (a Rust keyword, a standard crate, or the SDK): choose another name"
+        );
+    }
+    Ok(())
+}
+
 /// Writes the project for plugin `name` in `lang` into `dir`, which must not exist or be empty.
 pub fn write(name: &str, lang: Lang, dir: &Path) -> anyhow::Result<Scaffold> {
     check_name(name)?;
+    if lang == Lang::Rust {
+        check_rust_name(name)?;
+    }
     if dir.exists() {
         let mut entries = std::fs::read_dir(dir).with_context(|| format!("{} is not a directory", dir.display()))?;
         if entries.next().is_some() {
@@ -150,7 +224,7 @@ strip = true
 [workspace]
 "#
     );
-    let lib = RUST_LIB.replace("\"template\"", &format!("{name:?}")).replace("Template", &camel_case(name));
+    let lib = RUST_LIB.replace("\"template\"", &format!("{name:?}"));
     let mut files: Files = vec![
         ("Cargo.toml".into(), manifest),
         // `cargo build` builds the component without being told the target.
@@ -207,17 +281,6 @@ fn python(name: &str) -> (Files, String, String) {
     (files, build, component)
 }
 
-/// `audit-log` → `AuditLog`: the Rust template's type, named after the plugin.
-fn camel_case(name: &str) -> String {
-    name.split('-')
-        .filter(|part| !part.is_empty())
-        .map(|part| {
-            let mut chars = part.chars();
-            chars.next().map(|c| c.to_ascii_uppercase()).into_iter().chain(chars).collect::<String>()
-        })
-        .collect()
-}
-
 fn readme(name: &str, lang: Lang, build: &str, component: &str, try_command: &str) -> String {
     let language = lang.label();
     let (source, needs) = match lang {
@@ -265,7 +328,9 @@ plugin logged, the time per call and anything the sandbox refused:
 
 Each line of `events.jsonl` is one event: `type`, `payload` (text or any JSON value) or
 `payload_base64`, and optionally `id`, `key`, `content_type`, `headers`, `attempt`, `time`. The
-exit code is 0 when every event succeeded.
+exit code is 0 when every event succeeded. As written, the transport refuses the third sample
+event (its payload is not UTF-8 text), so the first try ends with
+`error: 1 of 3 events did not succeed` and exit code 1: that is the permanent failure at work.
 
 ## Sandbox grants
 
@@ -294,7 +359,7 @@ plugin = "{name}"
 config = {{ prefix = "audit: " }}
 ```
 
-`ferry plugins check {name}.wasm` says whether a file is a transport ferry can load. A running
+`ferry plugins check {component}` says whether a file is a transport ferry can load. A running
 ferry picks up a new or changed file by itself.
 "#
     )
@@ -313,8 +378,10 @@ mod tests {
             let err = check_name(bad).unwrap_err().to_string();
             assert!(err.contains("lowercase letters, digits and '-'"), "{bad}: {err}");
         }
-        assert_eq!(camel_case("audit-log"), "AuditLog");
-        assert_eq!(camel_case("s3-sink2"), "S3Sink2");
+        for taken in ["test", "core", "self", "fn", "ferry-plugin-sdk"] {
+            assert!(check_rust_name(taken).unwrap_err().to_string().contains("Rust"), "{taken}");
+        }
+        assert!(check_rust_name("audit-log").is_ok());
     }
 
     #[test]

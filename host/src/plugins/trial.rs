@@ -95,7 +95,12 @@ pub struct Heard {
     pub refused: Vec<String>,
     /// Other warnings ferry logged about the plugin (an instance replaced, a fault).
     pub warnings: Vec<String>,
+    /// Lines not kept, past the first thousand of a step.
+    pub left_out: u64,
 }
+
+/// Lines kept per step: a plugin that logs in a loop cannot fill the memory of `try`.
+const MAX_HEARD: usize = 1000;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LogLine {
@@ -144,7 +149,22 @@ pub fn parse_events(
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let event: EventLine = serde_json::from_str(line).with_context(|| format!("events line {line_no}"))?;
+        if !line.starts_with('{') {
+            anyhow::bail!(
+                "events line {line_no}: expected a JSON object such as {{\"type\": \"t\", \"payload\": \"hi\"}}"
+            );
+        }
+        let mut reader = serde_json::Deserializer::from_str(line);
+        let event: EventLine = serde_path_to_error::deserialize(&mut reader).map_err(|e| {
+            let field = e.path().to_string();
+            // The position serde adds is within the line; the line number says enough.
+            let inner = e.into_inner().to_string();
+            let inner = inner.split(" at line ").next().unwrap_or_default();
+            match field.as_str() {
+                "." | "" => anyhow::anyhow!("events line {line_no}: {inner}"),
+                field => anyhow::anyhow!("events line {line_no}: {field}: {inner}"),
+            }
+        })?;
         let payload = match (event.payload, event.payload_base64) {
             (Some(_), Some(_)) => anyhow::bail!("events line {line_no}: give payload or payload_base64, not both"),
             (Some(serde_json::Value::String(text)), None) => text.into_bytes(),
@@ -160,8 +180,12 @@ pub fn parse_events(
                 ferry_outbox::payload_too_large(payload.len() as u64, max_payload)
             );
         }
+        let id = event.id.unwrap_or(events.len() as i64 + 1);
+        if events.iter().any(|e: &ClaimedEvent| e.id == id) {
+            anyhow::bail!("events line {line_no}: id {id} is taken by an earlier event; give each event its own id");
+        }
         events.push(ClaimedEvent {
-            id: event.id.unwrap_or(events.len() as i64 + 1),
+            id,
             route: route.to_string(),
             event_type: event.event_type.unwrap_or_else(|| DEFAULT_EVENT_TYPE.into()),
             ordering_key: event.key,
@@ -185,6 +209,8 @@ pub async fn run(config: &Config, setup: &TrialSetup, events: &[ClaimedEvent]) -
     // The runtime is sized for the route before the plugin has said its name: the sandbox given
     // here applies to whatever name that is, so it is sized under a stand-in.
     let sizing = trial_config(config, setup, "ferry-try");
+    // The checks `serve` makes at start, so the limits tried are limits `serve` would accept.
+    sizing.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     let sizing = sizing.settings().context("the trial's settings")?;
     let runtime = Arc::new(Runtime::new(&sizing)?.inspecting());
     let plugin = runtime
@@ -308,7 +334,10 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Listener {
         let mut fields = Fields::default();
         event.record(&mut fields);
         let mut heard = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if meta.target() == "ferry::plugin" {
+        let full = heard.logs.len() + heard.refused.len() + heard.warnings.len() >= MAX_HEARD;
+        if full {
+            heard.left_out += 1;
+        } else if meta.target() == "ferry::plugin" {
             heard.logs.push(LogLine { level: meta.level().as_str().to_ascii_lowercase(), message: fields.message });
         } else if fields.message.starts_with("plugin denied") {
             heard.refused.push(fields.with_details());
@@ -410,14 +439,22 @@ mod tests {
     fn a_bad_event_line_is_named_with_what_is_wrong() {
         let message = |text: &str| format!("{:#}", parse(text).unwrap_err());
         let typo = message("{\"payload\": \"ok\"}\n{\"paylod\": \"x\"}");
-        assert!(typo.starts_with("events line 2: unknown field `paylod`"), "{typo}");
+        assert!(typo.starts_with("events line 2: paylod: unknown field `paylod`, expected one of"), "{typo}");
+        assert!(!typo.contains("column"), "{typo}");
         let both = message("{\"payload\": \"x\", \"payload_base64\": \"eA==\"}");
         assert_eq!(both, "events line 1: give payload or payload_base64, not both");
         let base64 = message("{\"payload_base64\": \"not base64!\"}");
         assert!(base64.starts_with("events line 1: payload_base64 is not standard base64"), "{base64}");
         let large = message("{\"payload\": \"seventeen bytes!!\"}");
         assert!(large.starts_with("events line 1: ") && large.contains("17"), "{large}");
-        assert!(message("not json").starts_with("events line 1: "));
+        assert!(message("not json").starts_with("events line 1: expected a JSON object"));
+        assert!(message("[5, \"t\"]").starts_with("events line 1: expected a JSON object"));
+        let field = message("{\"headers\": {\"a\": 1}}");
+        assert!(field.starts_with("events line 1: headers.a: invalid type"), "{field}");
+        let time = message("{\"time\": \"yesterday\"}");
+        assert!(time.starts_with("events line 1: time: "), "{time}");
+        let twice = message("{\"id\": 2}\n{}");
+        assert_eq!(twice, "events line 2: id 2 is taken by an earlier event; give each event its own id");
     }
 
     #[test]

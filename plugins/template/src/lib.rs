@@ -7,17 +7,17 @@
 
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log, outcome};
 
-struct Template {
+struct Plugin {
     prefix: String,
 }
 
-impl Transport for Template {
+impl Transport for Plugin {
     /// What routes put in `plugin = "…"`; the file is installed in the plugins directory under
     /// this name, as `NAME.wasm`. The version is the crate's own, from Cargo.toml.
     const NAME: &'static str = "template";
 
     fn init(config: &mut Config) -> Result<Self, String> {
-        Ok(Template { prefix: config.optional("prefix").unwrap_or_default() })
+        Ok(Plugin { prefix: config.optional("prefix").unwrap_or_default() })
     }
 
     fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
@@ -25,7 +25,7 @@ impl Transport for Template {
     }
 }
 
-impl Template {
+impl Plugin {
     fn deliver_one(&self, event: &Event) -> Outcome {
         match std::str::from_utf8(&event.payload) {
             Ok(text) => {
@@ -37,4 +37,4 @@ impl Template {
     }
 }
 
-ferry_plugin_sdk::transport!(Template);
+ferry_plugin_sdk::transport!(Plugin);

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use crate::common::{Receiver, built_plugin, ferry_bin, repo_root, target_dir};
+use crate::common::{Receiver, built_plugin, ferry_bin, target_dir};
 
 /// Runs `ferry ARGS` in `dir`, with `stdin` as standard input.
 fn ferry(dir: &Path, args: &[&str], stdin: &str) -> Output {

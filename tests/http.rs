@@ -198,38 +198,7 @@ struct TlsReceiver {
 async fn tls_receiver(dir: &std::path::Path) -> TlsReceiver {
     use rustls::pki_types::pem::PemObject as _;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let openssl = |args: &[&str]| {
-        let out = std::process::Command::new("openssl").args(args).current_dir(dir).output().expect("openssl runs");
-        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
-    openssl(
-        &[
-            &["req", "-x509"][..],
-            &ec,
-            &["-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ferry test CA"],
-        ]
-        .concat(),
-    );
-    openssl(&[&["req"][..], &ec, &["-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"]].concat());
-    std::fs::write(dir.join("san.ext"), "subjectAltName=DNS:localhost,IP:127.0.0.1\n").unwrap();
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "server.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "san.ext",
-    ]);
+    crate::common::test_pki(dir);
     let certs: Vec<CertificateDer<'static>> =
         CertificateDer::pem_slice_iter(&std::fs::read(dir.join("server.pem")).unwrap()).map(Result::unwrap).collect();
     let key = PrivateKeyDer::from_pem_slice(&std::fs::read(dir.join("server.key")).unwrap()).unwrap();

@@ -406,12 +406,29 @@ async fn behind_a_proxy(
 /// Every record of `topic` as kafka-python reads it (tests/kafka/read.py): a Kafka client that
 /// shares nothing with the plugin. Each is a JSON object with partition, offset, key, value and
 /// headers.
-/// With `sasl` (mechanism, user, password), it authenticates.
-async fn read_independently(broker: &Broker, topic: &str, sasl: Option<[&str; 3]>) -> Vec<serde_json::Value> {
+/// With `sasl` (mechanism, user, password), it authenticates; with `tls` (a directory made by
+/// `test_pki`) it speaks TLS, trusting that CA and presenting its client certificate.
+async fn read_independently(
+    broker: &Broker,
+    topic: &str,
+    sasl: Option<[&str; 3]>,
+    tls: Option<(&std::path::Path, u16)>,
+) -> Vec<serde_json::Value> {
     let root = crate::common::repo_root();
-    let out = tokio::process::Command::new(root.join("target/kafka-py/bin/python"))
-        .arg(root.join("tests/kafka/read.py"))
-        .args([&broker.addr(), topic])
+    let mut command = tokio::process::Command::new(root.join("target/kafka-py/bin/python"));
+    command.arg(root.join("tests/kafka/read.py"));
+    match tls {
+        Some((pki, port)) => {
+            command.arg(format!("127.0.0.1:{port}"));
+            command.env("KAFKA_SSL_CAFILE", pki.join("ca.pem"));
+            command.env("KAFKA_SSL_CERTFILE", pki.join("client.pem")).env("KAFKA_SSL_KEYFILE", pki.join("client.key"));
+        }
+        None => {
+            command.arg(broker.addr());
+        }
+    }
+    let out = command
+        .arg(topic)
         .args(sasl.iter().flatten())
         .output()
         .await
@@ -438,7 +455,7 @@ async fn compressed_batches_are_read_back_by_an_independent_client() {
         } else {
             assert!(sent < raw / 4, "{codec}: {sent} bytes on the wire for {raw} bytes of payload");
         }
-        let records = read_independently(&own, topic, None).await;
+        let records = read_independently(&own, topic, None, None).await;
         let mut read: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
         let mut expected: Vec<&str> = payloads.iter().map(String::as_str).collect();
         read.sort();
@@ -563,8 +580,72 @@ async fn sasl_scram_authenticates_and_a_refused_login_waits_without_revealing_th
         assert!(rows.iter().all(|r| !r.last_error.as_deref().unwrap_or("").contains(secret)), "{rows:?}");
     }
 
-    let records = read_independently(&broker, "secured", Some(["SCRAM-SHA-256", "alice", "alice-256-secret"])).await;
+    let records =
+        read_independently(&broker, "secured", Some(["SCRAM-SHA-256", "alice", "alice-256-secret"]), None).await;
     let mut values: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
     values.sort();
     assert_eq!(values, ["via sha256", "via sha512env", "via sha512file"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_is_done_by_the_host_verifying_the_broker_and_presenting_a_client_certificate() {
+    use crate::common::broker::{TlsFront, free_port};
+    let pki = tempfile::tempdir().unwrap();
+    crate::common::test_pki(pki.path());
+    // Two brokers, each reached only through a TLS front (stunnel), which it advertises; the
+    // second front wants a client certificate from the test CA.
+    let (port, mtls_port) = (free_port(), free_port());
+    let (plain, mutual) = (Broker::start(Some(port)), Broker::start(Some(mtls_port)));
+    let _fronts = (
+        TlsFront::start(pki.path(), port, plain.port, false),
+        TlsFront::start(pki.path(), mtls_port, mutual.port, true),
+    );
+    let (topic, mtls_topic) = (plain.topic_directly("tls", 1), mutual.topic_directly("mtls", 1));
+    let ca = pki.path().join("ca.pem");
+    let (cert, key) = (pki.path().join("client.pem"), pki.path().join("client.key"));
+    let route =
+        |port: u16, topic: &str, extra: &str| format!("brokers = \"127.0.0.1:{port}\", topic = \"{topic}\"{extra}");
+    let tcp = format!("tcp = [\"127.0.0.1:{port}\", \"127.0.0.1:{mtls_port}\"]");
+    let events = |routes: &[&str]| -> Vec<NewEvent> {
+        routes.iter().map(|r| NewEvent::new(*r, "t", format!("via {r}"))).collect()
+    };
+
+    // The plugin's sandbox trusts the test CA: the broker is verified.
+    let routes = [
+        ("verified", route(port, &topic, ", tls = \"true\"")),
+        ("wrongname", route(port, &topic, ", tls = \"true\", tls_server_name = \"kafka.example.com\"")),
+        ("plaintext", route(port, &topic, "")),
+        ("nocert", route(mtls_port, &mtls_topic, ", tls = \"true\"")),
+    ];
+    let s = setup(&format!("{tcp}\ntls_ca = {ca:?}"), &routes).await;
+    let rows = s.deliver(&events(&["verified", "wrongname", "plaintext", "nocert"])).await;
+    let reason = |n: usize| rows[n].last_error.clone().unwrap_or_default();
+    assert_eq!(rows[0].status, Status::Sent, "{}", reason(0));
+    for row in &rows[1..] {
+        assert_eq!(row.status, Status::Pending, "{}: transient, retried: {:?}", row.route, row.last_error);
+    }
+    assert!(reason(1).contains("certificate not valid for name \"kafka.example.com\""), "{}", reason(1));
+    assert!(reason(1).contains(&format!("127.0.0.1:{port}")), "the reason names the broker: {}", reason(1));
+
+    // Without the CA, the broker's certificate does not verify.
+    let untrusted = setup(&tcp, &[("verified", route(port, &topic, ", tls = \"true\""))]).await;
+    let rows = untrusted.deliver(&events(&["verified"])).await;
+    let why = rows[0].last_error.clone().unwrap_or_default();
+    assert_eq!(rows[0].status, Status::Pending, "{why}");
+    assert!(why.contains("UnknownIssuer") && why.contains(&format!("127.0.0.1:{port}")), "{why}");
+
+    // With a client certificate granted (read by ferry; the plugin sees no file), the second
+    // front lets the plugin in.
+    let sandbox = format!("{tcp}\ntls_ca = {ca:?}\ntls_client_cert = {cert:?}\ntls_client_key = {key:?}");
+    let mutual_tls = setup(&sandbox, &[("mtls", route(mtls_port, &mtls_topic, ", tls = \"true\""))]).await;
+    let rows = mutual_tls.deliver(&events(&["mtls"])).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+
+    for (broker, topic, port, expected) in
+        [(&plain, &topic, port, "via verified"), (&mutual, &mtls_topic, mtls_port, "via mtls")]
+    {
+        let records = read_independently(broker, topic, None, Some((pki.path(), port))).await;
+        let values: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
+        assert_eq!(values, [expected], "{topic}");
+    }
 }

@@ -115,6 +115,20 @@ impl Broker {
         name
     }
 
+    /// Creates a topic with a name unique to the calling test through tansu's own command, which
+    /// talks to this broker only: for a broker that advertises an address a Kafka client cannot
+    /// follow in plaintext (a TLS front).
+    pub fn topic_directly(&self, prefix: &str, partitions: i32) -> String {
+        let name = format!("{prefix}-{}", super::rand_u64());
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let out = std::process::Command::new(tansu_binary())
+            .args(["topic", "create", "--broker", &url, "--partitions", &partitions.to_string(), &name])
+            .output()
+            .expect("tansu runs");
+        assert!(out.status.success(), "tansu topic create: {}", String::from_utf8_lossy(&out.stderr));
+        name
+    }
+
     /// Every record of `topic`, with its partition.
     pub async fn records(&self, topic: &str, partitions: i32) -> Vec<(i32, rskafka::record::Record)> {
         let client = self.client().await;
@@ -128,7 +142,50 @@ impl Broker {
     }
 }
 
-fn free_port() -> u16 {
+/// A TLS front for a broker: Debian's stunnel, with the server certificate of [`crate::test_pki`]
+/// made in `pki`, forwarding to `upstream`; with `client_certificates`, it refuses clients without
+/// a certificate from that CA. Stopped when dropped.
+pub struct TlsFront {
+    pub port: u16,
+    process: std::process::Child,
+}
+
+impl TlsFront {
+    pub fn start(pki: &std::path::Path, port: u16, upstream: u16, client_certificates: bool) -> TlsFront {
+        let mut config = format!(
+            "foreground = yes\npid =\noutput = {log}\n[kafka]\naccept = 127.0.0.1:{port}\n\
+             connect = 127.0.0.1:{upstream}\ncert = {cert}\nkey = {key}\n",
+            log = pki.join(format!("stunnel-{port}.log")).display(),
+            cert = pki.join("server.pem").display(),
+            key = pki.join("server.key").display(),
+        );
+        if client_certificates {
+            config.push_str(&format!(
+                "requireCert = yes\nverifyChain = yes\nCAfile = {}\n",
+                pki.join("ca.pem").display()
+            ));
+        }
+        let file = pki.join(format!("stunnel-{port}.conf"));
+        std::fs::write(&file, config).unwrap();
+        let process = std::process::Command::new("stunnel4")
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("stunnel4 runs (scripts/test installs Debian's stunnel4)");
+        wait_for(port, &pki.join(format!("stunnel-{port}.log")));
+        TlsFront { port, process }
+    }
+}
+
+impl Drop for TlsFront {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 

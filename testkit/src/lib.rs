@@ -139,6 +139,45 @@ pub fn rand_u64() -> u64 {
     h.finish()
 }
 
+/// Makes a small PKI for TLS tests in `dir` with the system's `openssl`: a CA (`ca.pem`,
+/// `ca.key`), a server certificate for `localhost` and 127.0.0.1 (`server.pem`, `server.key`) and
+/// a client certificate (`client.pem`, `client.key`), both signed by the CA, on P-256 keys.
+pub fn test_pki(dir: &Path) {
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl").args(args).current_dir(dir).output().expect("openssl runs");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"];
+    let ca = ["-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=ferry test CA"];
+    openssl(&[&["req", "-x509"][..], &ec, &ca].concat());
+    for (name, subject, extension) in [
+        ("server", "/CN=localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1\n"),
+        ("client", "/CN=ferry test client", "extendedKeyUsage=clientAuth\n"),
+    ] {
+        let (key, csr, pem, ext) =
+            (format!("{name}.key"), format!("{name}.csr"), format!("{name}.pem"), format!("{name}.ext"));
+        openssl(&[&["req"][..], &ec, &["-keyout", &key, "-out", &csr, "-subj", subject]].concat());
+        std::fs::write(dir.join(&ext), extension).unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &pem,
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
+        ]);
+    }
+}
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("testkit/ has a parent").to_path_buf()

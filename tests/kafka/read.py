@@ -1,8 +1,10 @@
 """Prints every record of a topic as JSON lines (partition, offset, key, value, headers; bytes
 as UTF-8 text with replacement), read with kafka-python: a Kafka client that shares nothing with
-ferry's kafka plugin. Usage: read.py BOOTSTRAP TOPIC [SASL_MECHANISM USER PASSWORD]"""
+ferry's kafka plugin. Usage: read.py BOOTSTRAP TOPIC [SASL_MECHANISM USER PASSWORD]; over TLS when KAFKA_SSL_CAFILE is
+set (with KAFKA_SSL_CERTFILE and KAFKA_SSL_KEYFILE for a client certificate)."""
 
 import json
+import os
 import sys
 import time
 
@@ -23,6 +25,11 @@ def main():
             sasl_plain_username=sys.argv[4],
             sasl_plain_password=sys.argv[5],
         )
+    # TLS: a CA file, and a client certificate and key for brokers that want one.
+    if os.environ.get("KAFKA_SSL_CAFILE"):
+        options.update(security_protocol="SSL", ssl_cafile=os.environ["KAFKA_SSL_CAFILE"])
+        if os.environ.get("KAFKA_SSL_CERTFILE"):
+            options.update(ssl_certfile=os.environ["KAFKA_SSL_CERTFILE"], ssl_keyfile=os.environ["KAFKA_SSL_KEYFILE"])
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap, enable_auto_commit=False, request_timeout_ms=10000, **options
     )

@@ -244,6 +244,14 @@ pub struct SandboxConfig {
     /// A PEM file of CA certificates the plugin's HTTPS servers may be verified against, besides
     /// the public roots.
     pub http_ca: Option<PathBuf>,
+    /// A PEM file of CA certificates the servers of the plugin's TLS connections (wasi:tls) may be
+    /// verified against, besides the public roots.
+    pub tls_ca: Option<PathBuf>,
+    /// A PEM certificate chain and its private key (PEM) presented to servers that ask for a
+    /// client certificate on the plugin's TLS connections. Read by ferry; the plugin never sees
+    /// them.
+    pub tls_client_cert: Option<PathBuf>,
+    pub tls_client_key: Option<PathBuf>,
     pub timeout: Option<Dur>,
     pub memory: Option<ByteSize>,
     pub instances: Option<u32>,
@@ -258,8 +266,11 @@ impl SandboxConfig {
         for dir in self.dirs.values_mut() {
             *dir = join(dir);
         }
-        if let Some(ca) = &mut self.http_ca {
-            *ca = join(ca);
+        for path in [&mut self.http_ca, &mut self.tls_ca, &mut self.tls_client_cert, &mut self.tls_client_key]
+            .into_iter()
+            .flatten()
+        {
+            *path = join(path);
         }
     }
 }

@@ -76,11 +76,20 @@ pub struct Sandbox {
     pub http_connections: u32,
     /// A PEM file of CA certificates trusted for wasi:http, besides the public roots.
     pub http_ca: Option<PathBuf>,
+    /// The same for wasi:tls connections.
+    pub tls_ca: Option<PathBuf>,
+    /// The client certificate chain and key for wasi:tls connections.
+    pub tls_client: Option<(PathBuf, PathBuf)>,
 }
 
 impl Sandbox {
     fn resolve(config: &SandboxConfig) -> Result<Sandbox, String> {
-        let http = config.http.iter().map(|o| normalize_origin(o)).collect::<Result<_, _>>()?;
+        let http = config
+            .http
+            .iter()
+            .map(|o| normalize_origin(o))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("http: {e}"))?;
         Ok(Sandbox {
             dirs: config.dirs.iter().map(|(guest, host)| (guest.clone(), normalize_path(host))).collect(),
             env: config.env.clone(),
@@ -89,11 +98,17 @@ impl Sandbox {
             dns: config.dns,
             http,
             http_connections: match config.http_connections {
-                Some(0) => return Err("http_connections must be at least 1".into()),
+                Some(0) => return Err("http_connections: must be at least 1".into()),
                 Some(n) => n,
                 None => crate::plugins::DEFAULT_HTTP_CONNECTIONS,
             },
             http_ca: config.http_ca.as_ref().map(|path| normalize_path(path)),
+            tls_ca: config.tls_ca.as_ref().map(|path| normalize_path(path)),
+            tls_client: match (&config.tls_client_cert, &config.tls_client_key) {
+                (Some(cert), Some(key)) => Some((normalize_path(cert), normalize_path(key))),
+                (None, None) => None,
+                _ => return Err("tls_client_cert and tls_client_key: give both, or neither".into()),
+            },
         })
     }
 }
@@ -119,7 +134,7 @@ impl Settings {
         }
         let mut plugins = BTreeMap::new();
         for (name, sandbox) in &config.sandbox {
-            let sandbox = Sandbox::resolve(sandbox).map_err(|e| format!("sandbox.{name}.http: {e}"))?;
+            let sandbox = Sandbox::resolve(sandbox).map_err(|e| format!("sandbox.{name}.{e}"))?;
             plugins.insert(name.clone(), Arc::new(PluginSettings { sandbox, limits: config.plugin_limits(name) }));
         }
         let default_plugin = Arc::new(PluginSettings {

@@ -101,21 +101,7 @@ impl HttpPool {
 /// TLS for one client: the public roots, those of `ca`, ALPN for HTTP/2 and HTTP/1.1, and
 /// rustls's in-memory session cache (sessions are resumed).
 fn tls_connector(ca: Option<&Path>) -> Result<tokio_rustls::TlsConnector, String> {
-    use rustls::pki_types::CertificateDer;
-    use rustls::pki_types::pem::PemObject as _;
-    let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.into() };
-    if let Some(ca) = ca {
-        let pem = std::fs::read(ca).map_err(|e| format!("cannot read {}: {e}", ca.display()))?;
-        let certs = CertificateDer::pem_slice_iter(&pem)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("{} is not a PEM file of certificates: {e}", ca.display()))?;
-        if certs.is_empty() {
-            return Err(format!("{} holds no PEM certificate", ca.display()));
-        }
-        for cert in certs {
-            roots.add(cert).map_err(|e| format!("{}: a certificate cannot be used as a root: {e}", ca.display()))?;
-        }
-    }
+    let roots = super::tls::roots(ca)?;
     let mut tls = rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth();
     tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(tokio_rustls::TlsConnector::from(Arc::new(tls)))

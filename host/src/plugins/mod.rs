@@ -10,7 +10,8 @@
 //! ticker, linkers), `sandbox.rs` (what an instance's store carries and enforces: memory, tables,
 //! instances, host resources, files, sockets, HTTP, logging), `imports.rs` (what the linker
 //! shadows or withholds: file-access guards, wasi:http for plugins without an `http` grant),
-//! `http_pool.rs` (pooled connections for wasi:http requests), `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
+//! `http_pool.rs` (pooled connections for wasi:http requests), `tls.rs` (TLS done by the host for
+//! wasi:tls and wasi:http: roots, a private CA, client certificates), `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
 //! instance pools, delivery calls, conversion to and from the WIT types).
 
 mod http_pool;
@@ -19,6 +20,7 @@ mod pool;
 mod registry;
 mod runtime;
 mod sandbox;
+mod tls;
 pub mod trial;
 
 use std::time::Duration;

@@ -107,6 +107,11 @@ impl Runtime {
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         guard_file_access(&mut linker)?;
         TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
+        // wasi:tls (a draft interface, switched on here): the host does the TLS of a plugin's TCP
+        // connection, with the roots and client certificate its sandbox grants.
+        let mut tls = wasmtime_wasi_tls::p2::LinkOptions::default();
+        tls.tls(true);
+        wasmtime_wasi_tls::p2::add_to_linker(&mut linker, &tls).map_err(anyhow::Error::from)?;
         let linker_without_http = linker.clone();
         wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         free_request_options(&mut linker)?;

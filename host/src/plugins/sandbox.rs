@@ -122,6 +122,7 @@ impl ResourceLimiter for Limiter {
 pub struct HostState {
     wasi: WasiCtx,
     http: WasiHttpCtx,
+    tls: wasmtime_wasi_tls::WasiTlsCtx,
     http_policy: HttpPolicy,
     table: ResourceTable,
     pub(super) limiter: Limiter,
@@ -143,6 +144,12 @@ impl HostState {
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl wasmtime_wasi_tls::WasiTlsView for HostState {
+    fn tls(&mut self) -> wasmtime_wasi_tls::WasiTlsCtxView<'_> {
+        wasmtime_wasi_tls::WasiTlsCtxView { ctx: &mut self.tls, table: &mut self.table }
     }
 }
 
@@ -284,9 +291,19 @@ impl Runtime {
                     .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.http_ca: {e}"))?,
             ),
         };
+        // TLS over the plugin's own TCP connections (wasi:tls), verified and authenticated with
+        // the operator's files; without a tcp grant there is nothing to connect.
+        let mut tls = wasmtime_wasi_tls::WasiTlsCtxBuilder::new();
+        if !sandbox.tcp.is_empty() {
+            let client = sandbox.tls_client.as_ref().map(|(cert, key)| (cert.as_path(), key.as_path()));
+            let config = super::tls::client_config(sandbox.tls_ca.as_deref(), client)
+                .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.{e}"))?;
+            tls = tls.provider(Box::new(super::tls::PluginTls { config }));
+        }
         let state = HostState {
             wasi: wasi.build(),
             http,
+            tls: tls.build(),
             http_policy: HttpPolicy {
                 plugin: plugin.clone(),
                 origins: sandbox.http.clone(),

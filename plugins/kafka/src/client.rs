@@ -26,6 +26,53 @@ const METADATA_MAX: i16 = 9;
 /// InitProducerId v0 (Kafka 0.11) is enough for an idempotent, non-transactional producer.
 const INIT_PRODUCER_ID_MAX: i16 = 4;
 
+/// TLS to the brokers, done by the host (wasi:tls).
+#[derive(Debug, Clone)]
+pub struct Tls {
+    /// The name the brokers' certificates must be valid for; each broker's own host name when
+    /// `None`.
+    pub server_name: Option<String>,
+}
+
+/// How a connection is made.
+pub struct Connect<'a> {
+    pub timeout: Duration,
+    pub client_id: &'a str,
+    pub auth: Option<&'a Auth>,
+    pub tls: Option<&'a Tls>,
+}
+
+/// The byte stream to a broker: plain TCP, or TLS done by the host.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<crate::tls::TlsStream>),
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            Stream::Tls(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(buf),
+            Stream::Tls(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.flush(),
+            Stream::Tls(s) => s.flush(),
+        }
+    }
+}
+
 /// How the transport authenticates to brokers.
 #[derive(Debug, Clone)]
 pub struct Auth {
@@ -36,7 +83,7 @@ pub struct Auth {
 /// One open connection to one broker.
 pub struct Connection {
     address: String,
-    stream: TcpStream,
+    stream: Stream,
     next_correlation: i32,
     produce_version: i16,
     metadata_version: i16,
@@ -51,48 +98,34 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Connects to `host:port`, negotiates request versions and, with `auth`, authenticates.
-    pub fn open(
-        host: &str,
-        port: u16,
-        timeout: Duration,
-        client_id: &str,
-        auth: Option<&Auth>,
-    ) -> Result<Connection, NetError> {
+    /// Connects to `host:port` (over TLS if configured), negotiates request versions and, with
+    /// SASL configured, authenticates.
+    pub fn open(host: &str, port: u16, how: &Connect<'_>) -> Result<Connection, NetError> {
         let address = format!("{host}:{port}");
-        let addrs: Vec<_> = (host, port)
-            .to_socket_addrs()
-            .map_err(|e| format!("cannot resolve {address}: {e} (does the plugin's sandbox allow dns?)"))?
-            .collect();
-        let mut last = format!("{address} resolves to no address");
-        for addr in addrs {
-            match TcpStream::connect_timeout(&addr, timeout) {
-                Ok(stream) => {
-                    let _ = stream.set_nodelay(true);
-                    stream.set_read_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
-                    stream.set_write_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
-                    let mut connection = Connection {
-                        address,
-                        stream,
-                        next_correlation: 1,
-                        produce_version: 3,
-                        metadata_version: 4,
-                        init_producer_id_version: None,
-                        sasl_authenticate_version: 0,
-                        auth: auth.cloned(),
-                        reauthenticate_at: None,
-                        outstanding: 0,
-                    };
-                    // A refused connection can surface only at the first write (wasi-libc's
-                    // non-blocking connect), so a failed negotiation counts as a failed connect.
-                    connection.negotiate(client_id).map_err(|e| format!("cannot connect: {e}"))?;
-                    connection.authenticate(client_id)?;
-                    return Ok(connection);
-                }
-                Err(e) => last = format!("cannot connect to {address} ({addr}): {e}"),
+        let stream = match how.tls {
+            Some(tls) => {
+                let server_name = tls.server_name.as_deref().unwrap_or(host);
+                Stream::Tls(Box::new(crate::tls::TlsStream::connect(host, port, server_name, how.timeout)?))
             }
-        }
-        Err(last)
+            None => Stream::Plain(plain(host, port, how.timeout)?),
+        };
+        let mut connection = Connection {
+            address,
+            stream,
+            next_correlation: 1,
+            produce_version: 3,
+            metadata_version: 4,
+            init_producer_id_version: None,
+            sasl_authenticate_version: 0,
+            auth: how.auth.cloned(),
+            reauthenticate_at: None,
+            outstanding: 0,
+        };
+        // A refused connection can surface only at the first write (wasi-libc's non-blocking
+        // connect), so a failed negotiation counts as a failed connect.
+        connection.negotiate(how.client_id).map_err(|e| format!("cannot connect: {e}"))?;
+        connection.authenticate(how.client_id)?;
+        Ok(connection)
     }
 
     pub fn address(&self) -> &str {
@@ -219,7 +252,10 @@ impl Connection {
         encode(&mut frame).map_err(|e| format!("encoding {key:?} request: {e}"))?;
         let size = i32::try_from(frame.len() - 4).map_err(|_| format!("{key:?} request too large"))?;
         frame[..4].copy_from_slice(&size.to_be_bytes());
-        self.stream.write_all(&frame).map_err(|e| format!("{}: sending {key:?}: {e}", self.address))?;
+        self.stream
+            .write_all(&frame)
+            .and_then(|()| self.stream.flush())
+            .map_err(|e| format!("{}: sending {key:?}: {e}", self.address))?;
         self.outstanding += 1;
         Ok(correlation)
     }
@@ -296,6 +332,28 @@ impl Connection {
         let correlation = self.send(ApiKey::InitProducerId, version, &request, client_id)?;
         self.receive(ApiKey::InitProducerId, version, correlation)
     }
+}
+
+/// A plain TCP connection to `host:port`, with read and write timeouts.
+fn plain(host: &str, port: u16, timeout: Duration) -> Result<TcpStream, NetError> {
+    let address = format!("{host}:{port}");
+    let addrs: Vec<_> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {address}: {e} (does the plugin's sandbox allow dns?)"))?
+        .collect();
+    let mut last = format!("{address} resolves to no address");
+    for addr in addrs {
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Ok(stream) => {
+                let _ = stream.set_nodelay(true);
+                stream.set_read_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
+                stream.set_write_timeout(Some(timeout)).map_err(|e| format!("{address}: {e}"))?;
+                return Ok(stream);
+            }
+            Err(e) => last = format!("cannot connect to {address} ({addr}): {e}"),
+        }
+    }
+    Err(last)
 }
 
 /// A fresh SCRAM client nonce: 18 random bytes from the host, as base64.

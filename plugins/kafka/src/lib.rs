@@ -24,6 +24,7 @@ mod client;
 mod codec;
 pub mod policy;
 mod sasl;
+mod tls;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -58,6 +59,7 @@ struct Settings {
     compression: Compression,
     idempotence: bool,
     auth: Option<Auth>,
+    tls: Option<client::Tls>,
 }
 
 /// Where the partitions of the route's topic live, as last read from the cluster.
@@ -121,8 +123,14 @@ fn parse_settings(config: &mut Config) -> Result<Settings, String> {
         Some(other) => return Err(format!("idempotence: expected true or false, got {other:?}")),
     };
     let auth = parse_auth(config)?;
+    let tls = match (config.parse_or::<bool>("tls", false)?, config.optional("tls_server_name")) {
+        (true, server_name) => Some(client::Tls { server_name }),
+        (false, None) => None,
+        (false, Some(_)) => return Err("tls_server_name: needs tls = true".into()),
+    };
     Ok(Settings {
         auth,
+        tls,
         brokers,
         topic,
         acks,
@@ -133,6 +141,18 @@ fn parse_settings(config: &mut Config) -> Result<Settings, String> {
         compression,
         idempotence,
     })
+}
+
+impl Settings {
+    /// How connections to brokers are made.
+    fn connect(&self) -> client::Connect<'_> {
+        client::Connect {
+            timeout: self.timeout,
+            client_id: &self.client_id,
+            auth: self.auth.as_ref(),
+            tls: self.tls.as_ref(),
+        }
+    }
 }
 
 /// The SASL settings: a mechanism, a user name, and the password from exactly one of the route's
@@ -448,14 +468,8 @@ impl State {
             }
         }
         for (host, port) in self.settings.brokers.clone() {
-            let attempt = Connection::open(
-                &host,
-                port,
-                self.settings.timeout,
-                &self.settings.client_id,
-                self.settings.auth.as_ref(),
-            )
-            .and_then(|mut c| c.metadata(&topic, &self.settings.client_id).map(|r| (c, r)));
+            let attempt = Connection::open(&host, port, &self.settings.connect())
+                .and_then(|mut c| c.metadata(&topic, &self.settings.client_id).map(|r| (c, r)));
             match attempt {
                 Ok((connection, response)) => {
                     self.connections.bootstrap = Some(connection);
@@ -564,13 +578,7 @@ impl State {
             let reuse = self.connections.bootstrap.take_if(|c| c.address() == format!("{host}:{port}"));
             let connection = match reuse {
                 Some(c) => c,
-                None => Connection::open(
-                    host,
-                    *port,
-                    self.settings.timeout,
-                    &self.settings.client_id,
-                    self.settings.auth.as_ref(),
-                )?,
+                None => Connection::open(host, *port, &self.settings.connect())?,
             };
             self.connections.by_broker.insert(leader, connection);
         }

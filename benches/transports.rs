@@ -1,9 +1,10 @@
 //! Events per second through ferry on PostgreSQL, for each bundled transport delivering to a real
 //! receiver on this machine: `log` into a file, `http` into a local HTTP server, `kafka` into a
-//! tansu broker; and, in the same run, the accept-all `scripted` test transport, which answers
+//! tansu broker, and `kafka-tls` into a tansu broker behind a TLS front (stunnel), with lz4
+//! compression and the idempotent producer; and, in the same run, the accept-all `scripted` test transport, which answers
 //! success without sending anything: each transport's figure is also given as a ratio to it.
 //!
-//! Run: `cargo bench --bench transports [-- --events N --batch-size N --only PLUGIN]`
+//! Run: `cargo bench --bench transports [-- --events N --batch-size N --only PLUGIN,PLUGIN]`
 //! (needs PostgreSQL as for the tests, the built plugins from `scripts/build-plugins`, and tansu
 //! from `scripts/ensure-tansu`). Each figure is the time from the commit of N events to the moment
 //! the last of them is SENT, with ferry already running and its plugins loaded. Prints a markdown
@@ -26,7 +27,7 @@ struct Options {
     events: usize,
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
-    /// Measure one plugin only.
+    /// Measure only these (comma-separated: accept-all, log, http, kafka, kafka-tls).
     #[arg(long)]
     only: Option<String>,
     /// Passed by `cargo bench` to every benchmark binary.
@@ -38,27 +39,43 @@ fn options() -> Options {
     clap::Parser::parse()
 }
 
+/// What the receiver of a measurement needs kept alive while it runs.
+type Guard = Box<dyn std::any::Any + Send>;
+
 /// What points `plugin` at its receiver: the plugin's sandbox table, the route's `config` value,
-/// and the HTTP receiver to keep alive.
-async fn plugin_setup(plugin: &str, db: &TestDb) -> (String, String, Option<Receiver>) {
+/// and what to keep alive.
+async fn plugin_setup(plugin: &str, db: &TestDb) -> (String, String, Guard) {
     match plugin {
-        "accept-all" => (String::new(), "{}".into(), None),
+        "accept-all" => (String::new(), "{}".into(), Box::new(())),
         "log" => {
             let out = db.dir.path().join("out");
-            (format!("dirs = {{ \"/out\" = {out:?} }}"), "{ output = \"/out/events.jsonl\" }".into(), None)
+            (format!("dirs = {{ \"/out\" = {out:?} }}"), "{ output = \"/out/events.jsonl\" }".into(), Box::new(()))
         }
         "http" => {
             let receiver = Receiver::start().await;
             let sandbox = format!("http = [\"http://{}\"]", receiver.addr);
             let config = format!("{{ url = \"{}\", concurrency = \"32\" }}", receiver.url("/bench"));
-            (sandbox, config, Some(receiver))
+            (sandbox, config, Box::new(receiver))
         }
         "kafka" => {
             let broker = broker().await;
             let topic = broker.topic("bench", 3).await;
             let sandbox = format!("tcp = [\"{}\", \"localhost:{}\"]\ndns = true", broker.addr(), broker.port);
             let config = format!("{{ brokers = \"{}\", topic = \"{topic}\" }}", broker.addr());
-            (sandbox, config, None)
+            (sandbox, config, Box::new(()))
+        }
+        "kafka-tls" => {
+            let pki = tempfile::tempdir().expect("pki directory");
+            common::test_pki(pki.path());
+            let front_port = common::broker::free_port();
+            let broker = common::broker::Broker::start(Some(front_port));
+            let front = common::broker::TlsFront::start(pki.path(), front_port, broker.port, false);
+            let topic = broker.topic_directly("bench", 3);
+            let sandbox = format!("tcp = [\"127.0.0.1:{front_port}\"]\ntls_ca = {:?}", pki.path().join("ca.pem"));
+            let config = format!(
+                "{{ brokers = \"127.0.0.1:{front_port}\", topic = \"{topic}\", tls = \"true\", compression = \"lz4\" }}"
+            );
+            (sandbox, config, Box::new((pki, broker, front)))
         }
         other => panic!("no benchmark set-up for plugin {other:?}"),
     }
@@ -68,6 +85,7 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
     let db = TestDb::postgres().await;
     let crate_name = match plugin {
         "accept-all" => "ferry_test_scripted".to_string(),
+        "kafka-tls" => "ferry_transport_kafka".to_string(),
         other => format!("ferry_transport_{other}"),
     };
     let plugins = plugins_dir(db.dir.path(), &[crate_name.as_str()]);
@@ -107,9 +125,9 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let options = options();
-    let plugins: Vec<&str> = ["accept-all", "log", "http", "kafka"]
+    let plugins: Vec<&str> = ["accept-all", "log", "http", "kafka", "kafka-tls"]
         .into_iter()
-        .filter(|p| options.only.as_deref().is_none_or(|o| o == *p))
+        .filter(|p| options.only.as_deref().is_none_or(|o| o.split(',').any(|o| o.trim() == *p)))
         .collect();
     let mut results = Vec::new();
     for plugin in plugins {
@@ -127,6 +145,7 @@ async fn main() {
             "accept-all" => "none (answers success)",
             "log" => "JSON lines file",
             "http" => "local HTTP/1.1 server",
+            "kafka-tls" => "tansu behind stunnel (TLS), 3 partitions, lz4",
             _ => "tansu broker, 3 partitions",
         };
         let shown = ratio(*rate).map_or("–".to_string(), |r| format!("{r:.2}×"));

@@ -11,7 +11,13 @@
 //!   refused before it is sent, like the Java client's `max.request.size`; default 1048576;
 //! - `client_id` — default `ferry`;
 //! - `metadata_max_age_ms` — how long partition leaders are trusted before they are fetched
-//!   again; default 300000. Errors that mean leadership moved refresh them at once.
+//!   again; default 300000. Errors that mean leadership moved refresh them at once;
+//! - `idempotence` — the idempotent producer, `true` by default with `acks = all`;
+//! - `compression` — `none` (default), `gzip`, `snappy`, `lz4` or `zstd`;
+//! - `tls`, `tls_server_name` — TLS done by the host (wasi:tls), verified for each broker's name
+//!   or this one;
+//! - `sasl_mechanism` (`PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512`), `sasl_username`, and one of
+//!   `sasl_password`, `sasl_password_env`, `sasl_password_file`.
 //!
 //! Each event becomes one record: the ordering key is the record key (which picks the partition
 //! with murmur2, as the Java client does; events without a key are spread round-robin), the

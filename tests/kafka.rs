@@ -406,26 +406,21 @@ async fn behind_a_proxy(
 /// Every record of `topic` as kafka-python reads it (tests/kafka/read.py): a Kafka client that
 /// shares nothing with the plugin. Each is a JSON object with partition, offset, key, value and
 /// headers.
-/// With `sasl` (mechanism, user, password), it authenticates; with `tls` (a directory made by
-/// `test_pki`) it speaks TLS, trusting that CA and presenting its client certificate.
+/// Read through `bootstrap` (`host:port`); with `sasl` (mechanism, user, password) it
+/// authenticates; with `tls` (a directory made by `test_pki`) it speaks TLS, trusting that CA and
+/// presenting its client certificate.
 async fn read_independently(
-    broker: &Broker,
+    bootstrap: &str,
     topic: &str,
     sasl: Option<[&str; 3]>,
-    tls: Option<(&std::path::Path, u16)>,
+    tls: Option<&std::path::Path>,
 ) -> Vec<serde_json::Value> {
     let root = crate::common::repo_root();
     let mut command = tokio::process::Command::new(root.join("target/kafka-py/bin/python"));
-    command.arg(root.join("tests/kafka/read.py"));
-    match tls {
-        Some((pki, port)) => {
-            command.arg(format!("127.0.0.1:{port}"));
-            command.env("KAFKA_SSL_CAFILE", pki.join("ca.pem"));
-            command.env("KAFKA_SSL_CERTFILE", pki.join("client.pem")).env("KAFKA_SSL_KEYFILE", pki.join("client.key"));
-        }
-        None => {
-            command.arg(broker.addr());
-        }
+    command.arg(root.join("tests/kafka/read.py")).arg(bootstrap);
+    if let Some(pki) = tls {
+        command.env("KAFKA_SSL_CAFILE", pki.join("ca.pem"));
+        command.env("KAFKA_SSL_CERTFILE", pki.join("client.pem")).env("KAFKA_SSL_KEYFILE", pki.join("client.key"));
     }
     let out = command
         .arg(topic)
@@ -455,7 +450,7 @@ async fn compressed_batches_are_read_back_by_an_independent_client() {
         } else {
             assert!(sent < raw / 4, "{codec}: {sent} bytes on the wire for {raw} bytes of payload");
         }
-        let records = read_independently(&own, topic, None, None).await;
+        let records = read_independently(&own.addr(), topic, None, None).await;
         let mut read: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
         let mut expected: Vec<&str> = payloads.iter().map(String::as_str).collect();
         read.sort();
@@ -581,7 +576,7 @@ async fn sasl_scram_authenticates_and_a_refused_login_waits_without_revealing_th
     }
 
     let records =
-        read_independently(&broker, "secured", Some(["SCRAM-SHA-256", "alice", "alice-256-secret"]), None).await;
+        read_independently(&broker.addr(), "secured", Some(["SCRAM-SHA-256", "alice", "alice-256-secret"]), None).await;
     let mut values: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
     values.sort();
     assert_eq!(values, ["via sha256", "via sha512env", "via sha512file"]);
@@ -641,11 +636,47 @@ async fn tls_is_done_by_the_host_verifying_the_broker_and_presenting_a_client_ce
     let rows = mutual_tls.deliver(&events(&["mtls"])).await;
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
 
-    for (broker, topic, port, expected) in
-        [(&plain, &topic, port, "via verified"), (&mutual, &mtls_topic, mtls_port, "via mtls")]
-    {
-        let records = read_independently(broker, topic, None, Some((pki.path(), port))).await;
+    for (topic, port, expected) in [(&topic, port, "via verified"), (&mtls_topic, mtls_port, "via mtls")] {
+        let records = read_independently(&format!("127.0.0.1:{port}"), topic, None, Some(pki.path())).await;
         let values: Vec<&str> = records.iter().map(|r| r["value"].as_str().unwrap()).collect();
         assert_eq!(values, [expected], "{topic}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sasl_plain_authenticates_and_again_before_the_broker_session_ends() {
+    use crate::common::broker::{SaslPlainFront, free_port};
+    // tansu offers no PLAIN; a front that does, as a broker configured for it would, stating a
+    // session lifetime of one second.
+    let port = free_port();
+    let own = Broker::start(Some(port));
+    let front = SaslPlainFront::start_on(port, own.port, "carol", "carol-plain-secret", 1_000).await;
+    let topic = own.topic_directly("plain", 1);
+    let route = |password: &str| {
+        format!(
+            "brokers = \"127.0.0.1:{port}\", topic = \"{topic}\", sasl_mechanism = \"PLAIN\", \
+             sasl_username = \"carol\", sasl_password = \"{password}\""
+        )
+    };
+    let routes = [("plain", route("carol-plain-secret")), ("wrong", route("not-carols-secret"))];
+    let s = setup(&format!("tcp = [\"127.0.0.1:{port}\"]"), &routes).await;
+    let rows = s.deliver(&[NewEvent::new("plain", "t", "first"), NewEvent::new("wrong", "t", "never")]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+    let why = rows[1].last_error.clone().unwrap_or_default();
+    assert_eq!(rows[1].status, Status::Pending, "{why}");
+    assert!(why.contains("SASL_AUTHENTICATION_FAILED") && !why.contains("not-carols-secret"), "{why}");
+
+    // Past 85% of the session's lifetime, the next request authenticates again first, on the
+    // connection it already has.
+    let (connections, authentications) = (front.connections(), front.authentications());
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let rows = s.deliver(&[NewEvent::new("plain", "t", "second")]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+    assert_eq!(front.authentications(), authentications + 1, "authenticated again");
+    assert_eq!(front.connections(), connections, "on the same connection");
+
+    // Both batches reached the broker from the authenticated connection, and it answered
+    // success for them (the events are SENT); reading them back would need a PLAIN client
+    // through this front, which the records test does without SASL.
+    assert_eq!(front.produced(), 2);
 }

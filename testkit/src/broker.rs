@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -312,4 +312,197 @@ async fn read_frame(from: &mut (impl tokio::io::AsyncRead + Unpin)) -> Option<([
     let mut frame = vec![0u8; i32::from_be_bytes(size).max(0) as usize];
     from.read_exact(&mut frame).await.ok()?;
     Some((size, frame))
+}
+
+/// A SASL/PLAIN front for a broker, as a Kafka broker configured for PLAIN behaves (tansu offers
+/// SCRAM only): it answers SaslHandshake and SaslAuthenticate itself, checking the user name and
+/// password, states a session lifetime, and forwards every other request of an authenticated
+/// connection to the broker on `upstream` (ApiVersions also before). A connection that sends
+/// anything else before authenticating is closed. Counts connections and authentications.
+pub struct SaslPlainFront {
+    connections: Arc<AtomicU32>,
+    authentications: Arc<AtomicU32>,
+    produced: Arc<AtomicU32>,
+}
+
+impl SaslPlainFront {
+    pub async fn start_on(port: u16, upstream: u16, user: &str, password: &str, lifetime_ms: i64) -> SaslPlainFront {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.expect("bind front");
+        let front =
+            SaslPlainFront { connections: Arc::default(), authentications: Arc::default(), produced: Arc::default() };
+        let (connections, authentications, produced) =
+            (front.connections.clone(), front.authentications.clone(), front.produced.clone());
+        let expected = format!("\0{user}\0{password}").into_bytes();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                connections.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { continue };
+                let (authentications, produced, expected) =
+                    (authentications.clone(), produced.clone(), expected.clone());
+                tokio::spawn(async move {
+                    let (mut server_read, mut server_write) = server.into_split();
+                    let (mut client_read, client_write) = client.into_split();
+                    let client_write = Arc::new(tokio::sync::Mutex::new(client_write));
+                    let answers = client_write.clone();
+                    tokio::spawn(async move {
+                        while let Some((size, frame)) = read_frame(&mut server_read).await {
+                            let mut out = answers.lock().await;
+                            if out.write_all(&size).await.is_err() || out.write_all(&frame).await.is_err() {
+                                break;
+                            }
+                        }
+                    });
+                    let mut authenticated = false;
+                    while let Some((size, frame)) = read_frame(&mut client_read).await {
+                        let Some(request) = Request::parse(&frame) else { break };
+                        let answer = match request.api_key {
+                            17 => Some(handshake_answer(&request)),
+                            36 => {
+                                let ok = request.auth_bytes() == Some(expected.as_slice());
+                                authenticated = ok;
+                                if ok {
+                                    authentications.fetch_add(1, Ordering::SeqCst);
+                                }
+                                Some(authenticate_answer(&request, ok, lifetime_ms))
+                            }
+                            18 => None,
+                            0 if authenticated => {
+                                produced.fetch_add(1, Ordering::SeqCst);
+                                None
+                            }
+                            _ if authenticated => None,
+                            _ => break,
+                        };
+                        match answer {
+                            Some(answer) => {
+                                let mut out = client_write.lock().await;
+                                let framed = [&(answer.len() as i32).to_be_bytes()[..], &answer].concat();
+                                if out.write_all(&framed).await.is_err() {
+                                    break;
+                                }
+                            }
+                            None => {
+                                if server_write.write_all(&size).await.is_err()
+                                    || server_write.write_all(&frame).await.is_err()
+                                {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        front
+    }
+
+    pub fn connections(&self) -> u32 {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    /// Produce requests forwarded to the broker, all from authenticated connections.
+    pub fn produced(&self) -> u32 {
+        self.produced.load(Ordering::SeqCst)
+    }
+
+    /// Successful authentications, first ones and re-authentications.
+    pub fn authentications(&self) -> u32 {
+        self.authentications.load(Ordering::SeqCst)
+    }
+}
+
+/// The parts of a Kafka request the PLAIN front needs.
+struct Request<'a> {
+    api_key: i16,
+    version: i16,
+    correlation: [u8; 4],
+    body: &'a [u8],
+}
+
+impl<'a> Request<'a> {
+    fn parse(frame: &'a [u8]) -> Option<Request<'a>> {
+        let api_key = i16::from_be_bytes(frame.get(0..2)?.try_into().ok()?);
+        let version = i16::from_be_bytes(frame.get(2..4)?.try_into().ok()?);
+        let correlation = frame.get(4..8)?.try_into().ok()?;
+        let client_id = i16::from_be_bytes(frame.get(8..10)?.try_into().ok()?).max(0) as usize;
+        let mut at = 10 + client_id;
+        // Flexible versions (SaslAuthenticate v2) add tagged fields to the header.
+        if api_key == 36 && version >= 2 {
+            let (count, used) = uvarint(frame.get(at..)?)?;
+            if count != 0 {
+                return None; // no client sends header tags here
+            }
+            at += used;
+        }
+        Some(Request { api_key, version, correlation, body: frame.get(at..)? })
+    }
+
+    /// The bytes of a SaslAuthenticate request.
+    fn auth_bytes(&self) -> Option<&'a [u8]> {
+        if self.version >= 2 {
+            let (length, used) = uvarint(self.body)?;
+            self.body.get(used..used + (length as usize).checked_sub(1)?)
+        } else {
+            let length = i32::from_be_bytes(self.body.get(0..4)?.try_into().ok()?).max(0) as usize;
+            self.body.get(4..4 + length)
+        }
+    }
+}
+
+fn uvarint(bytes: &[u8]) -> Option<(u64, usize)> {
+    let mut value = 0u64;
+    for (i, byte) in bytes.iter().enumerate().take(10) {
+        value |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((value, i + 1));
+        }
+    }
+    None
+}
+
+/// SaslHandshake v0/v1 answer: PLAIN accepted when asked for, else UNSUPPORTED_SASL_MECHANISM.
+fn handshake_answer(request: &Request<'_>) -> Vec<u8> {
+    let length = request.body.get(0..2).map_or(0, |b| i16::from_be_bytes([b[0], b[1]]).max(0) as usize);
+    let mechanism = request.body.get(2..2 + length).unwrap_or_default();
+    let error: i16 = if mechanism == b"PLAIN" { 0 } else { 33 };
+    let mut answer = request.correlation.to_vec();
+    answer.extend_from_slice(&error.to_be_bytes());
+    answer.extend_from_slice(&1i32.to_be_bytes());
+    answer.extend_from_slice(&5i16.to_be_bytes());
+    answer.extend_from_slice(b"PLAIN");
+    answer
+}
+
+/// SaslAuthenticate answer in the request's version: success with the session lifetime, or
+/// SASL_AUTHENTICATION_FAILED (58) with a message.
+fn authenticate_answer(request: &Request<'_>, ok: bool, lifetime_ms: i64) -> Vec<u8> {
+    let (error, message): (i16, &[u8]) =
+        if ok { (0, b"") } else { (58, b"Authentication failed: invalid credentials") };
+    let mut answer = request.correlation.to_vec();
+    if request.version >= 2 {
+        answer.push(0); // header tagged fields
+        answer.extend_from_slice(&error.to_be_bytes());
+        if ok {
+            answer.push(0); // null message
+        } else {
+            answer.push(message.len() as u8 + 1);
+            answer.extend_from_slice(message);
+        }
+        answer.push(1); // empty auth bytes
+        answer.extend_from_slice(&lifetime_ms.to_be_bytes());
+        answer.push(0); // tagged fields
+    } else {
+        answer.extend_from_slice(&error.to_be_bytes());
+        if ok {
+            answer.extend_from_slice(&(-1i16).to_be_bytes());
+        } else {
+            answer.extend_from_slice(&(message.len() as i16).to_be_bytes());
+            answer.extend_from_slice(message);
+        }
+        answer.extend_from_slice(&0i32.to_be_bytes());
+        if request.version >= 1 {
+            answer.extend_from_slice(&lifetime_ms.to_be_bytes());
+        }
+    }
+    answer
 }

@@ -37,6 +37,12 @@ fn cached_config(dir: &Path) -> PathBuf {
     path
 }
 
+/// `ferry --config CONFIG plugins try PLUGIN REST…`'s arguments.
+fn try_args(config: &Path, plugin: &Path, rest: &[&str]) -> Vec<String> {
+    let head = ["--config", config.to_str().unwrap(), "plugins", "try", plugin.to_str().unwrap()];
+    head.iter().chain(rest).map(|a| a.to_string()).collect()
+}
+
 /// Runs a build command the scaffold printed, in `dir`.
 fn build(dir: &Path, program: &str, args: &[&str], envs: &[(&str, &Path)]) {
     let out = Command::new(program)
@@ -171,19 +177,8 @@ fn plugins_try_applies_the_sandbox_and_reports_refusals_and_faults() {
     ]
     .join("\n");
     let plugin = built_plugin("ferry_test_scripted");
-    let args = [
-        "--config",
-        config.to_str().unwrap(),
-        "plugins",
-        "try",
-        plugin.to_str().unwrap(),
-        "--sandbox-toml",
-        "sandbox.toml",
-        "--events",
-        "-",
-        "--batch-size",
-        "5",
-    ];
+    let args = try_args(&config, &plugin, &["--sandbox-toml", "sandbox.toml", "--events", "-", "--batch-size", "5"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = ferry(dir.path(), &args, &events);
     let printed = text(&out);
     assert_eq!(out.status.code(), Some(1), "{printed}");
@@ -231,18 +226,8 @@ async fn plugins_try_sends_http_only_to_granted_origins() {
     let url = receiver.url("/in");
     let run = |grant: String| {
         std::fs::write(dir.path().join("sandbox.toml"), format!("[sandbox.http]\nhttp = [{grant:?}]\n")).unwrap();
-        let args = [
-            "--config",
-            config.to_str().unwrap(),
-            "plugins",
-            "try",
-            plugin.to_str().unwrap(),
-            "--set",
-            &format!("url={url}"),
-            "--sandbox-toml",
-            "sandbox.toml",
-        ];
-        ferry(dir.path(), &args, "")
+        let args = try_args(&config, &plugin, &["--set", &format!("url={url}"), "--sandbox-toml", "sandbox.toml"]);
+        ferry(dir.path(), &args.iter().map(String::as_str).collect::<Vec<_>>(), "")
     };
     let granted = tokio::task::block_in_place(|| run(format!("http://{}", receiver.addr)));
     assert!(granted.status.success(), "{}", text(&granted));

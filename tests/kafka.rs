@@ -466,7 +466,8 @@ async fn a_lost_produce_answer_is_retried_without_writing_records_twice() {
     // Idempotence is on by default; the control route turns it off to show what it prevents.
     let (own, proxy, s, topics) = behind_a_proxy(&[("idem", ""), ("plain", ", idempotence = \"false\"")], 2).await;
     for (route, topic, expected) in [("idem", &topics[0], 10), ("plain", &topics[1], 20)] {
-        // Half keyed, half not: an unkeyed event must go back to the partition it was sent to.
+        // Half keyed, half not: an unkeyed event is not produced again on its own (it could land
+        // on another partition); it goes again only inside the batch that was in doubt.
         let events: Vec<NewEvent> = (0..10)
             .map(|n| {
                 let event = NewEvent::new(route, "t", format!("{route} {n}"));
@@ -658,9 +659,19 @@ async fn sasl_plain_authenticates_and_again_before_the_broker_session_ends() {
              sasl_username = \"carol\", sasl_password = \"{password}\""
         )
     };
-    let routes = [("plain", route("carol-plain-secret")), ("wrong", route("not-carols-secret"))];
+    let scram = route("carol-plain-secret").replace("\"PLAIN\"", "\"SCRAM-SHA-256\"");
+    let routes = [("plain", route("carol-plain-secret")), ("wrong", route("not-carols-secret")), ("scram", scram)];
     let s = setup(&format!("tcp = [\"127.0.0.1:{port}\"]"), &routes).await;
-    let rows = s.deliver(&[NewEvent::new("plain", "t", "first"), NewEvent::new("wrong", "t", "never")]).await;
+    let events =
+        ["plain", "wrong", "scram"].map(|r| NewEvent::new(r, "t", if r == "plain" { "first" } else { "never" }));
+    let rows = s.deliver(&events).await;
+    // A mechanism the broker does not offer: it says which it offers; the events wait.
+    let unsupported = rows[2].last_error.clone().unwrap_or_default();
+    assert_eq!(rows[2].status, Status::Pending, "{unsupported}");
+    assert!(
+        unsupported.contains("UNSUPPORTED_SASL_MECHANISM") && unsupported.contains("offers: PLAIN"),
+        "{unsupported}"
+    );
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
     let why = rows[1].last_error.clone().unwrap_or_default();
     assert_eq!(rows[1].status, Status::Pending, "{why}");

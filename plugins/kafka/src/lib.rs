@@ -220,11 +220,12 @@ struct Producer {
     id: i64,
     epoch: i16,
     next_sequence: HashMap<i32, i32>,
-    /// Per partition, a batch the broker may or may not have written (its answer was lost), as it
-    /// was sent, with its events' ids and base sequence. It is sent again unchanged before
-    /// anything else goes to that partition, so a broker that wrote it answers
-    /// DUPLICATE_SEQUENCE_NUMBER instead of writing it twice.
-    in_doubt: BTreeMap<i32, InDoubt>,
+    /// Per partition, in the order they were sent, the batches the broker may or may not have
+    /// written (the answer was lost, or said something that leaves it open), as they were sent,
+    /// with their events' ids and base sequences. They are sent again unchanged before anything
+    /// else goes to that partition, so a broker that wrote one recognises it as a duplicate
+    /// instead of writing it twice; their events wait until then.
+    in_doubt: BTreeMap<i32, Vec<InDoubt>>,
     /// Events that such a batch wrote and that have not come back since: when they do, they are
     /// answered at once, not produced again.
     delivered: HashSet<u64>,
@@ -243,17 +244,30 @@ struct InDoubt {
 const MAX_REMEMBERED: usize = 100_000;
 
 impl Producer {
-    /// Records the broker's answer `code` for a partition's batch of `count` records sent from
-    /// sequence `base`.
-    fn settle(&mut self, partition: i32, base: i32, count: usize, code: i16) {
-        if code == 0 || policy::is_duplicate(code) {
-            self.next_sequence.insert(partition, sequence_after(base, count));
-        } else if policy::ends_producer_session(code) {
-            self.reset = true;
-        } else {
-            // Refused, not written: the next batch takes these sequence numbers.
-            self.next_sequence.insert(partition, base);
+    /// Records the broker's answer for a partition's batch: `code`, or `None` when the answer
+    /// did not mention the partition. Written (or a duplicate of what was): the sequence moves
+    /// on. Refused for good: not written, its numbers are free again. Anything else may have been
+    /// written: the batch is kept in doubt. A broken session ends.
+    fn settle(&mut self, partition: i32, batch: InDoubt, code: Option<i16>) {
+        let base = batch.base_sequence;
+        match code {
+            Some(code) if code == 0 || policy::is_duplicate(code) => {
+                self.next_sequence.insert(partition, sequence_after(base, batch.ids.len()));
+            }
+            Some(code) if policy::ends_producer_session(code) => self.reset = true,
+            Some(code) if matches!(policy::classify(code), Class::Permanent(_)) => {
+                self.next_sequence.insert(partition, base);
+            }
+            _ => {
+                self.next_sequence.insert(partition, base);
+                self.in_doubt.entry(partition).or_default().push(batch);
+            }
         }
+    }
+
+    /// Whether a batch of `partition` is in doubt.
+    fn doubts(&self, partition: i32) -> bool {
+        self.in_doubt.get(&partition).is_some_and(|batches| !batches.is_empty())
     }
 }
 
@@ -271,9 +285,17 @@ impl State {
         }
         let mut stale = self.resend_in_doubt();
         if let Some(producer) = self.producer.as_mut() {
+            let waiting: HashSet<u64> =
+                producer.in_doubt.values().flatten().flat_map(|b| b.ids.iter().copied()).collect();
             for (i, event) in events.iter().enumerate() {
                 if producer.delivered.remove(&event.id) {
                     outcomes[i] = Some(Outcome::Success);
+                } else if waiting.contains(&event.id) {
+                    // Its batch may be written already; it goes again only as that batch.
+                    outcomes[i] = Some(transient(format!(
+                        "{}: waiting for its earlier batch, whose answer was lost, to be sent again",
+                        self.settings.topic
+                    )));
                 }
             }
         }
@@ -347,7 +369,7 @@ impl State {
                 let mut refused = Vec::new();
                 for (&partition, members) in &partitions {
                     let producer = self.producer.as_ref();
-                    if producer.is_some_and(|p| p.in_doubt.contains_key(&partition)) {
+                    if producer.is_some_and(|p| p.doubts(partition)) {
                         refused.push(partition);
                         continue;
                     }
@@ -365,6 +387,9 @@ impl State {
                             batches.insert(partition, (batch, identity.map_or(NO_SEQUENCE, |(_, base)| base)));
                         }
                         Err(reason) => {
+                            if let Some(((_, _), base)) = identity {
+                                cursor.insert(partition, base);
+                            }
                             fill(outcomes, members, transient(reason));
                             refused.push(partition);
                         }
@@ -402,53 +427,73 @@ impl State {
         stale
     }
 
-    /// Sends every batch in doubt again, unchanged, and reads the answers: a batch the broker
-    /// has (written now, or recognised as a duplicate) is settled and its events remembered as
-    /// delivered. Returns whether metadata should be refreshed.
+    /// Sends the batches in doubt again, unchanged and in order (the first of every partition in
+    /// one request per leader, then the next), and reads the answers: a batch the broker has
+    /// (written now, or recognised as a duplicate) is settled and its events remembered as
+    /// delivered; one it still leaves open stays in doubt, and so do those behind it. Returns
+    /// whether metadata should be refreshed.
     fn resend_in_doubt(&mut self) -> bool {
-        let Some(producer) = &self.producer else { return false };
-        if producer.in_doubt.is_empty() {
-            return false;
-        }
-        let cluster = self.cluster.as_ref().expect("ensure_cluster sets the cluster");
-        let mut by_leader: BTreeMap<i32, BTreeMap<i32, (Bytes, i32)>> = BTreeMap::new();
-        for (&partition, doubt) in &producer.in_doubt {
-            if let Some(Some(leader)) = cluster.leaders.get(partition as usize) {
-                by_leader.entry(*leader).or_default().insert(partition, (doubt.batch.clone(), doubt.base_sequence));
-            }
-        }
         let mut stale = false;
-        for (leader, batches) in by_leader {
-            let answer = self.send(leader, &batches).map_err(|(reason, _)| reason).and_then(|correlation| {
-                let connection =
-                    self.connections.by_broker.get_mut(&leader).ok_or_else(|| "connection lost".to_string())?;
-                connection.receive_produce(correlation.unwrap_or_default())
-            });
-            let response = match answer {
-                Ok(response) => response,
-                Err(reason) => {
-                    self.connections.by_broker.remove(&leader);
-                    log::warn(&format!("resending a batch whose answer was lost: {reason}"));
-                    stale = true;
-                    continue;
-                }
-            };
-            let producer = self.producer.as_mut().expect("checked above");
-            for (partition, code) in partition_codes(&response, &self.settings.topic) {
-                stale |= policy::stale_metadata(code);
-                let Some(doubt) = producer.in_doubt.get(&partition) else { continue };
-                let (base, count) = (doubt.base_sequence, doubt.ids.len());
-                producer.settle(partition, base, count, code);
-                if code == 0 || policy::is_duplicate(code) {
-                    let doubt = producer.in_doubt.remove(&partition).expect("present");
-                    if producer.delivered.len() + doubt.ids.len() > MAX_REMEMBERED {
-                        producer.delivered.clear();
-                    }
-                    producer.delivered.extend(doubt.ids);
+        loop {
+            let Some(producer) = &self.producer else { return stale };
+            let cluster = self.cluster.as_ref().expect("ensure_cluster sets the cluster");
+            let mut by_leader: BTreeMap<i32, BTreeMap<i32, (Bytes, i32)>> = BTreeMap::new();
+            for (&partition, batches) in &producer.in_doubt {
+                if let (Some(first), Some(Some(leader))) = (batches.first(), cluster.leaders.get(partition as usize)) {
+                    by_leader.entry(*leader).or_default().insert(partition, (first.batch.clone(), first.base_sequence));
                 }
             }
+            if by_leader.is_empty() {
+                return stale;
+            }
+            let mut progress = false;
+            for (leader, batches) in by_leader {
+                let answer = self.send(leader, &batches).map_err(|(reason, _)| reason).and_then(|correlation| {
+                    let connection =
+                        self.connections.by_broker.get_mut(&leader).ok_or_else(|| "connection lost".to_string())?;
+                    connection.receive_produce(correlation.unwrap_or_default())
+                });
+                let response = match answer {
+                    Ok(response) => response,
+                    Err(reason) => {
+                        self.connections.by_broker.remove(&leader);
+                        log::warn(&format!("sending again a batch whose answer was lost: {reason}"));
+                        stale = true;
+                        continue;
+                    }
+                };
+                let codes: HashMap<i32, i16> = partition_codes(&response, &self.settings.topic).into_iter().collect();
+                let producer = self.producer.as_mut().expect("checked above");
+                for partition in batches.keys() {
+                    let code = codes.get(partition).copied();
+                    stale |= code.is_some_and(policy::stale_metadata);
+                    let queue = producer.in_doubt.entry(*partition).or_default();
+                    let first = queue.remove(0);
+                    let written = code.is_some_and(|c| c == 0 || policy::is_duplicate(c));
+                    let refused = code.is_some_and(|c| matches!(policy::classify(c), Class::Permanent(_)));
+                    if written || refused {
+                        progress = true;
+                        if written {
+                            if producer.delivered.len() + first.ids.len() > MAX_REMEMBERED {
+                                producer.delivered.clear();
+                            }
+                            producer.delivered.extend(first.ids.iter().copied());
+                        }
+                        producer.settle(*partition, first, code);
+                    } else {
+                        // Still open (or the session is over): it stays first in line.
+                        producer.in_doubt.entry(*partition).or_default().insert(0, first);
+                        if code.is_some_and(policy::ends_producer_session) {
+                            producer.reset = true;
+                        }
+                    }
+                }
+                producer.in_doubt.retain(|_, batches| !batches.is_empty());
+            }
+            if !progress || self.producer.as_ref().is_some_and(|p| p.reset) {
+                return stale;
+            }
         }
-        stale
     }
 
     /// Makes sure partition leaders are known and fresh; the error is the outcome for every event.
@@ -531,9 +576,7 @@ impl State {
         for (partition, members) in partitions {
             if let Some((batch, base_sequence)) = batches.get(partition) {
                 let ids = members.iter().map(|&i| events[i].id).collect();
-                let doubt = InDoubt { ids, batch: batch.clone(), base_sequence: *base_sequence };
-                producer.in_doubt.insert(*partition, doubt);
-                producer.next_sequence.insert(*partition, *base_sequence);
+                producer.settle(*partition, InDoubt { ids, batch: batch.clone(), base_sequence: *base_sequence }, None);
             }
         }
     }
@@ -649,15 +692,17 @@ impl State {
             .flat_map(|t| t.partition_responses.iter().map(|p| (p.index, p)))
             .collect();
         for (partition, members) in &request.partitions {
+            if let (Some(producer), Some((batch, base))) = (self.producer.as_mut(), request.batches.get(partition)) {
+                let ids = members.iter().map(|&i| events[i].id).collect();
+                let sent = InDoubt { ids, batch: batch.clone(), base_sequence: *base };
+                producer.settle(*partition, sent, answers.get(partition).map(|a| a.error_code));
+            }
             let Some(answer) = answers.get(partition) else {
                 fill(outcomes, members, transient(format!("no answer for partition {partition} of {topic}")));
                 continue;
             };
             let code = answer.error_code;
             stale |= policy::stale_metadata(code);
-            if let (Some(producer), Some((_, base))) = (self.producer.as_mut(), request.batches.get(partition)) {
-                producer.settle(*partition, *base, members.len(), code);
-            }
             // The broker already has these records from an attempt whose answer was lost.
             let code = if policy::is_duplicate(code) { 0 } else { code };
             let detail = answer.error_message.as_ref().map(|m| format!(": {}", m.as_str())).unwrap_or_default();

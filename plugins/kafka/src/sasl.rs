@@ -78,9 +78,9 @@ pub fn plain(credentials: &Credentials) -> Vec<u8> {
     format!("\0{}\0{}", credentials.username, credentials.password).into_bytes()
 }
 
-/// Iterations a server may ask for: RFC 7677 wants at least 4096; the ceiling keeps a hostile
-/// server from making the plugin spin.
-const ITERATIONS: std::ops::RangeInclusive<u32> = 4096..=1_000_000;
+/// Iterations a server may ask for: RFC 7677 wants at least 4096, and Kafka allows at most
+/// 16384; the ceiling keeps a hostile server from making the plugin spin.
+const ITERATIONS: std::ops::RangeInclusive<u32> = 4096..=16_384;
 
 /// One SCRAM conversation, from the client's first message to the check of the server's proof.
 pub struct Scram {

@@ -503,8 +503,9 @@ async fn a_lost_produce_answer_is_retried_without_writing_records_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sasl_scram_authenticates_and_a_refused_login_waits_without_revealing_the_password() {
     let users = [("alice", "alice-256-secret", "scram256"), ("bob", "bob-512-secret", "scram512")];
-    let broker =
-        tokio::task::spawn_blocking(move || Broker::start_authenticated(&users, &[("secured", 2)])).await.unwrap();
+    let broker = tokio::task::spawn_blocking(move || Broker::start_authenticated(&users, &[("secured", 2)], None))
+        .await
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let secrets = dir.path().join("secrets");
     std::fs::create_dir_all(&secrets).unwrap();
@@ -690,4 +691,30 @@ async fn sasl_plain_authenticates_and_again_before_the_broker_session_ends() {
     // success for them (the events are SENT); reading them back would need a PLAIN client
     // through this front, which the records test does without SASL.
     assert_eq!(front.produced(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scram_over_tls_authenticates_inside_the_verified_connection() {
+    use crate::common::broker::{TlsFront, free_port};
+    let pki = tempfile::tempdir().unwrap();
+    crate::common::test_pki(pki.path());
+    let port = free_port();
+    let users = [("dave", "dave-512-secret", "scram512")];
+    let broker = tokio::task::spawn_blocking(move || Broker::start_authenticated(&users, &[("both", 1)], Some(port)))
+        .await
+        .unwrap();
+    let _front = TlsFront::start(pki.path(), port, broker.port, false);
+    let sandbox = format!("tcp = [\"localhost:{port}\"]\ndns = true\ntls_ca = {:?}", pki.path().join("ca.pem"));
+    let route = |password: &str| {
+        format!(
+            "brokers = \"localhost:{port}\", topic = \"both\", tls = \"true\", sasl_mechanism = \"SCRAM-SHA-512\", \
+             sasl_username = \"dave\", sasl_password = \"{password}\""
+        )
+    };
+    let s = setup(&sandbox, &[("ok", route("dave-512-secret")), ("wrong", route("not-daves-secret"))]).await;
+    let rows = s.deliver(&[NewEvent::new("ok", "t", "over tls"), NewEvent::new("wrong", "t", "never")]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+    let why = rows[1].last_error.clone().unwrap_or_default();
+    assert_eq!(rows[1].status, Status::Pending, "{why}");
+    assert!(why.contains("SASL_AUTHENTICATION_FAILED") && !why.contains("not-daves-secret"), "{why}");
 }

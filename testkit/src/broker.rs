@@ -68,11 +68,12 @@ impl Broker {
     /// `(name, partitions)` already made. Users live in the storage, so it is a SQLite file: the
     /// broker is started once without authentication to create them and the topics, then again
     /// with it.
-    pub fn start_authenticated(users: &[(&str, &str, &str)], topics: &[(&str, i32)]) -> Broker {
+    /// With `advertise`, it advertises `localhost:<that port>` (a front such as [`TlsFront`]).
+    pub fn start_authenticated(users: &[(&str, &str, &str)], topics: &[(&str, i32)], advertise: Option<u16>) -> Broker {
         let dir = tempfile::tempdir().expect("broker storage directory");
         let storage = "sqlite://tansu.db";
         let port = free_port();
-        let advertised = format!("tcp://localhost:{port}");
+        let advertised = format!("tcp://localhost:{}", advertise.unwrap_or(port));
         let url = format!("tcp://127.0.0.1:{port}");
         let (mut setup, log) = spawn(port, &advertised, storage, &[], Some(dir.path()));
         wait_for(port, &log);

@@ -77,19 +77,11 @@ impl Broker {
         let url = format!("tcp://127.0.0.1:{port}");
         let (mut setup, log) = spawn(port, &advertised, storage, &[], Some(dir.path()));
         wait_for(port, &log);
-        let run = |args: &[&str]| {
-            let out = std::process::Command::new(tansu_binary())
-                .args(args)
-                .current_dir(dir.path())
-                .output()
-                .expect("tansu runs");
-            assert!(out.status.success(), "tansu {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        };
         for (name, password, mechanism) in users {
-            run(&["user", "create", "--broker", &url, "--mechanism", mechanism, name, password]);
+            tansu(&["user", "create", "--broker", &url, "--mechanism", mechanism, name, password]);
         }
         for (topic, partitions) in topics {
-            run(&["topic", "create", "--broker", &url, "--partitions", &partitions.to_string(), topic]);
+            tansu(&["topic", "create", "--broker", &url, "--partitions", &partitions.to_string(), topic]);
         }
         drop(setup.stdin.take());
         let _ = setup.wait();
@@ -122,11 +114,7 @@ impl Broker {
     pub fn topic_directly(&self, prefix: &str, partitions: i32) -> String {
         let name = format!("{prefix}-{}", super::rand_u64());
         let url = format!("tcp://127.0.0.1:{}", self.port);
-        let out = std::process::Command::new(tansu_binary())
-            .args(["topic", "create", "--broker", &url, "--partitions", &partitions.to_string(), &name])
-            .output()
-            .expect("tansu runs");
-        assert!(out.status.success(), "tansu topic create: {}", String::from_utf8_lossy(&out.stderr));
+        tansu(&["topic", "create", "--broker", &url, "--partitions", &partitions.to_string(), &name]);
         name
     }
 
@@ -184,6 +172,12 @@ impl Drop for TlsFront {
         let _ = self.process.kill();
         let _ = self.process.wait();
     }
+}
+
+/// Runs one of tansu's own commands (which talk to the broker named by `--broker`).
+fn tansu(args: &[&str]) {
+    let out = std::process::Command::new(tansu_binary()).args(args).output().expect("tansu runs");
+    assert!(out.status.success(), "tansu {args:?}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 pub fn free_port() -> u16 {

@@ -42,6 +42,9 @@ pub struct Runtime {
     pub(super) load_timeout: std::time::Duration,
     /// Pooled connections for every plugin's wasi:http requests.
     pub(super) http: Arc<super::http_pool::HttpPool>,
+    /// The TLS client configurations of plugins' wasi:tls connections, made once per plugin and
+    /// files, so instances share them (and their session cache).
+    pub(super) tls: super::tls::TlsConfigs,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -139,6 +142,7 @@ impl Runtime {
             create_dirs: true,
             load_timeout,
             http: Arc::new(super::http_pool::HttpPool::new()),
+            tls: super::tls::TlsConfigs::default(),
         })
     }
 

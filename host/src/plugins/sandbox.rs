@@ -295,9 +295,7 @@ impl Runtime {
         // the operator's files; without a tcp grant there is nothing to connect.
         let mut tls = wasmtime_wasi_tls::WasiTlsCtxBuilder::new();
         if !sandbox.tcp.is_empty() {
-            let client = sandbox.tls_client.as_ref().map(|(cert, key)| (cert.as_path(), key.as_path()));
-            let config = super::tls::client_config(sandbox.tls_ca.as_deref(), client)
-                .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.{e}"))?;
+            let config = self.tls.config(&plugin, sandbox).map_err(|e| anyhow::anyhow!("sandbox.{plugin}.{e}"))?;
             tls = tls.provider(Box::new(super::tls::PluginTls { config }));
         }
         let state = HostState {

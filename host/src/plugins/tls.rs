@@ -1,15 +1,18 @@
 //! TLS for plugins, done by the host: the certificates a server is verified against (the public
 //! roots, plus a plugin's `tls_ca` or `http_ca`) and the client certificate it may present are the
 //! operator's grants, read by ferry; a plugin hands over its TCP stream and a server name and gets
-//! a stream of plain bytes back (wasi:tls), never holding a key. Shared by wasi:tls and the
+//! a stream of plain bytes back (wasi:tls), never holding a key. The roots are shared with the
 //! wasi:http pool.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use wasmtime_wasi_tls::{TlsProvider, TlsStream, TlsTransport};
+
+use crate::config::Sandbox;
 
 /// The public (webpki) roots, and the certificates of the PEM file `ca`. Errors name the file.
 pub(super) fn roots(ca: Option<&Path>) -> Result<rustls::RootCertStore, String> {
@@ -33,13 +36,34 @@ fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     Ok(certs)
 }
 
+/// Which plugin, CA file and client certificate files a configuration was made for.
+type ConfigKey = (Arc<str>, Option<PathBuf>, Option<(PathBuf, PathBuf)>);
+
+/// The client configurations of plugins' wasi:tls connections, made on first use and kept, as the
+/// HTTP pool keeps its clients: the files are read once, and instances of a plugin share one
+/// session cache (TLS sessions are resumed across instances). A changed file is read at restart.
+#[derive(Default)]
+pub(super) struct TlsConfigs(Mutex<HashMap<ConfigKey, Arc<rustls::ClientConfig>>>);
+
+impl TlsConfigs {
+    /// The configuration for `plugin` with the CA and client certificate its `sandbox` grants.
+    pub(super) fn config(&self, plugin: &Arc<str>, sandbox: &Sandbox) -> Result<Arc<rustls::ClientConfig>, String> {
+        let key = (plugin.clone(), sandbox.tls_ca.clone(), sandbox.tls_client.clone());
+        let mut configs = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(config) = configs.get(&key) {
+            return Ok(config.clone());
+        }
+        let client = sandbox.tls_client.as_ref().map(|(cert, key)| (cert.as_path(), key.as_path()));
+        let config = client_config(sandbox.tls_ca.as_deref(), client)?;
+        configs.insert(key, config.clone());
+        Ok(config)
+    }
+}
+
 /// The TLS client configuration of one plugin's wasi:tls connections: servers verified against
 /// `roots(ca)`, and with `client` (a certificate chain and its key, PEM files) a client certificate
 /// for servers that ask for one. Errors name the file and the grant.
-pub(super) fn client_config(
-    ca: Option<&Path>,
-    client: Option<(&Path, &Path)>,
-) -> Result<Arc<rustls::ClientConfig>, String> {
+fn client_config(ca: Option<&Path>, client: Option<(&Path, &Path)>) -> Result<Arc<rustls::ClientConfig>, String> {
     let builder =
         rustls::ClientConfig::builder().with_root_certificates(roots(ca).map_err(|e| format!("tls_ca: {e}"))?);
     let config = match client {

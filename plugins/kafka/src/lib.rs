@@ -29,6 +29,7 @@
 mod client;
 mod codec;
 pub mod policy;
+mod producer;
 mod sasl;
 mod tls;
 
@@ -49,6 +50,7 @@ use client::{Auth, Connection, Connections, NetError};
 use ferry_plugin_sdk::outcome::{permanent, transient};
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::Class;
+use producer::{InDoubt, MAX_REMEMBERED, Producer, sequence_after};
 
 /// Bytes a produce request needs besides its records (headers, topic and partition framing,
 /// the record batch header), rounded up generously.
@@ -212,69 +214,6 @@ struct InFlight {
     partitions: PartitionGroups,
     /// Each partition's record batch as sent, and its base sequence number (idempotent producer).
     batches: BTreeMap<i32, (Bytes, i32)>,
-}
-
-/// The idempotent producer's session: the id and epoch the cluster gave it, the next sequence
-/// number of each partition, and the batches whose answer was lost.
-struct Producer {
-    id: i64,
-    epoch: i16,
-    next_sequence: HashMap<i32, i32>,
-    /// Per partition, in the order they were sent, the batches the broker may or may not have
-    /// written (the answer was lost, or said something that leaves it open), as they were sent,
-    /// with their events' ids and base sequences. They are sent again unchanged before anything
-    /// else goes to that partition, so a broker that wrote one recognises it as a duplicate
-    /// instead of writing it twice; their events wait until then.
-    in_doubt: BTreeMap<i32, Vec<InDoubt>>,
-    /// Events that such a batch wrote and that have not come back since: when they do, they are
-    /// answered at once, not produced again.
-    delivered: HashSet<u64>,
-    /// A fatal answer (fenced, unknown producer, sequence out of order): start a new session.
-    reset: bool,
-}
-
-struct InDoubt {
-    ids: Vec<u64>,
-    batch: Bytes,
-    base_sequence: i32,
-}
-
-/// Events delivered by a batch in doubt that are remembered until they come back; beyond this,
-/// the oldest are forgotten (and would be produced again, as without idempotence).
-const MAX_REMEMBERED: usize = 100_000;
-
-impl Producer {
-    /// Records the broker's answer for a partition's batch: `code`, or `None` when the answer
-    /// did not mention the partition. Written (or a duplicate of what was): the sequence moves
-    /// on. Refused for good: not written, its numbers are free again. Anything else may have been
-    /// written: the batch is kept in doubt. A broken session ends.
-    fn settle(&mut self, partition: i32, batch: InDoubt, code: Option<i16>) {
-        let base = batch.base_sequence;
-        match code {
-            Some(code) if code == 0 || policy::is_duplicate(code) => {
-                self.next_sequence.insert(partition, sequence_after(base, batch.ids.len()));
-            }
-            Some(code) if policy::ends_producer_session(code) => self.reset = true,
-            Some(code) if matches!(policy::classify(code), Class::Permanent(_)) => {
-                self.next_sequence.insert(partition, base);
-            }
-            _ => {
-                self.next_sequence.insert(partition, base);
-                self.in_doubt.entry(partition).or_default().push(batch);
-            }
-        }
-    }
-
-    /// Whether a batch of `partition` is in doubt.
-    fn doubts(&self, partition: i32) -> bool {
-        self.in_doubt.get(&partition).is_some_and(|batches| !batches.is_empty())
-    }
-}
-
-/// The sequence number after `count` records from `base`; Kafka's sequences wrap at i32::MAX.
-fn sequence_after(base: i32, count: usize) -> i32 {
-    let next = i64::from(base) + count as i64;
-    (next % (i64::from(i32::MAX) + 1)) as i32
 }
 
 impl State {
@@ -467,26 +406,24 @@ impl State {
                 for partition in batches.keys() {
                     let code = codes.get(partition).copied();
                     stale |= code.is_some_and(policy::stale_metadata);
-                    let queue = producer.in_doubt.entry(*partition).or_default();
-                    let first = queue.remove(0);
                     let written = code.is_some_and(|c| c == 0 || policy::is_duplicate(c));
                     let refused = code.is_some_and(|c| matches!(policy::classify(c), Class::Permanent(_)));
-                    if written || refused {
-                        progress = true;
-                        if written {
-                            if producer.delivered.len() + first.ids.len() > MAX_REMEMBERED {
-                                producer.delivered.clear();
-                            }
-                            producer.delivered.extend(first.ids.iter().copied());
-                        }
-                        producer.settle(*partition, first, code);
-                    } else {
+                    if !(written || refused) {
                         // Still open (or the session is over): it stays first in line.
-                        producer.in_doubt.entry(*partition).or_default().insert(0, first);
-                        if code.is_some_and(policy::ends_producer_session) {
-                            producer.reset = true;
-                        }
+                        producer.reset |= code.is_some_and(policy::ends_producer_session);
+                        continue;
                     }
+                    let Some(first) = producer.in_doubt.get_mut(partition).map(|queue| queue.remove(0)) else {
+                        continue;
+                    };
+                    progress = true;
+                    if written {
+                        if producer.delivered.len() + first.ids.len() > MAX_REMEMBERED {
+                            producer.delivered.clear();
+                        }
+                        producer.delivered.extend(first.ids.iter().copied());
+                    }
+                    producer.settle(*partition, first, code);
                 }
                 producer.in_doubt.retain(|_, batches| !batches.is_empty());
             }

@@ -227,6 +227,33 @@ async fn operations_through_the_api(db: TestDb) {
 
     let (_, count) = api.get("/v1/failed/count").await;
     assert_eq!(count["failed"], 2);
+    // Grouped by route, type and reason, with when each group failed; filtered by reason.
+    let (status, summary) = api.get("/v1/failed/summary").await;
+    assert_eq!((status, &summary["total"], &summary["truncated"]), (StatusCode::OK, &json!(2), &json!(false)));
+    let groups: Vec<(&str, &str, &str, u64)> = summary["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            let text = |key: &str| g[key].as_str().unwrap();
+            (text("route"), text("type"), text("reason"), g["count"].as_u64().unwrap())
+        })
+        .collect();
+    assert_eq!(groups, [("s", "permanent", "permanent", 1), ("t", "transient", "attempts_exhausted", 1)]);
+    let first = &summary["groups"][0];
+    assert_eq!(first["first_failed_at"], first["last_failed_at"], "{summary}");
+    assert!(first["first_failed_at"].as_str().unwrap().starts_with("2026-"), "{summary}");
+    let (_, summary) = api.get("/v1/failed/summary?reason=attempts_exhausted").await;
+    assert_eq!((summary["total"].as_u64(), summary["groups"][0]["route"].as_str()), (Some(1), Some("t")));
+    let (_, count) = api.get("/v1/failed/count?reason=permanent").await;
+    assert_eq!(count["failed"], 1);
+    let (_, page) = api.get("/v1/failed?reason=permanent").await;
+    assert_eq!(page["events"][0]["id"].as_i64(), Some(permanent));
+    assert_error(
+        api.get("/v1/failed/summary?reason=gone").await,
+        StatusCode::BAD_REQUEST,
+        "reason must be one of permanent,",
+    );
     let (_, count) = api.get("/v1/failed/count?route=t&type=transient").await;
     assert_eq!(count["failed"], 1);
     let (_, page) = api.get("/v1/failed?limit=1").await;
@@ -271,6 +298,9 @@ async fn operations_through_the_api(db: TestDb) {
     assert_eq!(api.s.db.store.get(waiting).await.unwrap().unwrap().status, Status::Pending);
     let (_, routes) = api.get("/v1/routes").await;
     let s = routes.as_array().unwrap().iter().find(|r| r["route"] == "s").unwrap();
+    let retry = &s["retry"];
+    assert_eq!((retry["max_attempts"].as_u64(), retry["jitter"].as_str()), (Some(2), Some("none")), "{retry}");
+    assert!(retry["backoff"].as_str().unwrap().starts_with("exponential from "), "{retry}");
     assert_eq!((s["breaker"]["state"].as_str(), s["plugin_loaded"].as_bool()), (Some("open"), Some(true)));
     assert_eq!(s["plugin_hash"].as_str(), Some(hash.as_str()));
     let (_, breakers) = api.get("/v1/breakers").await;
@@ -317,6 +347,15 @@ async fn operations_through_the_api(db: TestDb) {
         assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
     }
     assert!(metrics.contains("ferry_oldest_pending_age_seconds 5.0"), "the deferred blob is 5s old:\n{metrics}");
+
+    // The dashboard's per-minute figures agree with the counters.
+    let (status, activity) = api.get("/v1/activity").await;
+    assert_eq!(status, StatusCode::OK);
+    let minutes = activity["minutes"].as_array().unwrap();
+    assert_eq!(minutes.len(), 60, "an hour of minutes");
+    let sum = |key: &str| minutes.iter().map(|m| m[key].as_u64().unwrap()).sum::<u64>();
+    assert_eq!((sum("delivered"), sum("retried"), sum("failed")), (2, 2, 3), "{activity}");
+    assert!(minutes.iter().any(|m| m["p99_ms"].as_f64().is_some_and(|ms| ms > 30.0)), "the 40 ms wait: {activity}");
 
     // Plugins: listed with their routes; a reload of unchanged files changes nothing.
     let (_, plugins) = api.get("/v1/plugins").await;
@@ -439,8 +478,9 @@ async fn the_openapi_description_matches_the_endpoints() {
             );
         }
     }
-    // Every served route is described: 18 protected operations and the two health checks.
-    assert_eq!(operations, 20, "update openapi.json when adding or removing an endpoint");
+    // Every served API route is described: 20 protected operations and the two health checks (the
+    // dashboard's pages under /ui are not API).
+    assert_eq!(operations, 22, "update openapi.json when adding or removing an endpoint");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -454,4 +494,93 @@ async fn history_is_recorded_for_events_no_plugin_could_take() {
     assert_eq!((attempt["outcome"].as_str(), attempt["reason"].as_str()), (Some("failed"), Some("no_transport")));
     assert_eq!(attempt["plugin"], "not-installed");
     assert!(attempt["plugin_hash"].is_null(), "no version ran: {attempt}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_trades_the_token_for_a_session_cookie_that_needs_csrf_to_act() {
+    let api = start(TestDb::sqlite().await, false).await;
+    let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
+    let url = |path: &str| format!("{}{path}", api.base);
+
+    // Signed out, /ui is the sign-in form, with a policy that only lets ferry's own files run.
+    let page = http.get(url("/ui")).send().await.unwrap();
+    let policy = page.headers()["content-security-policy"].to_str().unwrap().to_string();
+    assert!(policy.contains("script-src 'self'") && policy.contains("frame-ancestors 'none'"), "{policy}");
+    assert!(page.text().await.unwrap().contains("Admin token"));
+    let script = http.get(url("/ui/app.js")).send().await.unwrap();
+    assert!(script.headers()["content-type"].to_str().unwrap().starts_with("text/javascript"));
+
+    // A wrong token: refused, slowly, without a cookie. A post from another site: refused.
+    let sign_in = |token: &str, origin: Option<&str>| {
+        let mut request = http
+            .post(url("/ui/session"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("token={token}"));
+        if let Some(origin) = origin {
+            request = request.header("origin", origin);
+        }
+        request.send()
+    };
+    let started = std::time::Instant::now();
+    let wrong = sign_in("not-the-token-0123456789", None).await.unwrap();
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    assert!(started.elapsed() >= Duration::from_millis(400), "a wrong token is answered slowly");
+    assert!(wrong.headers().get("set-cookie").is_none());
+    assert!(wrong.text().await.unwrap().contains("Wrong token"));
+    let elsewhere = sign_in(TOKEN, Some("http://evil.example")).await.unwrap();
+    assert_eq!(elsewhere.status(), StatusCode::FORBIDDEN);
+    assert!(elsewhere.headers().get("set-cookie").is_none());
+
+    // The right token: a redirect to the page, and a cookie scripts cannot read or send elsewhere.
+    let origin = api.base.clone();
+    let signed_in = sign_in(TOKEN, Some(&origin)).await.unwrap();
+    assert_eq!(signed_in.status(), StatusCode::SEE_OTHER);
+    assert_eq!(signed_in.headers()["location"], "/ui");
+    let set = signed_in.headers()["set-cookie"].to_str().unwrap().to_string();
+    for part in ["ferry_session=", "HttpOnly", "SameSite=Strict", "Path=/"] {
+        assert!(set.contains(part), "{set} has {part}");
+    }
+    let cookie = set.split(';').next().unwrap().to_string();
+    assert!(!cookie.contains(TOKEN));
+    let page = http.get(url("/ui")).header("cookie", &cookie).send().await.unwrap().text().await.unwrap();
+    assert!(!page.contains(TOKEN), "the page never holds the token");
+    let csrf = page.split("name=\"ferry-csrf\" content=\"").nth(1).unwrap().split('"').next().unwrap().to_string();
+    assert_eq!(csrf.len(), 64, "{csrf}");
+
+    // The cookie reads; it acts only with the session's CSRF header.
+    let read = http.get(url("/v1/stats")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!((read.status(), read.headers()["cache-control"].to_str().unwrap()), (StatusCode::OK, "no-store"));
+    let act = |csrf: Option<&str>| {
+        let mut request = http
+            .post(url("/v1/breakers/s/open"))
+            .header("cookie", &cookie)
+            .header("content-type", "application/json")
+            .body("{}");
+        if let Some(csrf) = csrf {
+            request = request.header("x-ferry-csrf", csrf);
+        }
+        request.send()
+    };
+    let (no_header, wrong_header) = (act(None).await.unwrap(), act(Some(&"0".repeat(64))).await.unwrap());
+    assert_eq!((no_header.status(), wrong_header.status()), (StatusCode::FORBIDDEN, StatusCode::FORBIDDEN));
+    let error: Value = no_header.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "forbidden");
+    assert!(error["error"]["message"].as_str().unwrap().contains("X-Ferry-CSRF"), "{error}");
+    let (_, routes) = api.get("/v1/routes").await;
+    assert!(routes.as_array().unwrap().iter().all(|r| r["breaker"]["state"] == "closed"), "nothing was opened");
+    assert_eq!(act(Some(&csrf)).await.unwrap().status(), StatusCode::OK);
+
+    // Another browser's made-up cookie is nobody's session.
+    let stranger = http.get(url("/v1/stats")).header("cookie", format!("ferry_session={}", "a".repeat(64))).send();
+    assert_eq!(stranger.await.unwrap().status(), StatusCode::UNAUTHORIZED);
+
+    // Signing out ends the session for every copy of the cookie.
+    let out = http.post(url("/ui/session/end")).header("cookie", &cookie).header("x-ferry-csrf", &csrf).send();
+    let out = out.await.unwrap();
+    assert_eq!(out.status(), StatusCode::NO_CONTENT);
+    assert!(out.headers()["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
+    let after = http.get(url("/v1/stats")).header("cookie", &cookie).send().await.unwrap();
+    assert_eq!(after.status(), StatusCode::UNAUTHORIZED);
+    let error: Value = after.json().await.unwrap();
+    assert!(error["error"]["message"].as_str().unwrap().contains("sign in again"), "{error}");
 }

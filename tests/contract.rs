@@ -110,6 +110,21 @@ async fn the_cli_and_the_api_give_the_same_answers() {
             get("/v1/failed/count?from=2026-03-02T00:00:00Z&before=2026-03-01T00:00:00Z".into()).await,
         ),
         (
+            "summarize by route",
+            vec!["failed", "summary", "--route", "a"],
+            get("/v1/failed/summary?route=a".into()).await,
+        ),
+        (
+            "count by reason",
+            vec!["failed", "count", "--reason", "permanent"],
+            get("/v1/failed/count?reason=permanent".into()).await,
+        ),
+        (
+            "count an unknown reason",
+            vec!["failed", "count", "--reason", "lost"],
+            get("/v1/failed/count?reason=lost".into()).await,
+        ),
+        (
             "list a page",
             vec!["failed", "list", "--route", "b", "--limit", "2"],
             get("/v1/failed?route=b&limit=2".into()).await,
@@ -267,6 +282,9 @@ async fn every_answer_matches_its_documented_schema() {
         (Method::POST, format!("/v1/events/{to_cancel}/cancel"), None),
         (Method::GET, "/v1/failed?limit=2".into(), None),
         (Method::GET, "/v1/failed/count?route=a".into(), None),
+        (Method::GET, "/v1/failed/summary".into(), None),
+        (Method::GET, "/v1/failed/summary?reason=lost".into(), None),
+        (Method::GET, "/v1/activity".into(), None),
         (Method::POST, "/v1/failed/resend".into(), Some(json!({"route": "a"}))),
         (Method::POST, "/v1/failed/purge".into(), Some(json!({"route": "b"}))),
         (Method::GET, "/v1/plugins".into(), None),

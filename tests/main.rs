@@ -5,6 +5,7 @@ mod admin;
 mod authoring;
 mod chaos;
 mod contract;
+mod dashboard;
 mod e2e;
 mod engine;
 mod grants;

@@ -101,6 +101,10 @@ async fn malformed_rows_fail_alone_and_the_rest_is_delivered(db: TestDb) {
     let listed: Vec<i64> = page["events"].as_array().unwrap().iter().map(|e| e["id"].as_i64().unwrap()).collect();
     assert_eq!(listed, vec![a, b, c], "every malformed row is listed");
     assert!(page["events"][0]["defect"].as_str().unwrap().contains("event_time"), "{page}");
+    let (code, stdout, stderr) = run_ferry(&config, &["failed", "summary", "--json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!((summary["total"].as_u64(), summary["groups"][0]["reason"].as_str()), (Some(3), Some("invalid_event")));
 }
 
 async fn the_schema_refuses_what_ferry_cannot_represent(db: TestDb) {

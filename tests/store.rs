@@ -285,6 +285,26 @@ async fn failed_events_are_counted_listed_resent_and_purged_by_filter(db: TestDb
     assert_eq!(s.count_failed(&route_a).await.unwrap(), 3);
     assert_eq!(s.count_failed(&FailedFilter { event_type: Some("x".into()), ..route_a.clone() }).await.unwrap(), 2);
     assert_eq!(s.count_failed(&window).await.unwrap(), 3);
+    // Grouped by route, type and reason: the largest groups first, then by name.
+    let groups = s.failed_groups(&all, 10).await.unwrap();
+    let shape: Vec<(&str, &str, Option<&str>, u64)> =
+        groups.iter().map(|g| (g.route.as_str(), g.event_type.as_str(), g.reason.as_deref(), g.count)).collect();
+    let permanent = Some("permanent");
+    assert_eq!(
+        shape,
+        [("a", "x", permanent, 2), ("b", "x", permanent, 2), ("a", "y", permanent, 1), ("b", "y", permanent, 1)]
+    );
+    assert_eq!(
+        (groups[0].first_failed_at, groups[0].last_failed_at),
+        (Some(t0() + secs(3600)), Some(t0() + secs(3600)))
+    );
+    assert_eq!(s.failed_groups(&all, 1).await.unwrap().len(), 1, "the limit holds");
+    assert_eq!(s.failed_groups(&route_a, 10).await.unwrap().len(), 2);
+    let exhausted = FailedFilter { reason: Some(FailureReason::AttemptsExhausted), ..all.clone() };
+    assert_eq!(s.count_failed(&exhausted).await.unwrap(), 0);
+    assert!(s.failed_groups(&exhausted, 10).await.unwrap().is_empty());
+    let by_reason = FailedFilter { reason: Some(FailureReason::Permanent), ..all.clone() };
+    assert_eq!(s.count_failed(&by_reason).await.unwrap(), 6);
     let listed = |events: Vec<ferry::event::EventRecord>| events.iter().map(|e| e.id).collect::<Vec<_>>();
     assert_eq!(listed(s.list_failed(&window, 10).await.unwrap()), ids[1..4].to_vec());
 

@@ -4,6 +4,7 @@
 //! [`relay`] claims them in batches and hands them to the route's transport plugin
 //! ([`plugins`]), then records SENT, a retry, or FAILED in the [`store`].
 
+pub mod activity;
 pub mod admin;
 pub mod backoff;
 pub mod breaker;

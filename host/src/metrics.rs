@@ -95,6 +95,8 @@ pub struct Metrics {
     stuck: Gauge,
     last_attempt: Gauge,
     breaker_state: Family<RouteOnly, Gauge>,
+    /// The last hour minute by minute, for the dashboard.
+    pub activity: crate::activity::Activity,
 }
 
 impl Default for Metrics {
@@ -177,6 +179,7 @@ impl Metrics {
             stuck,
             last_attempt,
             breaker_state,
+            activity: Default::default(),
         }
     }
 

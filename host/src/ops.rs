@@ -12,11 +12,11 @@ use tokio::sync::Notify;
 use crate::breaker::Breaker;
 use crate::clock::Clock;
 use crate::config::{Ordering, Settings};
-use crate::event::{NewEvent, Status};
+use crate::event::{FailureReason, NewEvent, Status};
 use crate::plugins::{Registry, Reloaded};
 use crate::report::{
-    BreakerView, Created, EventView, FailedCount, FailedPage, PluginsView, ReloadResult, ReloadView, ReloadedFile,
-    RouteView, StatsView, StatusCounts,
+    BreakerView, Created, EventView, FailedCount, FailedPage, FailedSummary, PluginsView, ReloadResult, ReloadView,
+    ReloadedFile, RetryView, RouteView, StatsView, StatusCounts,
 };
 use crate::store::{self, BulkOp, EndEvent, FailedFilter, Store, StoreError};
 
@@ -28,6 +28,9 @@ pub const FAILED_BY_HAND: &str = "failed by an operator";
 
 /// The reason of a breaker opened by hand when the operator gives none.
 pub const OPENED_BY_HAND: &str = "opened by an operator";
+
+/// Most groups a FAILED summary lists.
+pub const MAX_GROUPS: u32 = 1000;
 
 /// FAILED events per page when the front-end asks for no particular number.
 pub const DEFAULT_PAGE: u32 = 50;
@@ -100,6 +103,8 @@ pub struct FilterInput {
     pub from: Option<DateTime<Utc>>,
     /// Created before this time.
     pub before: Option<DateTime<Utc>>,
+    /// Failed for this reason (`permanent`, `attempts_exhausted`, …).
+    pub reason: Option<String>,
 }
 
 impl FilterInput {
@@ -120,12 +125,20 @@ impl FilterInput {
                 return Err(OpError::Invalid(format!("{} must not be empty", name(field))));
             }
         }
+        let reason = match self.reason.as_deref().map(str::trim) {
+            None => None,
+            Some(text) => Some(FailureReason::ALL.into_iter().find(|r| r.as_str() == text).ok_or_else(|| {
+                let known: Vec<&str> = FailureReason::ALL.iter().map(|r| r.as_str()).collect();
+                OpError::Invalid(format!("{} must be one of {}, got {text:?}", name("reason"), known.join(", ")))
+            })?),
+        };
         Ok(FailedFilter {
             route: self.route,
             event_type: self.event_type,
             from: self.from,
             before: self.before,
             after_id: None,
+            reason,
         })
     }
 }
@@ -255,6 +268,16 @@ impl Ops {
         Ok(FailedCount { failed: self.store.count_failed(&filter.validate(self.front)?).await? })
     }
 
+    /// The FAILED events matching `filter`, grouped by route, type and reason, the
+    /// [`MAX_GROUPS`] largest groups at most.
+    pub async fn failed_summary(&self, filter: FilterInput) -> Result<FailedSummary, OpError> {
+        let mut groups = self.store.failed_groups(&filter.validate(self.front)?, MAX_GROUPS + 1).await?;
+        let truncated = groups.len() > MAX_GROUPS as usize;
+        groups.truncate(MAX_GROUPS as usize);
+        let total = groups.iter().map(|g| g.count).sum();
+        Ok(FailedSummary { groups, total, truncated })
+    }
+
     /// A page of FAILED events in id order, after id `after`, `limit` ([`DEFAULT_PAGE`]) at most.
     pub async fn failed_list(
         &self,
@@ -286,9 +309,10 @@ impl Ops {
         if filter.is_everything() && !all {
             let name = |field| self.front.name(field);
             return Err(OpError::Invalid(format!(
-                "no filter given: this would affect every FAILED event; narrow it with {}, {}, {} or {}, or add {}",
+                "no filter given: this would affect every FAILED event; narrow it with {}, {}, {}, {} or {}, or add {}",
                 name("route"),
                 name("type"),
+                name("reason"),
                 name("from"),
                 name("before"),
                 self.front.switch("all")
@@ -353,6 +377,7 @@ impl Ops {
                     ordered,
                     failed_blocks_key,
                     breaker: BreakerView::new(breaker, now, cooldown),
+                    retry: RetryView::from(&route.retry),
                 }
             })
             .collect())

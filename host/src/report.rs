@@ -57,6 +57,31 @@ impl FailedPage {
     }
 }
 
+/// FAILED events of one route and type that failed for the same reason.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailedGroup {
+    pub route: String,
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// The failure reason (`permanent`, `attempts_exhausted`, …); null for rows that predate it.
+    pub reason: Option<String>,
+    pub count: u64,
+    /// When the earliest of them became FAILED.
+    pub first_failed_at: Option<DateTime<Utc>>,
+    /// When the latest of them became FAILED.
+    pub last_failed_at: Option<DateTime<Utc>>,
+}
+
+/// The FAILED events matching a filter, grouped by route, type and reason, largest group first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FailedSummary {
+    pub groups: Vec<FailedGroup>,
+    /// FAILED events in all the groups listed.
+    pub total: u64,
+    /// More groups match than were listed; narrow the filter to see them.
+    pub truncated: bool,
+}
+
 /// The monitoring figures, with ages in seconds worked out at `at`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatsView {
@@ -116,6 +141,45 @@ pub struct RouteView {
     pub ordered: bool,
     pub failed_blocks_key: bool,
     pub breaker: BreakerView,
+    /// The retry policy in effect for the route.
+    pub retry: RetryView,
+}
+
+/// A retry policy as an operator reads it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RetryView {
+    /// e.g. `exponential from 1s to 5m`, `fixed 30s`, `schedule 1s, 10s, 1m`.
+    pub backoff: String,
+    /// `none`, `full`, `equal` or `±N%`.
+    pub jitter: String,
+    /// Attempts in all, the first included; 0 means no limit.
+    pub max_attempts: u32,
+    /// The longest wait a plugin's retry-after can ask for.
+    pub retry_after_max_seconds: f64,
+}
+
+impl From<&crate::backoff::RetryPolicy> for RetryView {
+    fn from(policy: &crate::backoff::RetryPolicy) -> RetryView {
+        use crate::backoff::{Backoff, Jitter};
+        let d = |d: &std::time::Duration| crate::config::format_duration(*d);
+        RetryView {
+            backoff: match &policy.backoff {
+                Backoff::Exponential { initial, max } => format!("exponential from {} to {}", d(initial), d(max)),
+                Backoff::Fixed { delay } => format!("fixed {}", d(delay)),
+                Backoff::Schedule(steps) => {
+                    format!("schedule {}", steps.iter().map(d).collect::<Vec<_>>().join(", "))
+                }
+            },
+            jitter: match policy.jitter {
+                Jitter::None => "none".into(),
+                Jitter::Symmetric { percent } => format!("±{percent}%"),
+                Jitter::Equal => "equal".into(),
+                Jitter::Full => "full".into(),
+            },
+            max_attempts: policy.max_attempts,
+            retry_after_max_seconds: policy.retry_after_max.as_secs_f64(),
+        }
+    }
 }
 
 /// The plugins loaded, and the files that failed to load with why.

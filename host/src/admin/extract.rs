@@ -37,6 +37,7 @@ impl IntoResponse for ApiError {
         let code = match self.status {
             StatusCode::BAD_REQUEST => "bad_request",
             StatusCode::UNAUTHORIZED => "unauthorized",
+            StatusCode::FORBIDDEN => "forbidden",
             StatusCode::NOT_FOUND => "not_found",
             StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
             StatusCode::CONFLICT => "conflict",
@@ -149,9 +150,22 @@ impl<S: Send + Sync> FromRequestParts<S> for RouteName {
     }
 }
 
-/// Checks the bearer token, in constant time.
+/// Checks the bearer token, in constant time; without one, the dashboard's session cookie (see
+/// `ui.rs`).
 pub(super) async fn authorize(State(admin): State<Admin>, request: Request, next: Next) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(|v| v.to_str().unwrap_or(""));
+    if given.is_none()
+        && let Some(cookie) = super::ui::session_cookie(request.headers())
+    {
+        return match super::ui::check_session(&admin, &request, cookie) {
+            Ok(()) => {
+                let mut response = next.run(request).await;
+                response.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                response
+            }
+            Err(e) => e.into_response(),
+        };
+    }
     let verdict = match given {
         None => Err("missing bearer token: send the header \"Authorization: Bearer <admin token>\""),
         Some(value) => match value.strip_prefix("Bearer ") {
@@ -166,7 +180,7 @@ pub(super) async fn authorize(State(admin): State<Admin>, request: Request, next
     }
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(super) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

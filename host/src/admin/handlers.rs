@@ -14,13 +14,14 @@ use serde_json::{Value, json};
 
 use super::extract::{ApiError, Body, EventId, Params, RouteName};
 use super::{Admin, OPENAPI};
+use crate::activity::ActivityView;
 use crate::breaker::Breaker;
 use crate::config::parse_duration;
 use crate::event::NewEvent;
 use crate::ops::{self, FilterInput};
 use crate::report::{
-    BreakerView, Cancelled, Created, EventView, FailedCount, FailedPage, PluginsView, Purged, ReloadView, Resent,
-    RouteView, StatsView,
+    BreakerView, Cancelled, Created, EventView, FailedCount, FailedPage, FailedSummary, PluginsView, Purged,
+    ReloadView, Resent, RouteView, StatsView,
 };
 use crate::store::{BulkOp, EndEvent};
 
@@ -199,6 +200,7 @@ pub(super) struct FilterParams {
     route: Option<String>,
     #[serde(rename = "type")]
     event_type: Option<String>,
+    reason: Option<String>,
     from: Option<String>,
     before: Option<String>,
     after: Option<i64>,
@@ -214,6 +216,7 @@ impl FilterParams {
         Ok(FilterInput {
             route: self.route.clone(),
             event_type: self.event_type.clone(),
+            reason: self.reason.clone(),
             from: self.from.as_deref().map(|t| rfc3339("from", t)).transpose()?,
             before: self.before.as_deref().map(|t| rfc3339("before", t)).transpose()?,
         })
@@ -242,6 +245,19 @@ pub(super) async fn failed_count(
 ) -> Result<Json<FailedCount>, ApiError> {
     params.only(&[])?;
     Ok(Json(admin.ops.failed_count(params.input()?).await?))
+}
+
+pub(super) async fn failed_summary(
+    State(admin): State<Admin>,
+    Params(params): Params<FilterParams>,
+) -> Result<Json<FailedSummary>, ApiError> {
+    params.only(&[])?;
+    Ok(Json(admin.ops.failed_summary(params.input()?).await?))
+}
+
+/// `GET /v1/activity`: this instance's deliveries minute by minute over the last hour.
+pub(super) async fn activity(State(admin): State<Admin>) -> Json<ActivityView> {
+    Json(admin.metrics.activity.last_hour(admin.ops.now()))
 }
 
 pub(super) async fn failed_resend(

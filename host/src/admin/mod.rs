@@ -1,6 +1,7 @@
 //! The admin HTTP API: health checks, Prometheus metrics, inspection and operations, as JSON.
 //!
-//! Every endpoint but `/health/live` and `/health/ready` requires `Authorization: Bearer <token>`.
+//! Every endpoint but `/health/live`, `/health/ready` and the dashboard's sign-in page and assets
+//! requires `Authorization: Bearer <token>`, or the dashboard's session cookie (`ui.rs`).
 //! Errors are JSON too, `{"error": {"code": …, "message": …}}`, and the message names the bad input.
 //! The handlers (`handlers.rs`) are thin: they parse the request (`extract.rs`), call one operator
 //! operation (`crate::ops`) and answer with its typed view. `openapi.json` next to this file
@@ -8,6 +9,7 @@
 
 mod extract;
 mod handlers;
+mod ui;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -39,6 +41,8 @@ pub struct Admin {
     /// The relay's progress, for readiness.
     pub relay: Arc<RelayHealth>,
     token: Arc<str>,
+    /// The dashboard's signed-in browsers.
+    sessions: Arc<ui::Sessions>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -60,7 +64,7 @@ impl Admin {
     ) -> anyhow::Result<Admin> {
         let token = settings.config.admin.bearer_token().map_err(anyhow::Error::msg)?;
         let ops = Ops { settings, store, clock, wake: Some(wake), front: FrontEnd::Api };
-        Ok(Admin { ops, registry, metrics, relay, token: token.into() })
+        Ok(Admin { ops, registry, metrics, relay, token: token.into(), sessions: Default::default() })
     }
 
     /// Every endpoint.
@@ -69,6 +73,7 @@ impl Admin {
             .route("/metrics", get(metrics))
             .route("/v1/openapi.json", get(openapi))
             .route("/v1/stats", get(stats))
+            .route("/v1/activity", get(activity))
             .route("/v1/events", post(enqueue))
             .route("/v1/events/{id}", get(show))
             .route("/v1/events/{id}/resend", post(resend_one))
@@ -76,6 +81,7 @@ impl Admin {
             .route("/v1/events/{id}/fail", post(fail))
             .route("/v1/failed", get(failed_list))
             .route("/v1/failed/count", get(failed_count))
+            .route("/v1/failed/summary", get(failed_summary))
             .route("/v1/failed/resend", post(failed_resend))
             .route("/v1/failed/purge", post(failed_purge))
             .route("/v1/plugins", get(plugins))
@@ -84,6 +90,7 @@ impl Admin {
             .route("/v1/breakers", get(breakers))
             .route("/v1/breakers/{route}/open", post(breaker_open))
             .route("/v1/breakers/{route}/close", post(breaker_close))
+            .route("/ui/session/end", post(ui::sign_out))
             .route_layer(axum::middleware::from_fn_with_state(self.clone(), authorize))
             // Room for the largest payload ferry accepts, base64-encoded in JSON.
             .layer(axum::extract::DefaultBodyLimit::max(
@@ -92,6 +99,11 @@ impl Admin {
         Router::new()
             .route("/health/live", get(live))
             .route("/health/ready", get(ready))
+            .route("/ui", get(ui::page))
+            .route("/ui/session", post(ui::sign_in))
+            .route("/ui/app.js", get(ui::script))
+            .route("/ui/app.css", get(ui::style))
+            .route("/ui/icon.svg", get(ui::icon))
             .merge(protected)
             .fallback(not_found)
             .method_not_allowed_fallback(method_not_allowed)

@@ -96,6 +96,10 @@ pub struct FilterArgs {
     /// Only events of this type.
     #[arg(long = "type", value_name = "TYPE")]
     event_type: Option<String>,
+    /// Only events that failed for this reason: permanent, attempts_exhausted, no_transport,
+    /// plugin_fault, invalid_event or operator.
+    #[arg(long)]
+    reason: Option<String>,
     /// Only events created at or after this time (RFC 3339, e.g. 2026-11-26T08:00:00Z).
     #[arg(long, value_parser = parse_time)]
     from: Option<chrono::DateTime<chrono::Utc>>,
@@ -106,7 +110,13 @@ pub struct FilterArgs {
 
 impl FilterArgs {
     fn input(self) -> FilterInput {
-        FilterInput { route: self.route, event_type: self.event_type, from: self.from, before: self.before }
+        FilterInput {
+            route: self.route,
+            event_type: self.event_type,
+            reason: self.reason,
+            from: self.from,
+            before: self.before,
+        }
     }
 }
 
@@ -120,6 +130,12 @@ fn parse_time(text: &str) -> Result<chrono::DateTime<chrono::Utc>, String> {
 pub enum FailedCommand {
     /// How many FAILED events match.
     Count {
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// The matching FAILED events grouped by route, type and failure reason, with counts and when
+    /// the first and last of each group failed; the largest groups first.
+    Summary {
         #[command(flatten)]
         filter: FilterArgs,
     },
@@ -404,6 +420,10 @@ async fn failed_command(config: &Config, command: FailedCommand, json: bool) -> 
         FailedCommand::Count { filter } => {
             let count: FailedCount = ops.failed_count(filter.input()).await.map_err(failed)?;
             say(json, &count, |c| c.failed.to_string())
+        }
+        FailedCommand::Summary { filter } => {
+            let summary = ops.failed_summary(filter.input()).await.map_err(failed)?;
+            say(json, &summary, render::failed_summary)
         }
         FailedCommand::List { filter, after, limit } => {
             let page = ops.failed_list(filter.input(), after, limit).await.map_err(failed)?;

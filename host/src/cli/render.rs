@@ -6,7 +6,9 @@ use std::io::IsTerminal as _;
 
 use crate::breaker::BreakerState;
 use crate::event::Status;
-use crate::report::{BreakerView, EventView, FailedPage, PluginsView, ReloadView, StatsView, StatusCounts};
+use crate::report::{
+    BreakerView, EventView, FailedPage, FailedSummary, PluginsView, ReloadView, StatsView, StatusCounts,
+};
 use crate::store::{self, Percentiles};
 
 /// `ferry status`: events per status.
@@ -49,6 +51,34 @@ pub fn stats(stats: &StatsView, window: std::time::Duration) -> String {
         None => {
             let _ = write!(out, "\nlatency                no events delivered in the last {window:?}");
         }
+    }
+    out
+}
+
+/// `ferry failed summary`: one line per group, the largest first.
+pub fn failed_summary(summary: &FailedSummary) -> String {
+    let mut out =
+        format!("{:>8}  {:<16} {:<24} {:<18} {:<25} LAST FAILED", "EVENTS", "ROUTE", "TYPE", "REASON", "FIRST FAILED");
+    let time = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".to_string(), |t| t.to_rfc3339());
+    for g in &summary.groups {
+        let _ = write!(
+            out,
+            "\n{:>8}  {:<16} {:<24} {:<18} {:<25} {}",
+            g.count,
+            crate::untrusted::clean(&g.route, 64),
+            crate::untrusted::clean(&g.event_type, 64),
+            crate::untrusted::clean(g.reason.as_deref().unwrap_or("-"), 64),
+            time(g.first_failed_at),
+            time(g.last_failed_at),
+        );
+    }
+    let _ = write!(out, "\n{} FAILED events in {} groups", summary.total, summary.groups.len());
+    if summary.truncated {
+        let _ = write!(
+            out,
+            " (the largest {}; narrow with --route, --type or --reason for the rest)",
+            summary.groups.len()
+        );
     }
     out
 }

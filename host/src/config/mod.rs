@@ -17,7 +17,7 @@ mod units;
 
 pub use self::settings::{Ordering, PluginSettings, RouteSettings, Sandbox, Settings};
 pub use self::units::{
-    ByteSize, ConfigValue, Dur, MaxAttempts, Retention, normalize_origin, parse_duration, parse_size,
+    ByteSize, ConfigValue, Dur, MaxAttempts, Retention, format_duration, normalize_origin, parse_duration, parse_size,
 };
 
 /// The reference configuration, compiled in; it supplies every default.

@@ -183,7 +183,11 @@ fn durations_parse_every_unit_and_reject_the_rest() {
     let ok = [("250ms", 250), ("30s", 30_000), ("5m", 300_000), ("2h", 7_200_000), ("1d", 86_400_000)];
     for (text, ms) in ok {
         assert_eq!(parse_duration(text), Ok(Duration::from_millis(ms)), "{text}");
+        assert_eq!(format_duration(Duration::from_millis(ms)), text, "written back as configured");
     }
+    assert_eq!(format_duration(Duration::from_millis(90_000)), "90s");
+    assert_eq!(format_duration(Duration::from_micros(1500)), "1ms");
+    assert_eq!(format_duration(Duration::ZERO), "0ms");
     for bad in ["", "5", "m", "1.5s", "-1s", "5 weeks", "99999999999999999999d"] {
         assert!(parse_duration(bad).is_err(), "{bad:?} should be rejected");
     }

@@ -43,6 +43,18 @@ impl<'de> Deserialize<'de> for ByteSize {
     }
 }
 
+/// A duration as the configuration writes it: the largest unit (`d`, `h`, `m`, `s`, `ms`) it is a
+/// whole number of, so `format_duration(parse_duration(t)) == t` for canonical `t`.
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (unit, size) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms >= size && ms.is_multiple_of(size) {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
 /// Parses `"<number><unit>"` with unit `B`, `KiB`, `MiB` or `GiB`.
 pub fn parse_size(text: &str) -> Result<usize, String> {
     let text = text.trim();

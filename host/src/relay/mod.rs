@@ -413,17 +413,23 @@ impl Relay {
         let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
         let mut tally: HashMap<(&str, &str, Option<FailureReason>), (u64, u64)> = HashMap::new();
         let mut latencies: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        let (mut delivered, mut retried, mut failed) = (0, 0, 0);
         for completion in completions {
             let Some(event) = by_id.get(&completion.id) else { continue };
             let plugin = completion.attempt.call.plugin.as_deref().unwrap_or_default();
             match &completion.disposition {
                 Disposition::Sent => {
+                    delivered += 1;
                     tally.entry((&event.route, plugin, None)).or_default().0 += 1;
                     let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
                     latencies.entry(&event.route).or_default().push(latency);
                 }
-                Disposition::Retry { .. } => tally.entry((&event.route, plugin, None)).or_default().1 += 1,
+                Disposition::Retry { .. } => {
+                    retried += 1;
+                    tally.entry((&event.route, plugin, None)).or_default().1 += 1
+                }
                 Disposition::Failed { reason, .. } => {
+                    failed += 1;
                     tally.entry((&event.route, plugin, Some(*reason))).or_default().0 += 1
                 }
             }
@@ -442,6 +448,8 @@ impl Relay {
                 }
             }
         }
+        let all: Vec<f64> = latencies.values().flatten().map(|seconds| seconds * 1000.0).collect();
+        self.metrics.activity.record(done_at, delivered, retried, failed, &all);
         for (route, values) in latencies {
             let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: route.to_string() });
             values.into_iter().for_each(|v| histogram.observe(v));

@@ -24,11 +24,15 @@ pub use self::postgres::PostgresStore;
 pub fn postgres_session_settings() -> &'static [(&'static str, &'static str)] {
     &postgres::SESSION_SETTINGS
 }
+use self::codec::{DbTime, Lenient};
 pub use self::sqlite::SqliteStore;
 pub(crate) use self::stats::{ATTEMPTS_SQL, LATENCY_SQL, ROUTE_COUNTS_SQL, WATCH_SQL, stats_from};
 pub use self::stats::{LATENCY_SAMPLES, Latency, Percentiles, Stats};
 pub use crate::breaker::Breaker;
-use crate::event::{AttemptRecord, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, NewEvent, Status};
+use crate::event::{
+    AttemptRecord, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, FailureReason, NewEvent, Status,
+};
+pub use crate::report::FailedGroup;
 
 /// A store failure. Callers branch on it: a bad event is the caller's fault, the rest are not.
 #[derive(Debug, thiserror::Error)]
@@ -92,12 +96,48 @@ pub struct FailedFilter {
     pub before: Option<DateTime<Utc>>,
     /// Only events with a greater id (paging through a list).
     pub after_id: Option<i64>,
+    /// Only events that failed for this reason.
+    pub reason: Option<FailureReason>,
 }
 
 impl FailedFilter {
     /// Whether the filter narrows anything (bulk operations on every failed event need saying so).
     pub fn is_everything(&self) -> bool {
         *self == FailedFilter::default()
+    }
+}
+
+/// The columns [`Store::failed_groups`] selects, in the order its rows decode from.
+pub(crate) const FAILED_GROUP_COLUMNS: &str = "route, event_type, failure_reason AS reason, COUNT(*) AS events,
+     MIN(last_status_at) AS first_failed_at, MAX(last_status_at) AS last_failed_at";
+
+/// The grouping and order of [`Store::failed_groups`].
+pub(crate) const FAILED_GROUP_ORDER: &str =
+    "GROUP BY route, event_type, failure_reason ORDER BY events DESC, route, event_type, failure_reason";
+
+/// One group of FAILED events as stored: read leniently, so a row ferry cannot represent shows
+/// up in the summary (named by its defect) instead of failing it.
+#[derive(Debug, sqlx::FromRow)]
+pub(crate) struct FailedGroupRow {
+    route: Lenient<String>,
+    event_type: Lenient<String>,
+    reason: Lenient<Option<String>>,
+    events: i64,
+    first_failed_at: Lenient<DbTime>,
+    last_failed_at: Lenient<DbTime>,
+}
+
+impl FailedGroupRow {
+    pub(crate) fn into_group(self) -> FailedGroup {
+        let unreadable = |why: String| format!("(unreadable: {why})");
+        FailedGroup {
+            route: self.route.0.unwrap_or_else(unreadable),
+            event_type: self.event_type.0.unwrap_or_else(unreadable),
+            reason: self.reason.0.unwrap_or_else(|why| Some(unreadable(why))),
+            count: u64::try_from(self.events).unwrap_or(0),
+            first_failed_at: self.first_failed_at.0.ok().map(|t| t.0),
+            last_failed_at: self.last_failed_at.0.ok().map(|t| t.0),
+        }
     }
 }
 
@@ -230,6 +270,10 @@ pub trait Store: std::fmt::Debug + Send + Sync {
 
     /// Up to `limit` FAILED events matching `filter`, in id order.
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError>;
+
+    /// The FAILED events matching `filter` grouped by route, type and failure reason, largest
+    /// group first, `limit` groups at most.
+    async fn failed_groups(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<FailedGroup>, StoreError>;
 
     /// Resends up to `limit` FAILED events matching `filter` (as [`Store::resend`] does) and
     /// returns how many; call again until it returns 0 to resend them all in bounded steps.

@@ -17,11 +17,12 @@ use tokio_util::sync::CancellationToken;
 use ferry_outbox::Outbox;
 
 use super::{
-    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FailedFilter, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL,
-    RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, complete_batch,
-    counts_by_status, duration_ms, in_claim_order, stats_from,
+    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
+    FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, RecordOutcomes, Recovered, SentCall,
+    Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, complete_batch, counts_by_status, duration_ms,
+    in_claim_order, stats_from,
 };
-use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
+use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, FailureReason, NewEvent, Status, StoredRow};
 
 /// The outbox in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -455,18 +456,27 @@ impl Store for PostgresStore {
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
-        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6");
+        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $7");
         let rows: Vec<StoredRow> =
             bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
         Ok(rows.into_iter().map(StoredRow::into_record).collect())
+    }
+
+    async fn failed_groups(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<FailedGroup>, StoreError> {
+        let sql = format!(
+            "SELECT {FAILED_GROUP_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} {FAILED_GROUP_ORDER} LIMIT $7"
+        );
+        let rows: Vec<FailedGroupRow> =
+            bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(FailedGroupRow::into_group).collect())
     }
 
     async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
         let sql = format!(
             "UPDATE ferry_events
              SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
-                 processed_at = NULL, next_attempt_at = $7, last_status_at = $7
-             WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6)"
+                 processed_at = NULL, next_attempt_at = $8, last_status_at = $8
+             WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $7)"
         );
         let done = bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).bind(now).execute(&self.pool).await?;
         Ok(done.rows_affected())
@@ -474,7 +484,7 @@ impl Store for PostgresStore {
 
     async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<u64, StoreError> {
         let sql = format!(
-            "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $6)"
+            "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $7)"
         );
         let done = bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).execute(&self.pool).await?;
         Ok(done.rows_affected())
@@ -578,13 +588,20 @@ impl Store for PostgresStore {
 /// The FAILED rows a [`FailedFilter`] selects; its values are bound as $1..$5 by [`bind_filter`].
 const FAILED_WHERE: &str = "status = 'FAILED' AND ($1::text IS NULL OR route = $1)
      AND ($2::text IS NULL OR event_type = $2) AND ($3::timestamptz IS NULL OR created_at >= $3)
-     AND ($4::timestamptz IS NULL OR created_at < $4) AND ($5::bigint IS NULL OR id > $5)";
+     AND ($4::timestamptz IS NULL OR created_at < $4) AND ($5::bigint IS NULL OR id > $5)
+     AND ($6::text IS NULL OR failure_reason = $6)";
 
-/// Binds a [`FailedFilter`] as $1..$5 to a query (or `query_as`) built on [`FAILED_WHERE`].
+/// Binds a [`FailedFilter`] as $1..$6 to a query (or `query_as`) built on [`FAILED_WHERE`].
 macro_rules! bind_filter {
     ($query:expr, $filter:expr) => {{
         let filter: &FailedFilter = $filter;
-        $query.bind(&filter.route).bind(&filter.event_type).bind(filter.from).bind(filter.before).bind(filter.after_id)
+        $query
+            .bind(&filter.route)
+            .bind(&filter.event_type)
+            .bind(filter.from)
+            .bind(filter.before)
+            .bind(filter.after_id)
+            .bind(filter.reason.map(FailureReason::as_str))
     }};
 }
 use bind_filter;

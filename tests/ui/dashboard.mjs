@@ -1,0 +1,203 @@
+// Drives ferry's dashboard in headless Chromium as an operator would, and attacks it as a
+// cross-site page would. Run by `dashboard.rs` against a real `ferry serve`; it prints each step
+// and exits non-zero at the first expectation that does not hold.
+//
+// Environment: FERRY_URL (the admin API's base URL), FERRY_TOKEN, FERRY_FAILED_ID (an event that
+// failed permanently, with a hostile JSON payload), FERRY_BINARY_ID (an event with a binary
+// payload), FERRY_SHOTS (where screenshots go), CHROMIUM (the browser; /usr/bin/chromium).
+
+import http from "node:http";
+import { chromium } from "playwright-core";
+
+const base = need("FERRY_URL");
+const token = need("FERRY_TOKEN");
+const failedId = need("FERRY_FAILED_ID");
+const binaryId = need("FERRY_BINARY_ID");
+const shots = need("FERRY_SHOTS");
+
+function need(name) {
+  const value = process.env[name];
+  if (!value) throw new Error(`${name} is not set`);
+  return value;
+}
+
+function step(text) {
+  console.log(`step: ${text}`);
+}
+
+function expect(condition, what) {
+  if (!condition) throw new Error(`expected: ${what}`);
+}
+
+async function api(method, path, body) {
+  const response = await fetch(`${base}${path}`, {
+    method,
+    headers: { Authorization: `Bearer ${token}`, "Content-Type": "application/json" },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await response.text();
+  if (!response.ok) throw new Error(`${method} ${path}: ${response.status} ${text}`);
+  return text ? JSON.parse(text) : null;
+}
+
+async function until(what, check, timeoutMs = 15000) {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await check();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for: ${what}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  args: ["--no-sandbox"],
+});
+let exitCode = 0;
+try {
+  const context = await browser.newContext({ viewport: { width: 1280, height: 900 } });
+  const page = await context.newPage();
+  page.setDefaultTimeout(15000);
+  const pageErrors = [];
+  page.on("pageerror", (e) => pageErrors.push(e.message));
+  page.on("dialog", (d) => {
+    // A JavaScript alert/confirm would be the sign of injected script; none is expected.
+    pageErrors.push(`unexpected ${d.type()} dialog: ${d.message()}`);
+    d.dismiss();
+  });
+
+  step("the dashboard asks to sign in, and a wrong token is refused");
+  await page.goto(`${base}/ui`);
+  await page.getByLabel("Admin token").fill("not-the-token-at-all");
+  await page.getByRole("button", { name: "Sign in" }).click();
+  await page.getByText("Wrong token").waitFor();
+  expect((await context.cookies()).length === 0, "no cookie after a wrong token");
+  await page.screenshot({ path: `${shots}/sign-in-refused.png` });
+
+  step("the right token signs in with an HttpOnly, SameSite=Strict cookie, and no token in the URL");
+  await page.getByLabel("Admin token").fill(token);
+  await page.getByRole("button", { name: "Sign in" }).click();
+  await page.getByRole("heading", { name: "Overview" }).waitFor();
+  const cookies = await context.cookies();
+  expect(cookies.length === 1 && cookies[0].name === "ferry_session", `one session cookie, got ${JSON.stringify(cookies)}`);
+  expect(cookies[0].httpOnly && cookies[0].sameSite === "Strict", "the cookie is HttpOnly and SameSite=Strict");
+  expect(!page.url().includes(token), `the token is not in the URL ${page.url()}`);
+  expect((await page.evaluate(() => document.cookie)) === "", "the page's script cannot read the session cookie");
+
+  step("the overview's counts change while events are emitted");
+  const sent = async () => Number((await page.locator("#count-SENT").textContent()).replace(/[^0-9]/g, ""));
+  const before = await sent();
+  for (let i = 0; i < 5; i++) await api("POST", "/v1/events", { route: "orders", type: "order.created", payload: { n: i } });
+  await until("SENT to grow by 5 on the page", async () => (await sent()) >= before + 5);
+  await page.locator('[data-chart="outcomes"] rect').first().waitFor();
+  await page.screenshot({ path: `${shots}/overview.png`, fullPage: true });
+
+  step("the failed page groups by route, type and reason, and resends after saying how many");
+  await page.getByRole("link", { name: "Failed", exact: true }).click();
+  const group = page.locator('tr[data-group="orders/permanent/permanent"]');
+  await group.waitFor();
+  expect((await group.locator("td.num").textContent()).trim() === "1", "one event in the group");
+  await page.screenshot({ path: `${shots}/failed.png`, fullPage: true });
+  await group.getByRole("button", { name: "Resend…" }).click();
+  const dialog = page.getByRole("dialog");
+  await dialog.waitFor();
+  const question = await dialog.textContent();
+  expect(question.includes("Resend 1 FAILED event (route orders, type permanent, reason permanent)"), `the dialog says how many: ${question}`);
+  await dialog.getByRole("button", { name: "Resend 1" }).click();
+  await page.getByText("1 event resent.").waitFor();
+  await until("the resent event to be attempted again", async () => {
+    const event = await api("GET", `/v1/events/${failedId}`);
+    return event.status === "FAILED" && event.attempts_history.length === 2;
+  });
+
+  step("an event's detail shows its payload exactly, as text, and its history");
+  await page.goto(`${base}/ui#/event/${failedId}`);
+  await page.getByRole("heading", { name: `Event ${failedId}` }).waitFor();
+  const payload = await page.locator('pre[data-payload="JSON"]').textContent();
+  expect(payload.includes('"amount": 12345678901234567890123'), `big numbers are shown as stored: ${payload}`);
+  expect(payload.includes('"note": "<img src=x onerror=\\"window.__pwned=1\\">'), `markup is shown as text: ${payload}`);
+  expect((await page.locator("img[src=x]").count()) === 0, "no element was made from the payload");
+  expect((await page.evaluate(() => window.__pwned)) === undefined, "no script from the payload ran");
+  expect((await page.locator("tbody tr", { hasText: "permanent" }).count()) >= 2, "both attempts are listed");
+  await page.getByRole("cell", { name: "x-tenant" }).waitFor();
+  await page.screenshot({ path: `${shots}/event.png`, fullPage: true });
+  await page.goto(`${base}/ui#/event/${binaryId}`);
+  const hex = await page.locator('pre[data-payload="hex"]').textContent();
+  expect(hex.startsWith("00000000  00 01 02 ff fe"), `binary payloads are shown in hex: ${hex}`);
+
+  step("a breaker is opened and closed from the routes page");
+  await page.getByRole("link", { name: "Routes" }).click();
+  const route = page.locator('section[data-route="orders"]');
+  await route.getByRole("button", { name: "Open breaker" }).click();
+  await page.getByRole("dialog").getByRole("button", { name: "Open breaker" }).click();
+  await route.getByText("open", { exact: true }).waitFor();
+  expect((await api("GET", "/v1/breakers")).some((b) => b.route === "orders" && b.state === "open"), "the API reports it open");
+  expect((await route.textContent()).includes("exponential"), "the retry policy is shown");
+  await route.getByRole("button", { name: "Close breaker" }).click();
+  await route.getByText("closed", { exact: true }).waitFor();
+  expect((await api("GET", "/v1/breakers")).every((b) => b.state === "closed"), "the API reports it closed");
+
+  step("plugins are listed and reloaded");
+  await page.getByRole("link", { name: "Plugins" }).click();
+  await page.locator('tr[data-plugin="scripted"]').waitFor();
+  await page.getByRole("button", { name: "Reload plugins" }).click();
+  await page.locator("#reload-result").getByText("unchanged").first().waitFor();
+  await page.getByText(/Reloaded: 0 loaded, 0 failed/).waitFor();
+  await page.screenshot({ path: `${shots}/plugins.png`, fullPage: true });
+
+  step("a request from the page without the CSRF header is refused");
+  const forged = await page.evaluate(async () => {
+    const r = await fetch("/v1/breakers/orders/open", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
+    return r.status;
+  });
+  expect(forged === 403, `403 without the CSRF header, got ${forged}`);
+
+  step("a page on another origin cannot act with the session");
+  const attacker = http.createServer((req, res) => {
+    res.setHeader("Content-Type", "text/html");
+    res.end(`<form id="f" method="post" enctype="text/plain" action="${base}/v1/breakers/orders/open">
+      <input name='{"reason":"' value='csrf"}'></form><script>document.getElementById("f").submit()</script>`);
+  });
+  await new Promise((r) => attacker.listen(0, "127.0.0.1", r));
+  const evil = await context.newPage();
+  const answer = evil.waitForResponse((r) => r.url().includes("/v1/breakers/orders/open"));
+  await evil.goto(`http://127.0.0.1:${attacker.address().port}/`);
+  const status = (await answer).status();
+  attacker.close();
+  expect(status === 403 || status === 401, `the forged post is refused, got ${status}`);
+  expect((await api("GET", "/v1/breakers")).every((b) => b.state === "closed"), "the breaker is still closed");
+  await evil.close();
+
+  step("the layout fits a narrow screen and is usable by keyboard");
+  await page.setViewportSize({ width: 375, height: 800 });
+  await page.goto(`${base}/ui#/overview`);
+  await page.reload();
+  await page.locator("#count-SENT").waitFor();
+  const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  expect(overflow <= 1, `no sideways scrolling at 375 px (overflow ${overflow})`);
+  await page.screenshot({ path: `${shots}/overview-narrow.png`, fullPage: true });
+  await page.keyboard.press("Tab");
+  expect((await page.evaluate(() => document.activeElement.textContent)) === "Skip to content", "Tab reaches the skip link first");
+  for (let i = 0; i < 3; i++) await page.keyboard.press("Tab");
+  expect((await page.evaluate(() => document.activeElement.textContent)) === "Failed", "then the sections, in order");
+  await page.keyboard.press("Enter");
+  await page.getByRole("heading", { name: "Failed events", exact: true }).waitFor();
+
+  step("signing out ends the session, also for a copy of its cookie");
+  const [session] = await context.cookies();
+  await page.getByRole("button", { name: "Sign out" }).click();
+  await page.getByLabel("Admin token").waitFor();
+  const replay = await fetch(`${base}/v1/stats`, { headers: { Cookie: `ferry_session=${session.value}` } });
+  expect(replay.status === 401, `the old cookie is refused, got ${replay.status}`);
+
+  expect(pageErrors.length === 0, `no script errors or dialogs: ${pageErrors.join("; ")}`);
+  console.log("dashboard: every step passed");
+} catch (e) {
+  console.error(`dashboard: ${e.stack || e.message}`);
+  exitCode = 1;
+} finally {
+  await browser.close();
+}
+process.exit(exitCode);

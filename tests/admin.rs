@@ -497,7 +497,7 @@ async fn history_is_recorded_for_events_no_plugin_could_take() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dashboard_trades_the_token_for_a_session_cookie_that_needs_csrf_to_act() {
+async fn the_dashboard_session_is_a_cookie_and_a_key_and_neither_works_alone() {
     let api = start(TestDb::sqlite().await, false).await;
     let http = reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap();
     let url = |path: &str| format!("{}{path}", api.base);
@@ -510,7 +510,7 @@ async fn the_dashboard_trades_the_token_for_a_session_cookie_that_needs_csrf_to_
     let script = http.get(url("/ui/app.js")).send().await.unwrap();
     assert!(script.headers()["content-type"].to_str().unwrap().starts_with("text/javascript"));
 
-    // A wrong token: refused, slowly, without a cookie. A post from another site: refused.
+    // A wrong token: refused without a cookie. A post from another site: refused.
     let sign_in = |token: &str, origin: Option<&str>| {
         let mut request = http
             .post(url("/ui/session"))
@@ -521,66 +521,114 @@ async fn the_dashboard_trades_the_token_for_a_session_cookie_that_needs_csrf_to_
         }
         request.send()
     };
-    let started = std::time::Instant::now();
     let wrong = sign_in("not-the-token-0123456789", None).await.unwrap();
     assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
-    assert!(started.elapsed() >= Duration::from_millis(400), "a wrong token is answered slowly");
     assert!(wrong.headers().get("set-cookie").is_none());
     assert!(wrong.text().await.unwrap().contains("Wrong token"));
     let elsewhere = sign_in(TOKEN, Some("http://evil.example")).await.unwrap();
     assert_eq!(elsewhere.status(), StatusCode::FORBIDDEN);
     assert!(elsewhere.headers().get("set-cookie").is_none());
 
-    // The right token: a redirect to the page, and a cookie scripts cannot read or send elsewhere.
+    // The right token: a cookie scripts cannot read, and a page holding the key once.
     let origin = api.base.clone();
     let signed_in = sign_in(TOKEN, Some(&origin)).await.unwrap();
-    assert_eq!(signed_in.status(), StatusCode::SEE_OTHER);
-    assert_eq!(signed_in.headers()["location"], "/ui");
+    assert_eq!(signed_in.status(), StatusCode::OK);
     let set = signed_in.headers()["set-cookie"].to_str().unwrap().to_string();
     for part in ["ferry_session=", "HttpOnly", "SameSite=Strict", "Path=/"] {
         assert!(set.contains(part), "{set} has {part}");
     }
     let cookie = set.split(';').next().unwrap().to_string();
     assert!(!cookie.contains(TOKEN));
+    let handed = signed_in.text().await.unwrap();
+    let key = handed.split("name=\"ferry-key\" content=\"").nth(1).unwrap().split('"').next().unwrap().to_string();
+    assert_eq!(key.len(), 64, "{key}");
+    assert!(!handed.contains(TOKEN));
+    // The page served for the cookie alone holds neither the key nor the token.
     let page = http.get(url("/ui")).header("cookie", &cookie).send().await.unwrap().text().await.unwrap();
-    assert!(!page.contains(TOKEN), "the page never holds the token");
-    let csrf = page.split("name=\"ferry-csrf\" content=\"").nth(1).unwrap().split('"').next().unwrap().to_string();
-    assert_eq!(csrf.len(), 64, "{csrf}");
+    assert!(page.contains("/ui/app.js") && !page.contains(&key) && !page.contains(TOKEN), "{page}");
 
-    // The cookie reads; it acts only with the session's CSRF header.
-    let read = http.get(url("/v1/stats")).header("cookie", &cookie).send().await.unwrap();
-    assert_eq!((read.status(), read.headers()["cache-control"].to_str().unwrap()), (StatusCode::OK, "no-store"));
-    let act = |csrf: Option<&str>| {
-        let mut request = http
-            .post(url("/v1/breakers/s/open"))
-            .header("cookie", &cookie)
-            .header("content-type", "application/json")
-            .body("{}");
-        if let Some(csrf) = csrf {
-            request = request.header("x-ferry-csrf", csrf);
+    // The cookie alone, or with a wrong key, opens nothing, reading included; with its key, all.
+    let call = |method: reqwest::Method, path: &str, key: Option<&str>| {
+        let mut request = http.request(method, url(path)).header("cookie", &cookie);
+        if let Some(key) = key {
+            request = request.header("x-ferry-session", key);
         }
-        request.send()
+        request.header("content-type", "application/json").body("{}").send()
     };
-    let (no_header, wrong_header) = (act(None).await.unwrap(), act(Some(&"0".repeat(64))).await.unwrap());
-    assert_eq!((no_header.status(), wrong_header.status()), (StatusCode::FORBIDDEN, StatusCode::FORBIDDEN));
-    let error: Value = no_header.json().await.unwrap();
-    assert_eq!(error["error"]["code"], "forbidden");
-    assert!(error["error"]["message"].as_str().unwrap().contains("X-Ferry-CSRF"), "{error}");
+    let wrong_key = "0".repeat(64);
+    for key in [None, Some(wrong_key.as_str())] {
+        let read = call(reqwest::Method::GET, "/v1/stats", key).await.unwrap();
+        assert_eq!(read.status(), StatusCode::UNAUTHORIZED);
+        let error: Value = read.json().await.unwrap();
+        assert!(error["error"]["message"].as_str().unwrap().contains("X-Ferry-Session"), "{error}");
+        assert_eq!(
+            call(reqwest::Method::POST, "/v1/breakers/s/open", key).await.unwrap().status(),
+            StatusCode::UNAUTHORIZED
+        );
+    }
     let (_, routes) = api.get("/v1/routes").await;
     assert!(routes.as_array().unwrap().iter().all(|r| r["breaker"]["state"] == "closed"), "nothing was opened");
-    assert_eq!(act(Some(&csrf)).await.unwrap().status(), StatusCode::OK);
+    let read = call(reqwest::Method::GET, "/v1/stats", Some(&key)).await.unwrap();
+    assert_eq!((read.status(), read.headers()["cache-control"].to_str().unwrap()), (StatusCode::OK, "no-store"));
+    assert_eq!(call(reqwest::Method::POST, "/v1/breakers/s/open", Some(&key)).await.unwrap().status(), StatusCode::OK);
 
     // Another browser's made-up cookie is nobody's session.
     let stranger = http.get(url("/v1/stats")).header("cookie", format!("ferry_session={}", "a".repeat(64))).send();
     assert_eq!(stranger.await.unwrap().status(), StatusCode::UNAUTHORIZED);
 
-    // Signing out ends the session for every copy of the cookie.
-    let out = http.post(url("/ui/session/end")).header("cookie", &cookie).header("x-ferry-csrf", &csrf).send();
-    let out = out.await.unwrap();
+    // Signing out ends the session for every copy of the cookie and key.
+    let out = call(reqwest::Method::POST, "/ui/session/end", Some(&key)).await.unwrap();
     assert_eq!(out.status(), StatusCode::NO_CONTENT);
     assert!(out.headers()["set-cookie"].to_str().unwrap().contains("Max-Age=0"));
-    let after = http.get(url("/v1/stats")).header("cookie", &cookie).send().await.unwrap();
+    let after = call(reqwest::Method::GET, "/v1/stats", Some(&key)).await.unwrap();
     assert_eq!(after.status(), StatusCode::UNAUTHORIZED);
     let error: Value = after.json().await.unwrap();
     assert!(error["error"]["message"].as_str().unwrap().contains("sign in again"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_sending_wrong_tokens_is_refused_for_a_while_and_cannot_hold_the_sign_in() {
+    let api = start(TestDb::sqlite().await, false).await;
+    let http = reqwest::Client::new();
+    // A sign-in whose body never finishes is answered 408 after admin.header_timeout (10s by
+    // default) instead of holding its connection.
+    let mut slow = tokio::net::TcpStream::connect(api.base.trim_start_matches("http://")).await.unwrap();
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    slow.write_all(b"POST /ui/session HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ntoken=").await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let read =
+        tokio::time::timeout(Duration::from_secs(15), slow.read(&mut answer)).await.expect("answered in time").unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]).to_string();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+
+    // Ten wrong tokens, on the API and the sign-in form: each answered at once.
+    let started = std::time::Instant::now();
+    for i in 0..10 {
+        let request = if i % 2 == 0 {
+            http.get(format!("{}/v1/stats", api.base)).bearer_auth("wrong-token-0123456789")
+        } else {
+            http.post(format!("{}/ui/session", api.base))
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body("token=wrong-token-0123456789")
+        };
+        assert_eq!(request.send().await.unwrap().status(), StatusCode::UNAUTHORIZED, "attempt {i}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(3), "wrong tokens are not answered slowly (nobody waits in line)");
+    // Then the address is refused, with the right token too, saying for how long.
+    let refused = http.get(format!("{}/v1/stats", api.base)).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let wait: u64 = refused.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=61).contains(&wait), "{wait}");
+    let error: Value = refused.json().await.unwrap();
+    assert_eq!(error["error"]["code"], "too_many_requests");
+    let form = http
+        .post(format!("{}/ui/session", api.base))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("token={TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(form.status(), StatusCode::TOO_MANY_REQUESTS);
+    // Health checks need no token and stay open.
+    assert_eq!(http.get(format!("{}/health/live", api.base)).send().await.unwrap().status(), StatusCode::OK);
 }

@@ -1,7 +1,8 @@
 //! The web dashboard in a real browser: `ferry serve` (the binary) on PostgreSQL with the scripted
 //! plugin, driven by `tests/ui/dashboard.mjs` in headless Chromium through playwright-core. The
-//! script signs in, watches counts change, resends, opens and closes a breaker, reloads plugins,
-//! and attacks the session from another origin; screenshots go to `target/dashboard/`.
+//! script signs in, watches counts change, resends, opens and closes a breaker, reloads a new
+//! version of a plugin, attacks the session from another origin, and checks contrast, keyboard use
+//! and a narrow screen; screenshots go to `target/dashboard/`.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::common::{TestDb, eventually, plugins_dir, repo_root, spawn_serve, target_dir};
+use crate::common::{TestDb, eventually, install, plugin_variant, plugins_dir, repo_root, spawn_serve, target_dir};
 
 const TOKEN: &str = "dashboard-test-token-0123456789";
 
@@ -64,6 +65,8 @@ listen = "127.0.0.1:{port}"
 token = "{TOKEN}"
 [plugins]
 dir = {plugins:?}
+# Reloads happen when the page asks, so the test sees the page's reload load the new version.
+watch = false
 cache_dir = {cache:?}
 [retry]
 max_attempts = 1
@@ -109,6 +112,11 @@ plugin = "scripted"
     })
     .await;
 
+    // A new version of the plugin waits in the directory for the page's reload.
+    let before = call(&http, reqwest::Method::GET, format!("{base}/v1/plugins"), None).await;
+    let old_hash = before["plugins"][0]["hash"].as_str().unwrap().to_string();
+    install(&plugins.join("scripted.wasm"), &plugin_variant("ferry_test_scripted", "dashboard"));
+
     let shots = target_dir().join("dashboard");
     std::fs::create_dir_all(&shots).unwrap();
     let run = Command::new("node")
@@ -118,6 +126,7 @@ plugin = "scripted"
         .env("FERRY_TOKEN", TOKEN)
         .env("FERRY_FAILED_ID", failed_id.to_string())
         .env("FERRY_BINARY_ID", binary.to_string())
+        .env("FERRY_OLD_HASH", &old_hash)
         .env("FERRY_SHOTS", &shots)
         .env("CHROMIUM", &chromium)
         .stdin(Stdio::null())
@@ -132,6 +141,12 @@ plugin = "scripted"
     // What the browser did happened in the database, and the screenshots are pictures.
     let event = call(&http, reqwest::Method::GET, format!("{base}/v1/events/{failed_id}"), None).await;
     assert_eq!(event["attempts_history"].as_array().unwrap().len(), 2, "resent once from the page: {event}");
+    let after = call(&http, reqwest::Method::GET, format!("{base}/v1/plugins"), None).await;
+    assert_ne!(
+        after["plugins"][0]["hash"].as_str(),
+        Some(old_hash.as_str()),
+        "the page's reload loaded the new version"
+    );
     let breakers = call(&http, reqwest::Method::GET, format!("{base}/v1/breakers"), None).await;
     assert!(
         breakers.as_array().unwrap().iter().any(|b| b["route"] == "orders" && b["state"] == "closed"),

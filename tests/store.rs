@@ -7,7 +7,7 @@ use std::sync::Arc;
 use chrono::{DateTime, TimeZone, Utc};
 use ferry::NewEvent;
 use ferry::event::{AttemptLog, CallLog, Completion, Disposition, FailureReason, Status};
-use ferry::store::{Claim, FailedFilter};
+use ferry::store::{Claim, FailedFilter, ReasonFilter};
 
 use crate::common::{Backend, TestDb, emit_in_transaction};
 
@@ -300,11 +300,15 @@ async fn failed_events_are_counted_listed_resent_and_purged_by_filter(db: TestDb
     );
     assert_eq!(s.failed_groups(&all, 1).await.unwrap().len(), 1, "the limit holds");
     assert_eq!(s.failed_groups(&route_a, 10).await.unwrap().len(), 2);
-    let exhausted = FailedFilter { reason: Some(FailureReason::AttemptsExhausted), ..all.clone() };
+    let exhausted = FailedFilter { reason: Some(ReasonFilter::Is(FailureReason::AttemptsExhausted)), ..all.clone() };
     assert_eq!(s.count_failed(&exhausted).await.unwrap(), 0);
     assert!(s.failed_groups(&exhausted, 10).await.unwrap().is_empty());
-    let by_reason = FailedFilter { reason: Some(FailureReason::Permanent), ..all.clone() };
-    assert_eq!(s.count_failed(&by_reason).await.unwrap(), 6);
+    let by_reason = FailedFilter { reason: Some(ReasonFilter::Is(FailureReason::Permanent)), ..all.clone() };
+    assert_eq!(s.tally_failed(&by_reason).await.unwrap(), (6, Some(ids[5])));
+    let through = FailedFilter { through_id: Some(ids[2]), ..all.clone() };
+    assert_eq!(s.tally_failed(&through).await.unwrap(), (3, Some(ids[2])), "through_id bounds the selection");
+    let unrecorded = FailedFilter { reason: Some(ReasonFilter::Unrecorded), ..all.clone() };
+    assert_eq!(s.count_failed(&unrecorded).await.unwrap(), 0, "every fixture event has its reason");
     let listed = |events: Vec<ferry::event::EventRecord>| events.iter().map(|e| e.id).collect::<Vec<_>>();
     assert_eq!(listed(s.list_failed(&window, 10).await.unwrap()), ids[1..4].to_vec());
 
@@ -316,16 +320,19 @@ async fn failed_events_are_counted_listed_resent_and_purged_by_filter(db: TestDb
 
     // Resend route a in steps of 2: 2, then 1, then nothing left.
     let later = t0() + secs(7200);
-    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap(), 2);
-    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap(), 1);
-    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap(), 0);
+    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap().len(), 2);
+    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap().len(), 1);
+    assert_eq!(s.resend_failed(&route_a, later, 2).await.unwrap().len(), 0);
     let row = s.get(ids[0]).await.unwrap().unwrap();
     assert_eq!((row.status, row.attempts, row.last_error, row.next_attempt_at), (Status::Pending, 0, None, later));
 
     // Purge type y (only b's is still FAILED), then everything else.
-    assert_eq!(s.purge_failed(&FailedFilter { event_type: Some("y".into()), ..all.clone() }, 100).await.unwrap(), 1);
+    assert_eq!(
+        s.purge_failed(&FailedFilter { event_type: Some("y".into()), ..all.clone() }, 100).await.unwrap().len(),
+        1
+    );
     assert!(s.get(ids[3]).await.unwrap().is_none());
-    assert_eq!(s.purge_failed(&all, 100).await.unwrap(), 2);
+    assert_eq!(s.purge_failed(&all, 100).await.unwrap().len(), 2);
     assert_eq!(s.count_failed(&all).await.unwrap(), 0);
     assert_eq!(s.counts().await.unwrap()[&Status::Pending], 4, "resent and never-failed events stay");
 }
@@ -449,7 +456,7 @@ async fn history_is_written_with_outcomes_and_kept_across_resends(db: TestDb) {
     s.complete("tok4", t0() + secs(9), &[logged(gone, 1, permanent)]).await.unwrap();
     assert_eq!(s.attempts(gone).await.unwrap().len(), 1);
     let filter = FailedFilter { event_type: Some("gone".into()), ..FailedFilter::default() };
-    assert_eq!(s.purge_failed(&filter, 10).await.unwrap(), 1);
+    assert_eq!(s.purge_failed(&filter, 10).await.unwrap().len(), 1);
     assert!(s.attempts(gone).await.unwrap().is_empty());
 }
 
@@ -605,7 +612,30 @@ async fn stats_describe_the_outbox(db: TestDb) {
     assert_eq!(s.stats(now, None).await.unwrap().latency, None);
 }
 
+/// A summary's group says when its first and its last event failed.
+async fn failed_groups_span_their_first_and_last_failure(db: TestDb) {
+    let s = &db.store;
+    let fail_at = |at: DateTime<Utc>, token: &'static str| async move {
+        let claimed = s.claim(&claim(at, 10, token)).await.unwrap();
+        let reason = FailureReason::Permanent;
+        let items: Vec<Completion> =
+            claimed.iter().map(|e| done(e.id, Disposition::Failed { reason, error: "no".into() })).collect();
+        s.complete(token, at, &items).await.unwrap();
+    };
+    s.insert(&NewEvent::new("a", "x", "{}"), t0()).await.unwrap();
+    fail_at(t0() + secs(60), "first").await;
+    s.insert(&NewEvent::new("a", "x", "{}"), t0()).await.unwrap();
+    fail_at(t0() + secs(120), "second").await;
+    let groups = s.failed_groups(&FailedFilter::default(), 10).await.unwrap();
+    assert_eq!(groups.len(), 1);
+    assert_eq!(
+        (groups[0].count, groups[0].first_failed_at, groups[0].last_failed_at),
+        (2, Some(t0() + secs(60)), Some(t0() + secs(120)))
+    );
+}
+
 crate::both_backends!(
+    failed_groups_span_their_first_and_last_failure,
     history_is_written_with_outcomes_and_kept_across_resends,
     successes_are_recorded_on_the_event_row,
     stats_describe_the_outbox,

@@ -13,9 +13,10 @@ use serde::{Deserialize, Serialize};
 pub const MINUTES: usize = 60;
 
 /// Latency buckets: bucket `i` holds latencies up to `FIRST_BOUND_MS · GROWTH^i`; the last one
-/// everything longer. From a quarter of a millisecond to about a day in 80 buckets of 25% each, so
-/// a percentile read from them is within 12% of the true value.
-const BUCKETS: usize = 80;
+/// everything longer. From a quarter of a millisecond to about 30 hours in 91 buckets of 25% each,
+/// so a percentile read from them is within 12% of the true value (one beyond 30 hours reads as 30
+/// hours).
+const BUCKETS: usize = 91;
 const FIRST_BOUND_MS: f64 = 0.25;
 const GROWTH: f64 = 1.25;
 
@@ -47,8 +48,12 @@ impl Minute {
             seen += u64::from(*n);
             if seen >= rank {
                 let upper = FIRST_BOUND_MS * GROWTH.powi(i as i32);
-                let lower = if i == 0 { 0.0 } else { upper / GROWTH };
-                return Some(if i == 0 { upper } else { (lower * upper).sqrt() });
+                let lower = upper / GROWTH;
+                return Some(match i {
+                    0 => upper,
+                    i if i == BUCKETS - 1 => lower,
+                    _ => (lower * upper).sqrt(),
+                });
             }
         }
         None
@@ -100,11 +105,11 @@ impl Activity {
     pub fn record(&self, at: DateTime<Utc>, delivered: u64, retried: u64, failed: u64, latencies_ms: &[f64]) {
         let index = minute_of(at);
         let mut minutes = self.minutes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        // A batch finishing a little after a later one (several workers) still counts in its own
-        // minute while that minute is within the hour; an older one is dropped.
-        let newest = minutes.back().map_or(index, |m| m.index.max(index));
-        if index <= newest - MINUTES as i64 {
-            return;
+        // A batch finishing a little after a later one (several workers) counts in its own
+        // minute. One more than an hour before the newest minute means the clock was set back:
+        // start again from it rather than drop everything until the clock catches up.
+        if minutes.back().is_some_and(|newest| index <= newest.index - MINUTES as i64) {
+            minutes.clear();
         }
         let position = match minutes.iter().rposition(|m| m.index <= index) {
             Some(p) if minutes[p].index == index => p,
@@ -117,6 +122,7 @@ impl Activity {
                 0
             }
         };
+        let newest = minutes.back().map_or(index, |m| m.index);
         let minute = &mut minutes[position];
         minute.delivered += delivered;
         minute.retried += retried;
@@ -176,13 +182,18 @@ mod tests {
         assert_eq!(view.minutes[MINUTES - 1].at, at(2, 0));
         assert!(view.minutes[..MINUTES - 3].iter().all(|m| m.delivered == 0 && m.p50_ms.is_none()));
 
-        // At minute 61 the hour is minutes 2 to 61: minutes 0 and 1 are gone, and a batch from
-        // before the hour is ignored.
+        // At minute 61 the hour is minutes 2 to 61: minutes 0 and 1 are gone.
         activity.record(at(61, 0), 1, 0, 0, &[1.0]);
-        activity.record(at(0, 0), 100, 0, 0, &[]);
         let view = activity.last_hour(at(61, 0));
         assert_eq!(view.minutes.iter().map(|m| m.delivered).sum::<u64>(), 5 + 1);
         assert_eq!(view.minutes[0].at, at(2, 0));
+
+        // The clock set back by two hours: the tallies start again from the new time, instead of
+        // ignoring every batch until the clock catches up.
+        activity.record(at(-60, 0), 7, 0, 0, &[]);
+        let view = activity.last_hour(at(-60, 0));
+        assert_eq!(view.minutes.iter().map(|m| m.delivered).sum::<u64>(), 7);
+        assert_eq!(activity.minutes.lock().unwrap().len(), 1);
         assert!(activity.minutes.lock().unwrap().len() <= MINUTES);
     }
 
@@ -198,5 +209,10 @@ mod tests {
         }
         assert_eq!(bucket(f64::NAN), 0);
         assert_eq!(bucket(1e12), BUCKETS - 1);
+        // Past the last bound, the last bound: about 30 hours.
+        let activity = Activity::default();
+        activity.record(at(0, 0), 1, 0, 0, &[1e12]);
+        let p50 = activity.last_hour(at(0, 0)).minutes.pop().unwrap().p50_ms.unwrap();
+        assert!((29.0..31.0).contains(&(p50 / 3_600_000.0)), "{p50}");
     }
 }

@@ -18,7 +18,7 @@ use crate::report::{
     BreakerView, Created, EventView, FailedCount, FailedPage, FailedSummary, PluginsView, ReloadResult, ReloadView,
     ReloadedFile, RetryView, RouteView, StatsView, StatusCounts,
 };
-use crate::store::{self, BulkOp, EndEvent, FailedFilter, Store, StoreError};
+use crate::store::{self, BulkOp, EndEvent, FailedFilter, ReasonFilter, Store, StoreError};
 
 /// Largest page of FAILED events one call returns.
 pub const MAX_PAGE: u32 = 10_000;
@@ -103,8 +103,11 @@ pub struct FilterInput {
     pub from: Option<DateTime<Utc>>,
     /// Created before this time.
     pub before: Option<DateTime<Utc>>,
-    /// Failed for this reason (`permanent`, `attempts_exhausted`, …).
+    /// Failed for this reason (`permanent`, `attempts_exhausted`, …, or `none`: no reason
+    /// recorded).
     pub reason: Option<String>,
+    /// With this id or a lower one.
+    pub through_id: Option<i64>,
 }
 
 impl FilterInput {
@@ -127,10 +130,17 @@ impl FilterInput {
         }
         let reason = match self.reason.as_deref().map(str::trim) {
             None => None,
-            Some(text) => Some(FailureReason::ALL.into_iter().find(|r| r.as_str() == text).ok_or_else(|| {
-                let known: Vec<&str> = FailureReason::ALL.iter().map(|r| r.as_str()).collect();
-                OpError::Invalid(format!("{} must be one of {}, got {text:?}", name("reason"), known.join(", ")))
-            })?),
+            Some("none") => Some(ReasonFilter::Unrecorded),
+            Some(text) => Some(
+                FailureReason::ALL.into_iter().find(|r| r.as_str() == text).map(ReasonFilter::Is).ok_or_else(|| {
+                    let known: Vec<&str> = FailureReason::ALL.iter().map(|r| r.as_str()).collect();
+                    OpError::Invalid(format!(
+                        "{} must be one of {} or none (no reason recorded), got {text:?}",
+                        name("reason"),
+                        known.join(", ")
+                    ))
+                })?,
+            ),
         };
         Ok(FailedFilter {
             route: self.route,
@@ -139,6 +149,7 @@ impl FilterInput {
             before: self.before,
             after_id: None,
             reason,
+            through_id: self.through_id,
         })
     }
 }
@@ -265,7 +276,8 @@ impl Ops {
 
     /// How many FAILED events match.
     pub async fn failed_count(&self, filter: FilterInput) -> Result<FailedCount, OpError> {
-        Ok(FailedCount { failed: self.store.count_failed(&filter.validate(self.front)?).await? })
+        let (failed, last_id) = self.store.tally_failed(&filter.validate(self.front)?).await?;
+        Ok(FailedCount { failed, last_id })
     }
 
     /// The FAILED events matching `filter`, grouped by route, type and reason, the

@@ -4,7 +4,8 @@
 //
 // Environment: FERRY_URL (the admin API's base URL), FERRY_TOKEN, FERRY_FAILED_ID (an event that
 // failed permanently, with a hostile JSON payload), FERRY_BINARY_ID (an event with a binary
-// payload), FERRY_SHOTS (where screenshots go), CHROMIUM (the browser; /usr/bin/chromium).
+// payload), FERRY_OLD_HASH (the plugin's hash before a new version was put in its directory, with
+// the watcher off), FERRY_SHOTS (where screenshots go), CHROMIUM (the browser; /usr/bin/chromium).
 
 import http from "node:http";
 import { chromium } from "playwright-core";
@@ -14,6 +15,7 @@ const token = need("FERRY_TOKEN");
 const failedId = need("FERRY_FAILED_ID");
 const binaryId = need("FERRY_BINARY_ID");
 const shots = need("FERRY_SHOTS");
+const oldHash = need("FERRY_OLD_HASH");
 
 function need(name) {
   const value = process.env[name];
@@ -48,6 +50,37 @@ async function until(what, check, timeoutMs = 15000) {
     if (Date.now() > deadline) throw new Error(`timed out waiting for: ${what}`);
     await new Promise((r) => setTimeout(r, 100));
   }
+}
+
+// Runs in the page: the elements with text of their own whose contrast with the background behind
+// them is below WCAG 2 AA (4.5:1, or 3:1 for large text).
+function lowContrast() {
+  const rgb = (text) => (text.match(/[\d.]+/g) || []).map(Number);
+  const luminance = ([r, g, b]) => {
+    const channel = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+    return 0.2126 * channel(r) + 0.7152 * channel(g) + 0.0722 * channel(b);
+  };
+  const background = (el) => {
+    for (let at = el; at; at = at.parentElement) {
+      const [r, g, b, a = 1] = rgb(getComputedStyle(at).backgroundColor);
+      if (a > 0) return [r, g, b];
+    }
+    return [255, 255, 255];
+  };
+  const low = [];
+  for (const el of document.querySelectorAll("body *")) {
+    const ownText = [...el.childNodes].some((n) => n.nodeType === Node.TEXT_NODE && n.textContent.trim());
+    const style = getComputedStyle(el);
+    if (!ownText || style.visibility === "hidden" || style.display === "none" || el.closest("svg")) continue;
+    const rect = el.getBoundingClientRect();
+    if (rect.width === 0 || rect.height === 0) continue;
+    const [fg, bg] = [luminance(rgb(style.color)), luminance(background(el))];
+    const ratio = (Math.max(fg, bg) + 0.05) / (Math.min(fg, bg) + 0.05);
+    const size = parseFloat(style.fontSize);
+    const large = size >= 24 || (size >= 18.66 && Number(style.fontWeight) >= 700);
+    if (ratio < (large ? 3 : 4.5)) low.push({ text: el.textContent.trim().slice(0, 40), ratio: ratio.toFixed(2) });
+  }
+  return low;
 }
 
 const browser = await chromium.launch({
@@ -139,23 +172,28 @@ try {
   await route.getByText("closed", { exact: true }).waitFor();
   expect((await api("GET", "/v1/breakers")).every((b) => b.state === "closed"), "the API reports it closed");
 
-  step("plugins are listed and reloaded");
+  step("plugins are listed, and a reload loads the new version waiting in the directory");
   await page.getByRole("link", { name: "Plugins" }).click();
-  await page.locator('tr[data-plugin="scripted"]').waitFor();
+  const hashCell = page.locator('tr[data-plugin="scripted"] td[title]');
+  expect((await hashCell.getAttribute("title")) === oldHash, "the running version's hash is shown");
   await page.getByRole("button", { name: "Reload plugins" }).click();
-  await page.locator("#reload-result").getByText("unchanged").first().waitFor();
-  await page.getByText(/Reloaded: 0 loaded, 0 failed/).waitFor();
+  await page.locator("#reload-result").getByRole("cell", { name: "loaded", exact: true }).waitFor();
+  await page.getByText("Reloaded: 1 loaded, 0 failed").waitFor();
+  const newHash = await hashCell.getAttribute("title");
+  expect(newHash !== oldHash && /^[0-9a-f]{64}$/.test(newHash), `the table shows the new hash ${newHash}`);
   await page.screenshot({ path: `${shots}/plugins.png`, fullPage: true });
 
-  step("a request from the page without the CSRF header is refused");
+  step("a request with the cookie but without the session key is refused");
   const forged = await page.evaluate(async () => {
     const r = await fetch("/v1/breakers/orders/open", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
     return r.status;
   });
-  expect(forged === 403, `403 without the CSRF header, got ${forged}`);
+  expect(forged === 401, `401 without the session key, got ${forged}`);
 
-  step("a page on another origin cannot act with the session");
+  step("another port of the host receives the cookie, and can do nothing with it; its page cannot act either");
+  let stolen = null;
   const attacker = http.createServer((req, res) => {
+    stolen ??= (req.headers.cookie || "").split(";").map((c) => c.trim()).find((c) => c.startsWith("ferry_session="));
     res.setHeader("Content-Type", "text/html");
     res.end(`<form id="f" method="post" enctype="text/plain" action="${base}/v1/breakers/orders/open">
       <input name='{"reason":"' value='csrf"}'></form><script>document.getElementById("f").submit()</script>`);
@@ -166,9 +204,29 @@ try {
   await evil.goto(`http://127.0.0.1:${attacker.address().port}/`);
   const status = (await answer).status();
   attacker.close();
-  expect(status === 403 || status === 401, `the forged post is refused, got ${status}`);
+  expect(status === 401, `the forged post is refused, got ${status}`);
   expect((await api("GET", "/v1/breakers")).every((b) => b.state === "closed"), "the breaker is still closed");
   await evil.close();
+  // Browsers send cookies to every port of a host: the other server got it. Alone it opens nothing.
+  expect(stolen, "the other port received the session cookie (so this attack is real)");
+  const key = await page.evaluate(() => localStorage.getItem("ferry-session-key"));
+  expect(/^[0-9a-f]{64}$/.test(key), "the page holds its session key");
+  for (const [method, path] of [["GET", "/v1/stats"], ["GET", "/v1/events/1"], ["POST", "/v1/failed/purge"]]) {
+    const r = await fetch(`${base}${path}`, { method, headers: { Cookie: stolen, "Content-Type": "application/json" }, body: method === "POST" ? '{"all":true}' : undefined });
+    expect(r.status === 401, `${method} ${path} with the cookie alone is refused, got ${r.status}`);
+  }
+  const shell = await (await fetch(`${base}/ui`, { headers: { Cookie: stolen } })).text();
+  expect(!shell.includes(key) && !shell.includes(token), "the page served for the cookie holds neither the key nor the token");
+
+  step("text is readable: every text keeps a WCAG AA contrast with its background");
+  const views = [["#/overview", "Overview"], ["#/failed", "Failed events"], [`#/event/${failedId}`, `Event ${failedId}`], ["#/routes", "Routes"], ["#/plugins", "Plugins"]];
+  for (const [view, title] of views) {
+    await page.goto(`${base}/ui${view}`);
+    await page.getByRole("heading", { name: title, exact: true, level: 1 }).waitFor();
+    await page.waitForLoadState("networkidle");
+    const low = await page.evaluate(lowContrast);
+    expect(low.length === 0, `contrast below AA on ${view}: ${JSON.stringify(low.slice(0, 5))}`);
+  }
 
   step("the layout fits a narrow screen and is usable by keyboard");
   await page.setViewportSize({ width: 375, height: 800 });

@@ -201,6 +201,7 @@ pub(super) struct FilterParams {
     #[serde(rename = "type")]
     event_type: Option<String>,
     reason: Option<String>,
+    through_id: Option<i64>,
     from: Option<String>,
     before: Option<String>,
     after: Option<i64>,
@@ -217,6 +218,7 @@ impl FilterParams {
             route: self.route.clone(),
             event_type: self.event_type.clone(),
             reason: self.reason.clone(),
+            through_id: self.through_id,
             from: self.from.as_deref().map(|t| rfc3339("from", t)).transpose()?,
             before: self.before.as_deref().map(|t| rfc3339("before", t)).transpose()?,
         })

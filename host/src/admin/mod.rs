@@ -153,6 +153,11 @@ impl Admin {
                     continue;
                 };
                 let (service, shutdown) = (service.clone(), shutdown.clone());
+                // Every request learns its client's address (wrong tokens are counted per address).
+                let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                    request.extensions_mut().insert(ui::Peer(peer));
+                    hyper::service::Service::call(&service, request)
+                });
                 tokio::spawn(async move {
                     let _slot = slot;
                     let mut http = hyper::server::conn::http1::Builder::new();

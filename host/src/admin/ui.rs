@@ -1,21 +1,29 @@
-//! The web dashboard under `/ui`: a sign-in form that trades the admin token for a session
-//! cookie, and one page (HTML, CSS and script compiled into the binary, no CDN) that draws itself
-//! from the JSON API with that cookie.
+//! The web dashboard under `/ui`: a sign-in form that trades the admin token for a session, and
+//! one page (HTML, CSS and script compiled into the binary, no CDN) that draws itself from the
+//! JSON API.
 //!
-//! The token never travels in a URL and never reaches the page's script: the form posts it once,
-//! and the answer sets `ferry_session` (random, HttpOnly, SameSite=Strict). The API accepts that
-//! cookie in place of the bearer token, but a request that changes something must also carry the
-//! session's CSRF token in `X-Ferry-CSRF`, which only a page served by ferry to that session
-//! knows (it is written into the page's HTML). Sessions live in this process's memory: a restart,
-//! or another instance behind a load balancer, asks to sign in again.
+//! A session is two secrets, and the API wants both. The cookie `ferry_session` (random,
+//! HttpOnly, SameSite=Strict) is out of the page's script's reach. The session key is handed out
+//! once, in the answer to the sign-in, and kept by the script in the origin's `localStorage`; every
+//! API request from the page carries it in `X-Ferry-Session`. Browsers send cookies to every port
+//! of a host name, so another web service on the same host receives the cookie, but not the key,
+//! which `localStorage` keeps per origin (port included); a page of another site can make the
+//! browser send the cookie, but cannot add the header. The admin token never travels in a URL and
+//! never reaches the script. Sessions live in this process's memory: a restart, or another
+//! instance behind a load balancer, asks to sign in again.
+//!
+//! Wrong tokens, on the sign-in form and in bearer headers alike, are counted per client address:
+//! after [`MAX_FAILURES`] in [`FAILURE_WINDOW`], that address is answered 429 until the window
+//! ends, at once, so guessing is slow and waiting clients hold no connection.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
-use axum::response::{IntoResponse, Redirect, Response};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
 use rand::Rng as _;
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
@@ -26,8 +34,8 @@ use super::extract::{ApiError, constant_time_eq};
 /// The session cookie's name.
 pub(super) const COOKIE: &str = "ferry_session";
 
-/// The header a cookie-authenticated request that changes something must carry.
-pub(super) const CSRF_HEADER: &str = "x-ferry-csrf";
+/// The header every cookie-authenticated request must carry: the session key.
+pub(super) const KEY_HEADER: &str = "x-ferry-session";
 
 /// How long a session lasts from sign-in.
 const LIFETIME: Duration = Duration::from_secs(12 * 3600);
@@ -35,12 +43,21 @@ const LIFETIME: Duration = Duration::from_secs(12 * 3600);
 /// Sessions kept at once; signing in beyond this ends the oldest.
 const MAX_SESSIONS: usize = 256;
 
-/// How long a wrong token is answered after. Sign-ins are checked one at a time, so this bounds
-/// guessing to a few tries a second per instance, whatever the number of connections.
-const WRONG_TOKEN_DELAY: Duration = Duration::from_millis(500);
+/// Wrong tokens one client address may send in [`FAILURE_WINDOW`] before it is refused.
+pub(super) const MAX_FAILURES: u32 = 10;
+
+/// See [`MAX_FAILURES`].
+pub(super) const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Client addresses whose failures are remembered; past this, new addresses share one count.
+const MAX_TRACKED: usize = 4096;
+
+/// Largest sign-in form accepted.
+const MAX_FORM: usize = 4096;
 
 const APP_HTML: &str = include_str!("ui/app.html");
 const SIGN_IN_HTML: &str = include_str!("ui/sign-in.html");
+const SIGNED_IN_HTML: &str = include_str!("ui/signed-in.html");
 const APP_JS: &str = include_str!("ui/app.js");
 const APP_CSS: &str = include_str!("ui/app.css");
 const ICON_SVG: &str = include_str!("ui/icon.svg");
@@ -50,19 +67,26 @@ const ICON_SVG: &str = include_str!("ui/icon.svg");
 const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
      connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
+/// The client address of a request, put in its extensions by the server loop.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Peer(pub(super) SocketAddr);
+
+fn peer_ip(request_extensions: &axum::http::Extensions) -> IpAddr {
+    request_extensions.get::<Peer>().map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |p| p.0.ip())
+}
+
 #[derive(Debug)]
 struct Session {
-    csrf: String,
+    key: String,
     expires: Instant,
 }
 
 /// The signed-in sessions, by the SHA-256 of their cookie (so the map's lookups reveal nothing
-/// about a cookie's value).
+/// about a cookie's value), and the wrong tokens per client address.
 #[derive(Debug, Default)]
 pub(super) struct Sessions {
     by_hash: Mutex<HashMap<[u8; 32], Session>>,
-    /// Held while a sign-in's token is checked (and, when wrong, for [`WRONG_TOKEN_DELAY`]).
-    sign_in: tokio::sync::Mutex<()>,
+    failures: Mutex<HashMap<IpAddr, (Instant, u32)>>,
 }
 
 fn random_hex() -> String {
@@ -76,7 +100,7 @@ fn hash(cookie: &str) -> [u8; 32] {
 
 impl Sessions {
     fn start(&self) -> (String, String) {
-        let (cookie, csrf) = (random_hex(), random_hex());
+        let (cookie, key) = (random_hex(), random_hex());
         let mut sessions = self.by_hash.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let now = Instant::now();
         sessions.retain(|_, s| s.expires > now);
@@ -85,19 +109,69 @@ impl Sessions {
         {
             sessions.remove(&oldest);
         }
-        sessions.insert(hash(&cookie), Session { csrf: csrf.clone(), expires: now + LIFETIME });
-        (cookie, csrf)
+        sessions.insert(hash(&cookie), Session { key: key.clone(), expires: now + LIFETIME });
+        (cookie, key)
     }
 
-    /// The CSRF token of the live session `cookie` names.
-    pub(super) fn csrf(&self, cookie: &str) -> Option<String> {
+    /// Whether `cookie` names a live session whose key is `key`.
+    fn holds(&self, cookie: &str, key: &str) -> bool {
         let sessions = self.by_hash.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        sessions.get(&hash(cookie)).filter(|s| s.expires > Instant::now()).map(|s| s.csrf.clone())
+        sessions
+            .get(&hash(cookie))
+            .is_some_and(|s| s.expires > Instant::now() && constant_time_eq(key.as_bytes(), s.key.as_bytes()))
+    }
+
+    fn live(&self, cookie: &str) -> bool {
+        let sessions = self.by_hash.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        sessions.get(&hash(cookie)).is_some_and(|s| s.expires > Instant::now())
     }
 
     fn end(&self, cookie: &str) {
         self.by_hash.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).remove(&hash(cookie));
     }
+
+    /// Whether `ip` may try a token now; if not, how long until it may.
+    pub(super) fn may_try(&self, ip: IpAddr) -> Result<(), Duration> {
+        let failures = self.failures.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let overflow = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+        let entry = failures.get(&ip).or_else(|| failures.get(&overflow).filter(|_| failures.len() >= MAX_TRACKED));
+        match entry {
+            Some((since, count)) if *count >= MAX_FAILURES && since.elapsed() < FAILURE_WINDOW => {
+                Err(FAILURE_WINDOW.saturating_sub(since.elapsed()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Counts a wrong token from `ip`.
+    pub(super) fn failed(&self, ip: IpAddr) {
+        let mut failures = self.failures.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !failures.contains_key(&ip) && failures.len() >= MAX_TRACKED {
+            failures.retain(|_, (since, _)| since.elapsed() < FAILURE_WINDOW);
+        }
+        let ip = if failures.contains_key(&ip) || failures.len() < MAX_TRACKED {
+            ip
+        } else {
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        };
+        let entry = failures.entry(ip).or_insert((Instant::now(), 0));
+        if entry.0.elapsed() >= FAILURE_WINDOW {
+            *entry = (Instant::now(), 0);
+        }
+        entry.1 += 1;
+    }
+}
+
+/// The answer to a client that sent too many wrong tokens.
+pub(super) fn too_many(wait: Duration) -> Response {
+    let seconds = wait.as_secs() + 1;
+    let mut response = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!("too many wrong tokens from this address ({MAX_FAILURES} a minute): try again in {seconds}s"),
+    )
+    .into_response();
+    response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
 }
 
 /// The value of the session cookie in a request, if any.
@@ -112,28 +186,20 @@ pub(super) fn session_cookie(headers: &HeaderMap) -> Option<&str> {
         .map(|(_, value)| value.trim())
 }
 
-/// How the API's check treats a request carrying a session cookie and no bearer token: allowed,
-/// or the error to answer.
+/// How the API's check treats a request carrying a session cookie and no bearer token: allowed
+/// when it also carries the session's key, whatever its method.
 pub(super) fn check_session(admin: &Admin, request: &Request, cookie: &str) -> Result<(), ApiError> {
-    let Some(csrf) = admin.sessions.csrf(cookie) else {
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "the dashboard session has ended (signed out, expired after 12 hours, or ferry restarted): sign in again at /ui",
-        ));
-    };
-    if matches!(*request.method(), Method::GET | Method::HEAD) {
+    let key = request.headers().get(KEY_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
+    if admin.sessions.holds(cookie, key) {
         return Ok(());
     }
-    let given = request.headers().get(CSRF_HEADER).and_then(|v| v.to_str().ok()).unwrap_or("");
-    if constant_time_eq(given.as_bytes(), csrf.as_bytes()) {
-        Ok(())
+    let message = if !admin.sessions.live(cookie) {
+        "the dashboard session has ended (signed out, expired after 12 hours, or ferry restarted): sign in again at /ui"
     } else {
-        Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "a request authenticated by the dashboard's cookie must carry the session's X-Ferry-CSRF header \
-             (scripts should send \"Authorization: Bearer <admin token>\" instead)",
-        ))
-    }
+        "the dashboard's cookie works only with the session key the dashboard page sends in X-Ferry-Session \
+         (scripts should send \"Authorization: Bearer <admin token>\" instead)"
+    };
+    Err(ApiError::new(StatusCode::UNAUTHORIZED, message))
 }
 
 /// Headers every dashboard answer carries: no framing, no sniffing, no caching, no referrer to
@@ -145,7 +211,8 @@ fn guarded(mut response: Response, cache: bool) -> Response {
     headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
-    let cache = if cache { "private, max-age=300" } else { "no-store" };
+    // The assets change with ferry's version and the page is `no-store`: revalidate each time.
+    let cache = if cache { "no-cache" } else { "no-store" };
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static(cache));
     response
 }
@@ -158,12 +225,12 @@ fn sign_in_page(status: StatusCode, message: &str) -> Response {
     html(status, SIGN_IN_HTML.replace("{{message}}", message))
 }
 
-/// `GET /ui`: the dashboard for a signed-in browser, the sign-in form otherwise.
+/// `GET /ui`: the dashboard's page for a browser with a live session cookie (the page asks for
+/// the sign-in again when its origin holds no session key), the sign-in form otherwise.
 pub(super) async fn page(State(admin): State<Admin>, headers: HeaderMap) -> Response {
-    match session_cookie(&headers).and_then(|cookie| admin.sessions.csrf(cookie)) {
-        // The CSRF token is hex, so it needs no escaping in the attribute.
-        Some(csrf) => html(StatusCode::OK, APP_HTML.replace("{{csrf}}", &csrf)),
-        None => sign_in_page(StatusCode::OK, ""),
+    match session_cookie(&headers).is_some_and(|cookie| admin.sessions.live(cookie)) {
+        true => html(StatusCode::OK, APP_HTML.to_string()),
+        false => sign_in_page(StatusCode::OK, ""),
     }
 }
 
@@ -188,32 +255,44 @@ fn from_elsewhere(headers: &HeaderMap) -> bool {
     origin_elsewhere || fetch_elsewhere
 }
 
-/// `POST /ui/session`: trades the admin token, posted by the sign-in form, for a session cookie.
-pub(super) async fn sign_in(State(admin): State<Admin>, headers: HeaderMap, body: axum::body::Bytes) -> Response {
-    if from_elsewhere(&headers) {
+/// `POST /ui/session`: trades the admin token, posted by the sign-in form, for a session: the
+/// cookie, and a page holding the key, which its script stores before going on to `/ui`.
+pub(super) async fn sign_in(State(admin): State<Admin>, request: Request) -> Response {
+    let ip = peer_ip(request.extensions());
+    if let Err(wait) = admin.sessions.may_try(ip) {
+        return too_many(wait);
+    }
+    if from_elsewhere(request.headers()) {
         return sign_in_page(StatusCode::FORBIDDEN, "Sign-in refused: the form was posted from another site.");
     }
-    let form: Option<SignIn> = serde_urlencoded::from_bytes(&body).ok();
-    let Some(SignIn { token }) = form else {
+    // This is the one public endpoint with a body: it gets as long as the headers had, and little
+    // room, so a client trickling a body cannot hold a connection.
+    let within = admin.ops.settings.config.admin.header_timeout.0;
+    let body = match tokio::time::timeout(within, axum::body::to_bytes(request.into_body(), MAX_FORM)).await {
+        Ok(Ok(body)) => body,
+        Ok(Err(_)) => return sign_in_page(StatusCode::PAYLOAD_TOO_LARGE, "The sign-in form was too large."),
+        Err(_) => return sign_in_page(StatusCode::REQUEST_TIMEOUT, "The sign-in form took too long to arrive."),
+    };
+    let Ok(SignIn { token }) = serde_urlencoded::from_bytes::<SignIn>(&body) else {
         return sign_in_page(StatusCode::BAD_REQUEST, "Enter the admin token (admin.token or admin.token_file).");
     };
-    let _one_at_a_time = admin.sessions.sign_in.lock().await;
     if !constant_time_eq(token.trim().as_bytes(), admin.token.as_bytes()) {
-        tokio::time::sleep(WRONG_TOKEN_DELAY).await;
-        tracing::warn!("dashboard sign-in with a wrong token");
+        admin.sessions.failed(ip);
+        tracing::warn!(%ip, "dashboard sign-in with a wrong token");
         return sign_in_page(
             StatusCode::UNAUTHORIZED,
             "Wrong token. Use the admin.token (or admin.token_file) of this ferry.",
         );
     }
-    let (cookie, _) = admin.sessions.start();
-    let mut response = Redirect::to("/ui").into_response();
+    let (cookie, key) = admin.sessions.start();
+    // The key is hex, so it needs no escaping in the attribute.
+    let mut response = html(StatusCode::OK, SIGNED_IN_HTML.replace("{{key}}", &key));
     let set = format!("{COOKIE}={cookie}; Path=/; HttpOnly; SameSite=Strict; Max-Age={}", LIFETIME.as_secs());
     response.headers_mut().insert(header::SET_COOKIE, HeaderValue::from_str(&set).expect("hex and ASCII"));
-    guarded(response, false)
+    response
 }
 
-/// `POST /ui/session/end`: signs out (behind the API's check, so it needs the CSRF header).
+/// `POST /ui/session/end`: signs out (behind the API's check, so it needs the session key).
 pub(super) async fn sign_out(State(admin): State<Admin>, headers: HeaderMap) -> Response {
     if let Some(cookie) = session_cookie(&headers) {
         admin.sessions.end(cookie);

@@ -97,7 +97,7 @@ pub struct FilterArgs {
     #[arg(long = "type", value_name = "TYPE")]
     event_type: Option<String>,
     /// Only events that failed for this reason: permanent, attempts_exhausted, no_transport,
-    /// plugin_fault, invalid_event or operator.
+    /// plugin_fault, invalid_event, operator, or none (no reason recorded).
     #[arg(long)]
     reason: Option<String>,
     /// Only events created at or after this time (RFC 3339, e.g. 2026-11-26T08:00:00Z).
@@ -114,6 +114,7 @@ impl FilterArgs {
             route: self.route,
             event_type: self.event_type,
             reason: self.reason,
+            through_id: None,
             from: self.from,
             before: self.before,
         }

@@ -97,7 +97,28 @@ pub struct FailedFilter {
     /// Only events with a greater id (paging through a list).
     pub after_id: Option<i64>,
     /// Only events that failed for this reason.
-    pub reason: Option<FailureReason>,
+    pub reason: Option<ReasonFilter>,
+    /// Only events with this id or a lower one (what a count saw, so a bulk operation confirmed
+    /// by that count does not reach events that failed since).
+    pub through_id: Option<i64>,
+}
+
+/// Which failure reason a [`FailedFilter`] selects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasonFilter {
+    Is(FailureReason),
+    /// FAILED rows without a recorded reason (written by hand, or by another program).
+    Unrecorded,
+}
+
+impl ReasonFilter {
+    /// As the filter is bound: the reason's name, or `none`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReasonFilter::Is(reason) => reason.as_str(),
+            ReasonFilter::Unrecorded => "none",
+        }
+    }
 }
 
 impl FailedFilter {
@@ -168,11 +189,20 @@ impl BulkOp {
     }
 }
 
+/// The ids a bulk statement's `RETURNING id` gave, in id order.
+pub(crate) fn ids_in_order(mut ids: Vec<i64>) -> Vec<i64> {
+    ids.sort_unstable();
+    ids
+}
+
 /// Rows changed per statement in bulk operations, so none holds locks for long.
 pub const BULK_STEP: u32 = 1000;
 
-/// Resends or purges every FAILED event matching `filter`, [`BULK_STEP`] rows per statement,
-/// calling `progress` with the running total after each step. Returns how many were changed.
+/// Resends or purges every FAILED event matching `filter`, [`BULK_STEP`] rows per statement in id
+/// order, calling `progress` with the running total after each step. Returns how many were
+/// changed. Each step starts after the last id of the one before, so an event that fails again
+/// while the operation runs is not taken a second time (nor, on a route that fails at once,
+/// forever).
 pub async fn bulk(
     store: &dyn Store,
     filter: &FailedFilter,
@@ -180,16 +210,16 @@ pub async fn bulk(
     now: impl Fn() -> DateTime<Utc>,
     mut progress: impl FnMut(u64),
 ) -> Result<u64, StoreError> {
+    let mut filter = filter.clone();
     let mut done = 0;
     loop {
-        let step = match op {
-            BulkOp::Resend => store.resend_failed(filter, now(), BULK_STEP).await?,
-            BulkOp::Purge => store.purge_failed(filter, BULK_STEP).await?,
+        let ids = match op {
+            BulkOp::Resend => store.resend_failed(&filter, now(), BULK_STEP).await?,
+            BulkOp::Purge => store.purge_failed(&filter, BULK_STEP).await?,
         };
-        if step == 0 {
-            return Ok(done);
-        }
-        done += step;
+        let Some(last) = ids.iter().max() else { return Ok(done) };
+        filter.after_id = Some(*last);
+        done += ids.len() as u64;
         progress(done);
     }
 }
@@ -266,7 +296,12 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError>;
 
     /// How many FAILED events match `filter`.
-    async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError>;
+    async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
+        Ok(self.tally_failed(filter).await?.0)
+    }
+
+    /// How many FAILED events match `filter`, and the highest id among them.
+    async fn tally_failed(&self, filter: &FailedFilter) -> Result<(u64, Option<i64>), StoreError>;
 
     /// Up to `limit` FAILED events matching `filter`, in id order.
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError>;
@@ -275,12 +310,17 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// group first, `limit` groups at most.
     async fn failed_groups(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<FailedGroup>, StoreError>;
 
-    /// Resends up to `limit` FAILED events matching `filter` (as [`Store::resend`] does) and
-    /// returns how many; call again until it returns 0 to resend them all in bounded steps.
-    async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError>;
+    /// Resends the first `limit` FAILED events matching `filter` in id order (as [`Store::resend`]
+    /// does) and returns their ids; [`bulk`] calls it again after the last id until none is left.
+    async fn resend_failed(
+        &self,
+        filter: &FailedFilter,
+        now: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<Vec<i64>, StoreError>;
 
-    /// Deletes up to `limit` FAILED events matching `filter`; returns how many went.
-    async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<u64, StoreError>;
+    /// Deletes the first `limit` FAILED events matching `filter` in id order; returns their ids.
+    async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<i64>, StoreError>;
 
     /// Every stored circuit breaker, ordered by route.
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError>;

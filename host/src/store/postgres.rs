@@ -18,11 +18,11 @@ use ferry_outbox::Outbox;
 
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
-    FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, RecordOutcomes, Recovered, SentCall,
-    Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, complete_batch, counts_by_status, duration_ms,
-    in_claim_order, stats_from,
+    FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
+    Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, complete_batch,
+    counts_by_status, duration_ms, ids_in_order, in_claim_order, stats_from,
 };
-use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, FailureReason, NewEvent, Status, StoredRow};
+use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
 /// The outbox in a PostgreSQL database.
 #[derive(Debug, Clone)]
@@ -449,14 +449,14 @@ impl Store for PostgresStore {
         Ok(row.map(StoredRow::into_record))
     }
 
-    async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
-        let sql = format!("SELECT COUNT(*) FROM ferry_events WHERE {FAILED_WHERE}");
+    async fn tally_failed(&self, filter: &FailedFilter) -> Result<(u64, Option<i64>), StoreError> {
+        let sql = format!("SELECT COUNT(*), MAX(id) FROM ferry_events WHERE {FAILED_WHERE}");
         let row = bind_filter!(sqlx::query(&sql), filter).fetch_one(&self.pool).await?;
-        Ok(u64::try_from(row.try_get::<i64, _>(0)?).unwrap_or(0))
+        Ok((u64::try_from(row.try_get::<i64, _>(0)?).unwrap_or(0), row.try_get::<Option<i64>, _>(1)?))
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
-        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $7");
+        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $8");
         let rows: Vec<StoredRow> =
             bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
         Ok(rows.into_iter().map(StoredRow::into_record).collect())
@@ -464,30 +464,41 @@ impl Store for PostgresStore {
 
     async fn failed_groups(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<FailedGroup>, StoreError> {
         let sql = format!(
-            "SELECT {FAILED_GROUP_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} {FAILED_GROUP_ORDER} LIMIT $7"
+            "SELECT {FAILED_GROUP_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} {FAILED_GROUP_ORDER} LIMIT $8"
         );
         let rows: Vec<FailedGroupRow> =
             bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
         Ok(rows.into_iter().map(FailedGroupRow::into_group).collect())
     }
 
-    async fn resend_failed(&self, filter: &FailedFilter, now: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
+    async fn resend_failed(
+        &self,
+        filter: &FailedFilter,
+        now: DateTime<Utc>,
+        limit: u32,
+    ) -> Result<Vec<i64>, StoreError> {
         let sql = format!(
             "UPDATE ferry_events
              SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
-                 processed_at = NULL, next_attempt_at = $8, last_status_at = $8
-             WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $7)"
+                 processed_at = NULL, next_attempt_at = $9, last_status_at = $9
+             WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $8)
+             RETURNING id"
         );
-        let done = bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).bind(now).execute(&self.pool).await?;
-        Ok(done.rows_affected())
+        let done = bind_filter!(sqlx::query_scalar(&sql), filter)
+            .bind(i64::from(limit))
+            .bind(now)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(ids_in_order(done))
     }
 
-    async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<u64, StoreError> {
+    async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<i64>, StoreError> {
         let sql = format!(
-            "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $7)"
+            "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT $8)
+             RETURNING id"
         );
-        let done = bind_filter!(sqlx::query(&sql), filter).bind(i64::from(limit)).execute(&self.pool).await?;
-        Ok(done.rows_affected())
+        let done = bind_filter!(sqlx::query_scalar(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        Ok(ids_in_order(done))
     }
 
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError> {
@@ -585,13 +596,14 @@ impl Store for PostgresStore {
     }
 }
 
-/// The FAILED rows a [`FailedFilter`] selects; its values are bound as $1..$5 by [`bind_filter`].
+/// The FAILED rows a [`FailedFilter`] selects; its values are bound as $1..$7 by [`bind_filter`].
 const FAILED_WHERE: &str = "status = 'FAILED' AND ($1::text IS NULL OR route = $1)
      AND ($2::text IS NULL OR event_type = $2) AND ($3::timestamptz IS NULL OR created_at >= $3)
      AND ($4::timestamptz IS NULL OR created_at < $4) AND ($5::bigint IS NULL OR id > $5)
-     AND ($6::text IS NULL OR failure_reason = $6)";
+     AND ($6::text IS NULL OR failure_reason = $6 OR ($6 = 'none' AND failure_reason IS NULL))
+     AND ($7::bigint IS NULL OR id <= $7)";
 
-/// Binds a [`FailedFilter`] as $1..$6 to a query (or `query_as`) built on [`FAILED_WHERE`].
+/// Binds a [`FailedFilter`] as $1..$7 to a query (or `query_as`) built on [`FAILED_WHERE`].
 macro_rules! bind_filter {
     ($query:expr, $filter:expr) => {{
         let filter: &FailedFilter = $filter;
@@ -601,7 +613,8 @@ macro_rules! bind_filter {
             .bind(filter.from)
             .bind(filter.before)
             .bind(filter.after_id)
-            .bind(filter.reason.map(FailureReason::as_str))
+            .bind(filter.reason.map(ReasonFilter::as_str))
+            .bind(filter.through_id)
     }};
 }
 use bind_filter;

@@ -1,10 +1,19 @@
 // ferry's dashboard: one page that draws itself from the admin API (/v1/…) with the session
-// cookie. Everything from the outbox (payloads, headers, errors, route and type names) is data
-// written by other programs, so it only ever reaches the page as text nodes, never as markup.
+// cookie and the session key. Everything from the outbox (payloads, headers, errors, route and
+// type names) is data written by other programs, so it only ever reaches the page as text nodes,
+// never as markup.
 "use strict";
 
 (() => {
-  const csrf = document.querySelector('meta[name="ferry-csrf"]').content;
+  // The session key: handed out once by the sign-in's answer, kept in this origin's storage (which
+  // other ports of the host cannot read, unlike the cookie), and sent with every API request.
+  const KEY = "ferry-session-key";
+  const handedOut = document.querySelector('meta[name="ferry-key"]');
+  if (handedOut) {
+    localStorage.setItem(KEY, handedOut.content);
+    window.location.replace("/ui");
+    return;
+  }
   const main = document.getElementById("main");
   const noticeBox = document.getElementById("notice");
   const STATUSES = ["PENDING", "PROCESSING", "SENT", "FAILED"];
@@ -16,6 +25,7 @@
   const BYTES_SHOWN = 4 * 1024;
   let poll = null;
   let generation = 0;
+  let signedOut = false;
 
   // ---- building the page ----
 
@@ -97,16 +107,22 @@
   // ---- talking to ferry ----
 
   async function api(method, path, body) {
-    const init = { method, credentials: "same-origin", headers: { Accept: "application/json" } };
+    const key = localStorage.getItem(KEY);
+    if (!key) {
+      signOutView("This browser holds no session key for this dashboard (it was cleared, or the session began in another browser profile).");
+      throw new Error("signed out");
+    }
+    const init = { method, credentials: "same-origin", headers: { Accept: "application/json", "X-Ferry-Session": key } };
     if (method !== "GET") {
-      init.headers["X-Ferry-CSRF"] = csrf;
       init.headers["Content-Type"] = "application/json";
       init.body = JSON.stringify(body || {});
     }
     const response = await fetch(path, init);
     if (response.status === 401) {
-      // The session ended: the page itself now answers with the sign-in form.
-      window.location.reload();
+      let message = "The session has ended.";
+      try { message = (await response.json()).error.message; } catch { /* the generic message */ }
+      localStorage.removeItem(KEY);
+      signOutView(message);
       throw new Error("signed out");
     }
     const text = await response.text();
@@ -121,6 +137,19 @@
     for (const [k, v] of Object.entries(params)) if (v !== null && v !== undefined && v !== "") q.set(k, v);
     const s = q.toString();
     return s ? `?${s}` : "";
+  }
+
+  // Shown in place of the page when the session is gone: why, and the sign-in form again.
+  function signOutView(why) {
+    signedOut = true;
+    generation++;
+    clearTimeout(poll);
+    document.title = "Signed out · ferry";
+    const form = h("form", { method: "post", action: "/ui/session", class: "sign-in" },
+      h("label", { for: "token" }, "Admin token"),
+      h("input", { id: "token", name: "token", type: "password", autocomplete: "off", required: true }),
+      h("button", { type: "submit" }, "Sign in"));
+    main.replaceChildren(h("h1", {}, "Signed out"), h("p", { role: "alert" }, why), form);
   }
 
   function confirmAction(text, label) {
@@ -144,7 +173,7 @@
         const message = await run();
         if (message) notice(message, false);
       } catch (e) {
-        notice(e.message, true);
+        if (!signedOut) notice(e.message, true);
       } finally {
         button.disabled = false;
       }
@@ -171,6 +200,7 @@
       h("div", { class: "charts" }, outcomes, latency));
     page("Overview", cards, charts, byRoute, breakers);
     const refresh = async () => {
+      if (mine !== generation) return;
       const [stats, routes, activity] = await Promise.all([
         api("GET", "/v1/stats"), api("GET", "/v1/routes"), api("GET", "/v1/activity")]);
       if (mine !== generation) return;
@@ -195,7 +225,23 @@
       latency.replaceChildren(...latencyChart(activity.minutes));
     };
     await refresh();
-    poll = setInterval(() => refresh().catch((e) => notice(`Could not refresh: ${e.message}`, true)), POLL_MS);
+    // The next refresh is planned when one ends (never two at once), only while this page is the
+    // one shown, and skipped while the tab is hidden.
+    const again = () => {
+      if (mine !== generation) return;
+      poll = setTimeout(async () => {
+        if (mine !== generation) return;
+        if (!document.hidden) {
+          try {
+            await refresh();
+          } catch (e) {
+            if (!signedOut) notice(`Could not refresh: ${e.message}`, true);
+          }
+        }
+        again();
+      }, POLL_MS);
+    };
+    again();
   }
 
   function card(label, value, id, cls) {
@@ -288,28 +334,31 @@
   // purge with a confirmation that says how many.
   async function failed(params, mine) {
     const filter = { route: params.get("route") || "", type: params.get("type") || "", reason: params.get("reason") || "" };
+    const describe = (f) => [f.route && `route ${f.route}`, f.type && `type ${f.type}`, f.reason && `reason ${f.reason}`].filter(Boolean).join(", ");
     const routes = await api("GET", "/v1/routes");
     const [summary, listing] = await Promise.all([
       api("GET", `/v1/failed/summary${query(filter)}`),
       params.has("list") ? api("GET", `/v1/failed${query({ ...filter, after: params.get("after"), limit: 50 })}`) : null,
     ]);
     if (mine !== generation) return;
+    // The filter in effect is always an option, even for a route no longer configured.
     const select = (name, label, options) => h("label", {}, label,
       h("select", { name }, h("option", { value: "" }, "any"),
-        options.map((o) => h("option", { value: o, selected: o === filter[name] }, o))));
+        [...new Set([...options, filter[name]].filter(Boolean))].map((o) => h("option", { value: o, selected: o === filter[name] }, o))));
     const form = h("form", { class: "filters", "aria-label": "Filter failed events" },
       select("route", "Route", routes.map((r) => r.route)),
       h("label", {}, "Type", h("input", { name: "type", value: filter.type, placeholder: "any" })),
-      select("reason", "Reason", REASONS),
+      select("reason", "Reason", [...REASONS, "none"]),
       h("button", { type: "submit" }, "Filter"));
     form.addEventListener("submit", (e) => {
       e.preventDefault();
       const data = new FormData(form);
       window.location.hash = `#/failed${query({ route: data.get("route"), type: data.get("type").trim(), reason: data.get("reason") })}`;
     });
-    const describe = (f) => [f.route && `route ${f.route}`, f.type && `type ${f.type}`, f.reason && `reason ${f.reason}`].filter(Boolean).join(", ");
+    // The count fixes what the operation may touch: the events counted, up to the highest id
+    // counted, so events failing after the confirmation was asked are left alone.
     const bulk = (f, verb) => action(`${verb === "resend" ? "Resend" : "Purge"}…`, async () => {
-      const { failed: n } = await api("GET", `/v1/failed/count${query(f)}`);
+      const { failed: n, last_id: lastId } = await api("GET", `/v1/failed/count${query(f)}`);
       if (n === 0) return "No FAILED events match any more.";
       const what = `${number(n)} FAILED ${n === 1 ? "event" : "events"}${describe(f) ? ` (${describe(f)})` : ""}`;
       const question = verb === "resend"
@@ -318,6 +367,7 @@
       if (!(await confirmAction(question, verb === "resend" ? `Resend ${number(n)}` : `Purge ${number(n)}`))) return null;
       const body = Object.fromEntries(Object.entries(f).filter(([, v]) => v));
       if (Object.keys(body).length === 0) body.all = true;
+      body.through_id = lastId;
       const answer = await api("POST", `/v1/failed/${verb}`, body);
       render();
       return verb === "resend" ? `${events(answer.resent)} resent.` : `${events(answer.purged)} purged.`;
@@ -325,7 +375,8 @@
     const groups = summary.groups.length === 0
       ? h("p", { class: "muted" }, "No FAILED events match.")
       : table(["Route", "Type", "Reason", "Events", "First failed", "Last failed", "Actions"], summary.groups.map((g) => {
-        const f = { route: g.route, type: g.type, reason: g.reason || "" };
+        // A group without a recorded reason is selected as reason "none", not as every reason.
+        const f = { route: g.route, type: g.type, reason: g.reason ?? "none" };
         return h("tr", { "data-group": `${g.route}/${g.type}/${g.reason}` },
           h("td", {}, g.route), h("td", {}, g.type), h("td", {}, g.reason || "–"),
           h("td", { class: "num" }, number(g.count)),
@@ -336,7 +387,7 @@
     const children = [
       h("section", {}, form),
       h("section", {},
-        h("h2", {}, `${number(summary.total)} FAILED ${summary.total === 1 ? "event" : "events"}${describe(filter) ? ` (${describe(filter)})` : ""}`),
+        h("h2", {}, `${summary.truncated ? "At least " : ""}${number(summary.total)} FAILED ${summary.total === 1 ? "event" : "events"}${describe(filter) ? ` (${describe(filter)})` : ""}`),
         summary.truncated ? h("p", { class: "muted" }, "Only the largest groups are listed; narrow the filter to see the rest.") : null,
         groups,
         summary.total > 0 ? h("div", { class: "actions" }, h("span", { class: "muted" }, "Everything matching the filter:"), bulk(filter, "resend"), bulk(filter, "purge")) : null),
@@ -520,7 +571,8 @@
     if (mine !== generation) return;
     const reload = action("Reload plugins", async () => {
       const answer = await api("POST", "/v1/plugins/reload");
-      await pluginsPage(generation, answer);
+      // Drawn again only if this page is still the one shown.
+      if (mine === generation) await pluginsPage(mine, answer);
       const loaded = answer.files.filter((f) => f.result === "loaded").length;
       const failedFiles = answer.files.filter((f) => f.result === "failed").length;
       return `Reloaded: ${loaded} loaded, ${failedFiles} failed, ${answer.files.length - loaded - failedFiles} unchanged or removed.`;
@@ -544,7 +596,8 @@
   // ---- navigation ----
 
   async function render() {
-    clearInterval(poll);
+    if (signedOut) return;
+    clearTimeout(poll);
     poll = null;
     const mine = ++generation;
     const [path, search] = (window.location.hash.slice(1) || "/overview").split("?");
@@ -577,7 +630,9 @@
   });
   document.getElementById("sign-out").addEventListener("click", async () => {
     await api("POST", "/ui/session/end").catch(() => null);
-    window.location.reload();
+    localStorage.removeItem(KEY);
+    window.location.replace("/ui");
   });
-  render();
+  if (localStorage.getItem(KEY)) render();
+  else signOutView("This browser holds no session key for this dashboard (it was cleared, or the session began in another browser profile).");
 })();

@@ -106,6 +106,16 @@ plugin = "scripted"
     .await["id"]
         .as_i64()
         .unwrap();
+    // A payload too large to show whole: 300 000 characters of text.
+    let huge = call(
+        &http,
+        reqwest::Method::POST,
+        format!("{base}/v1/events"),
+        Some(json!({ "route": "audit", "type": "huge", "payload": "x".repeat(300_000) })),
+    )
+    .await["id"]
+        .as_i64()
+        .unwrap();
     eventually(Duration::from_secs(30), "the hostile event has failed", || async {
         let event = call(&http, reqwest::Method::GET, format!("{base}/v1/events/{failed_id}"), None).await;
         (event["status"] == "FAILED").then_some(())
@@ -116,6 +126,8 @@ plugin = "scripted"
     let before = call(&http, reqwest::Method::GET, format!("{base}/v1/plugins"), None).await;
     let old_hash = before["plugins"][0]["hash"].as_str().unwrap().to_string();
     install(&plugins.join("scripted.wasm"), &plugin_variant("ferry_test_scripted", "dashboard"));
+    // And a file that is no component at all, for the page to report.
+    std::fs::write(plugins.join("broken.wasm"), b"not a component").unwrap();
 
     let shots = target_dir().join("dashboard");
     std::fs::create_dir_all(&shots).unwrap();
@@ -127,6 +139,7 @@ plugin = "scripted"
         .env("FERRY_FAILED_ID", failed_id.to_string())
         .env("FERRY_BINARY_ID", binary.to_string())
         .env("FERRY_OLD_HASH", &old_hash)
+        .env("FERRY_HUGE_ID", huge.to_string())
         .env("FERRY_SHOTS", &shots)
         .env("CHROMIUM", &chromium)
         .stdin(Stdio::null())

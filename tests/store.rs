@@ -622,7 +622,7 @@ async fn failed_groups_span_their_first_and_last_failure(db: TestDb) {
             claimed.iter().map(|e| done(e.id, Disposition::Failed { reason, error: "no".into() })).collect();
         s.complete(token, at, &items).await.unwrap();
     };
-    s.insert(&NewEvent::new("a", "x", "{}"), t0()).await.unwrap();
+    let first = s.insert(&NewEvent::new("a", "x", "{}"), t0()).await.unwrap();
     fail_at(t0() + secs(60), "first").await;
     s.insert(&NewEvent::new("a", "x", "{}"), t0()).await.unwrap();
     fail_at(t0() + secs(120), "second").await;
@@ -632,6 +632,26 @@ async fn failed_groups_span_their_first_and_last_failure(db: TestDb) {
         (groups[0].count, groups[0].first_failed_at, groups[0].last_failed_at),
         (2, Some(t0() + secs(60)), Some(t0() + secs(120)))
     );
+
+    // A FAILED row without a recorded reason (written by another program) is its own group, and
+    // the filter `none` selects it alone.
+    let unset = format!("UPDATE ferry_events SET failure_reason = NULL WHERE id = {first}");
+    match db.backend {
+        Backend::Sqlite => assert_eq!(
+            sqlx::query(&unset).execute(db.sqlite.as_ref().unwrap().pool()).await.unwrap().rows_affected(),
+            1
+        ),
+        Backend::Postgres => assert_eq!(
+            sqlx::query(&unset).execute(db.postgres.as_ref().unwrap().pool()).await.unwrap().rows_affected(),
+            1
+        ),
+    }
+    let groups = s.failed_groups(&FailedFilter::default(), 10).await.unwrap();
+    let reasons: Vec<(Option<&str>, u64)> = groups.iter().map(|g| (g.reason.as_deref(), g.count)).collect();
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    assert!(reasons.contains(&(None, 1)) && reasons.contains(&(Some("permanent"), 1)), "{reasons:?}");
+    let unrecorded = FailedFilter { reason: Some(ReasonFilter::Unrecorded), ..FailedFilter::default() };
+    assert_eq!(s.tally_failed(&unrecorded).await.unwrap(), (1, Some(first)));
 }
 
 crate::both_backends!(

@@ -128,6 +128,11 @@ impl FilterInput {
                 return Err(OpError::Invalid(format!("{} must not be empty", name(field))));
             }
         }
+        if let Some(id) = self.through_id
+            && id < 1
+        {
+            return Err(OpError::Invalid(format!("{} must be a positive event id, got {id}", name("through_id"))));
+        }
         let reason = match self.reason.as_deref().map(str::trim) {
             None => None,
             Some("none") => Some(ReasonFilter::Unrecorded),
@@ -318,7 +323,9 @@ impl Ops {
         mut progress: impl FnMut(u64, u64),
     ) -> Result<u64, OpError> {
         let filter = filter.validate(self.front)?;
-        if filter.is_everything() && !all {
+        // An upper id bound alone still means every FAILED event up to it.
+        let unbounded = FailedFilter { through_id: None, ..filter.clone() };
+        if unbounded.is_everything() && !all {
             let name = |field| self.front.name(field);
             return Err(OpError::Invalid(format!(
                 "no filter given: this would affect every FAILED event; narrow it with {}, {}, {}, {} or {}, or add {}",

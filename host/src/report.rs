@@ -231,8 +231,8 @@ pub struct Created {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailedCount {
     pub failed: u64,
-    /// The highest id among them: give it as `through_id` to a bulk operation so that it affects
-    /// exactly what was counted, not events that failed since.
+    /// The highest id among them: give it as `through_id` to a bulk operation so that it leaves
+    /// alone events newer than those counted.
     pub last_id: Option<i64>,
 }
 

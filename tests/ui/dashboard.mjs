@@ -4,7 +4,7 @@
 //
 // Environment: FERRY_URL (the admin API's base URL), FERRY_TOKEN, FERRY_FAILED_ID (an event that
 // failed permanently, with a hostile JSON payload), FERRY_BINARY_ID (an event with a binary
-// payload), FERRY_OLD_HASH (the plugin's hash before a new version was put in its directory, with
+// payload), FERRY_HUGE_ID (an event with a payload of 300 000 characters), FERRY_OLD_HASH (the plugin's hash before a new version was put in its directory, with
 // the watcher off), FERRY_SHOTS (where screenshots go), CHROMIUM (the browser; /usr/bin/chromium).
 
 import http from "node:http";
@@ -16,6 +16,7 @@ const failedId = need("FERRY_FAILED_ID");
 const binaryId = need("FERRY_BINARY_ID");
 const shots = need("FERRY_SHOTS");
 const oldHash = need("FERRY_OLD_HASH");
+const hugeId = need("FERRY_HUGE_ID");
 
 function need(name) {
   const value = process.env[name];
@@ -159,6 +160,10 @@ try {
   await page.goto(`${base}/ui#/event/${binaryId}`);
   const hex = await page.locator('pre[data-payload="hex"]').textContent();
   expect(hex.startsWith("00000000  00 01 02 ff fe"), `binary payloads are shown in hex: ${hex}`);
+  await page.goto(`${base}/ui#/event/${hugeId}`);
+  await page.getByText("the first 65,536 characters are shown").waitFor();
+  const shown = await page.locator('pre[data-payload="JSON"]').textContent();
+  expect(shown.length < 70000 && shown.endsWith("…"), `a huge payload is cut (${shown.length} characters shown)`);
 
   step("a breaker is opened and closed from the routes page");
   await page.getByRole("link", { name: "Routes" }).click();
@@ -178,7 +183,10 @@ try {
   expect((await hashCell.getAttribute("title")) === oldHash, "the running version's hash is shown");
   await page.getByRole("button", { name: "Reload plugins" }).click();
   await page.locator("#reload-result").getByRole("cell", { name: "loaded", exact: true }).waitFor();
-  await page.getByText("Reloaded: 1 loaded, 0 failed").waitFor();
+  await page.getByText("Reloaded: 1 loaded, 1 failed").waitFor();
+  await page.locator("#reload-result").getByRole("cell", { name: "failed", exact: true }).waitFor();
+  await page.getByRole("heading", { name: "Files that did not load" }).waitFor();
+  expect((await page.locator("main").textContent()).includes("broken.wasm"), "the broken file is named");
   const newHash = await hashCell.getAttribute("title");
   expect(newHash !== oldHash && /^[0-9a-f]{64}$/.test(newHash), `the table shows the new hash ${newHash}`);
   await page.screenshot({ path: `${shots}/plugins.png`, fullPage: true });
@@ -245,10 +253,14 @@ try {
 
   step("signing out ends the session, also for a copy of its cookie");
   const [session] = await context.cookies();
+  const oldKey = await page.evaluate(() => localStorage.getItem("ferry-session-key"));
+  const replayed = () => fetch(`${base}/v1/stats`, { headers: { Cookie: `ferry_session=${session.value}`, "X-Ferry-Session": oldKey } });
+  expect((await replayed()).status === 200, "the cookie and key work together before signing out");
   await page.getByRole("button", { name: "Sign out" }).click();
   await page.getByLabel("Admin token").waitFor();
-  const replay = await fetch(`${base}/v1/stats`, { headers: { Cookie: `ferry_session=${session.value}` } });
-  expect(replay.status === 401, `the old cookie is refused, got ${replay.status}`);
+  expect((await page.evaluate(() => localStorage.getItem("ferry-session-key"))) === null, "signing out forgets the key");
+  const replay = await replayed();
+  expect(replay.status === 401, `the old cookie and key are refused, got ${replay.status}`);
 
   expect(pageErrors.length === 0, `no script errors or dialogs: ${pageErrors.join("; ")}`);
   console.log("dashboard: every step passed");

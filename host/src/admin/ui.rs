@@ -12,9 +12,11 @@
 //! never reaches the script. Sessions live in this process's memory: a restart, or another
 //! instance behind a load balancer, asks to sign in again.
 //!
-//! Wrong tokens, on the sign-in form and in bearer headers alike, are counted per client address:
-//! after [`MAX_FAILURES`] in [`FAILURE_WINDOW`], that address is answered 429 until the window
-//! ends, at once, so guessing is slow and waiting clients hold no connection.
+//! Sign-ins are counted per client address (IPv6 per /64): after [`MAX_FAILURES`] wrong ones in
+//! [`FAILURE_WINDOW`], that address's sign-ins are answered 429 until the window ends, at once, so
+//! nobody waits in line holding a connection. Only the form is limited: bearer-token clients
+//! (scripts, Prometheus) behind the same address as a guesser are never locked out, and a token
+//! of at least 16 characters (better: 32 random bytes) is what makes guessing it hopeless.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -43,13 +45,14 @@ const LIFETIME: Duration = Duration::from_secs(12 * 3600);
 /// Sessions kept at once; signing in beyond this ends the oldest.
 const MAX_SESSIONS: usize = 256;
 
-/// Wrong tokens one client address may send in [`FAILURE_WINDOW`] before it is refused.
-pub(super) const MAX_FAILURES: u32 = 10;
+/// Sign-ins with a wrong token one client address may make in [`FAILURE_WINDOW`] before its
+/// sign-ins are refused.
+const MAX_FAILURES: u32 = 10;
 
 /// See [`MAX_FAILURES`].
-pub(super) const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+const FAILURE_WINDOW: Duration = Duration::from_secs(60);
 
-/// Client addresses whose failures are remembered; past this, new addresses share one count.
+/// Client addresses whose failures are remembered; past this, the one tracked longest is forgotten.
 const MAX_TRACKED: usize = 4096;
 
 /// Largest sign-in form accepted.
@@ -82,7 +85,7 @@ struct Session {
 }
 
 /// The signed-in sessions, by the SHA-256 of their cookie (so the map's lookups reveal nothing
-/// about a cookie's value), and the wrong tokens per client address.
+/// about a cookie's value), and the sign-ins per client address.
 #[derive(Debug, Default)]
 pub(super) struct Sessions {
     by_hash: Mutex<HashMap<[u8; 32], Session>>,
@@ -130,48 +133,55 @@ impl Sessions {
         self.by_hash.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).remove(&hash(cookie));
     }
 
-    /// Whether `ip` may try a token now; if not, how long until it may.
-    pub(super) fn may_try(&self, ip: IpAddr) -> Result<(), Duration> {
-        let failures = self.failures.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let overflow = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
-        let entry = failures.get(&ip).or_else(|| failures.get(&overflow).filter(|_| failures.len() >= MAX_TRACKED));
-        match entry {
-            Some((since, count)) if *count >= MAX_FAILURES && since.elapsed() < FAILURE_WINDOW => {
-                Err(FAILURE_WINDOW.saturating_sub(since.elapsed()))
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// Counts a wrong token from `ip`.
-    pub(super) fn failed(&self, ip: IpAddr) {
+    /// Takes one sign-in attempt for `ip`, checked and counted in one step (so concurrent
+    /// attempts cannot all pass a check made before any was counted); `Err` says how long until
+    /// the address may try again. A correct token gives its attempt back ([`Sessions::succeeded`]).
+    fn attempt(&self, ip: IpAddr) -> Result<(), Duration> {
+        let key = limiter_key(ip);
         let mut failures = self.failures.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if !failures.contains_key(&ip) && failures.len() >= MAX_TRACKED {
+        if !failures.contains_key(&key) && failures.len() >= MAX_TRACKED {
             failures.retain(|_, (since, _)| since.elapsed() < FAILURE_WINDOW);
+            // Still full: forget the address tracked longest, rather than pool new ones (which
+            // would let many addresses lock out everyone who never mistyped).
+            if failures.len() >= MAX_TRACKED
+                && let Some(oldest) = failures.iter().min_by_key(|(_, (since, _))| *since).map(|(k, _)| *k)
+            {
+                failures.remove(&oldest);
+            }
         }
-        let ip = if failures.contains_key(&ip) || failures.len() < MAX_TRACKED {
-            ip
-        } else {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-        };
-        let entry = failures.entry(ip).or_insert((Instant::now(), 0));
+        let entry = failures.entry(key).or_insert((Instant::now(), 0));
         if entry.0.elapsed() >= FAILURE_WINDOW {
             *entry = (Instant::now(), 0);
         }
+        if entry.1 >= MAX_FAILURES {
+            return Err(FAILURE_WINDOW.saturating_sub(entry.0.elapsed()));
+        }
         entry.1 += 1;
+        if entry.1 == MAX_FAILURES {
+            tracing::warn!(address = %key, "dashboard sign-in: {MAX_FAILURES} attempts within a minute from one address; refusing it until the minute ends");
+        }
+        Ok(())
+    }
+
+    /// Gives back the attempt of a sign-in that had the right token.
+    fn succeeded(&self, ip: IpAddr) {
+        let mut failures = self.failures.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(entry) = failures.get_mut(&limiter_key(ip)) {
+            entry.1 = entry.1.saturating_sub(1);
+        }
     }
 }
 
-/// The answer to a client that sent too many wrong tokens.
-pub(super) fn too_many(wait: Duration) -> Response {
-    let seconds = wait.as_secs() + 1;
-    let mut response = ApiError::new(
-        StatusCode::TOO_MANY_REQUESTS,
-        format!("too many wrong tokens from this address ({MAX_FAILURES} a minute): try again in {seconds}s"),
-    )
-    .into_response();
-    response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-    response
+/// The key an address is counted under: IPv4 (also when mapped into IPv6) as it is, IPv6 by its
+/// /64, the block one host usually holds.
+fn limiter_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let bits = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(std::net::Ipv6Addr::from(bits))
+        }
+        v4 => v4,
+    }
 }
 
 /// The value of the session cookie in a request, if any.
@@ -259,9 +269,6 @@ fn from_elsewhere(headers: &HeaderMap) -> bool {
 /// cookie, and a page holding the key, which its script stores before going on to `/ui`.
 pub(super) async fn sign_in(State(admin): State<Admin>, request: Request) -> Response {
     let ip = peer_ip(request.extensions());
-    if let Err(wait) = admin.sessions.may_try(ip) {
-        return too_many(wait);
-    }
     if from_elsewhere(request.headers()) {
         return sign_in_page(StatusCode::FORBIDDEN, "Sign-in refused: the form was posted from another site.");
     }
@@ -276,14 +283,22 @@ pub(super) async fn sign_in(State(admin): State<Admin>, request: Request) -> Res
     let Ok(SignIn { token }) = serde_urlencoded::from_bytes::<SignIn>(&body) else {
         return sign_in_page(StatusCode::BAD_REQUEST, "Enter the admin token (admin.token or admin.token_file).");
     };
+    if let Err(wait) = admin.sessions.attempt(ip) {
+        let seconds = wait.as_secs() + 1;
+        let message =
+            format!("Too many sign-ins from this address ({MAX_FAILURES} a minute). Try again in {seconds} s.");
+        let mut response = sign_in_page(StatusCode::TOO_MANY_REQUESTS, &message);
+        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        return response;
+    }
     if !constant_time_eq(token.trim().as_bytes(), admin.token.as_bytes()) {
-        admin.sessions.failed(ip);
         tracing::warn!(%ip, "dashboard sign-in with a wrong token");
         return sign_in_page(
             StatusCode::UNAUTHORIZED,
             "Wrong token. Use the admin.token (or admin.token_file) of this ferry.",
         );
     }
+    admin.sessions.succeeded(ip);
     let (cookie, key) = admin.sessions.start();
     // The key is hex, so it needs no escaping in the attribute.
     let mut response = html(StatusCode::OK, SIGNED_IN_HTML.replace("{{key}}", &key));

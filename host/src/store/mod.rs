@@ -98,8 +98,8 @@ pub struct FailedFilter {
     pub after_id: Option<i64>,
     /// Only events that failed for this reason.
     pub reason: Option<ReasonFilter>,
-    /// Only events with this id or a lower one (what a count saw, so a bulk operation confirmed
-    /// by that count does not reach events that failed since).
+    /// Only events with this id or a lower one (the highest a count saw, so a bulk operation
+    /// confirmed by that count leaves newer events alone).
     pub through_id: Option<i64>,
 }
 

@@ -501,6 +501,7 @@ impl Store for SqliteStore {
              SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
                  processed_at = NULL, next_attempt_at = ?9, last_status_at = ?9
              WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?8)
+               AND status = 'FAILED'
              RETURNING id"
         );
         let done = bind_filter!(sqlx::query_scalar(&sql), filter)
@@ -514,6 +515,7 @@ impl Store for SqliteStore {
     async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<i64>, StoreError> {
         let sql = format!(
             "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?8)
+               AND status = 'FAILED'
              RETURNING id"
         );
         let done = bind_filter!(sqlx::query_scalar(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;

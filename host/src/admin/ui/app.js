@@ -121,7 +121,8 @@
     if (response.status === 401) {
       let message = "The session has ended.";
       try { message = (await response.json()).error.message; } catch { /* the generic message */ }
-      localStorage.removeItem(KEY);
+      // Another tab may have signed in meanwhile: only this request's key is forgotten.
+      if (localStorage.getItem(KEY) === key) localStorage.removeItem(KEY);
       signOutView(message);
       throw new Error("signed out");
     }

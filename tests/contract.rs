@@ -32,8 +32,11 @@ fn cli(api: &Api, args: &[&str]) -> Answer {
     let (code, stdout, stderr) = run_ferry(&config, &[args, &["--json"]].concat());
     match code {
         Some(0) => Answer::Ok(serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{args:?}: {e}: {stdout}"))),
+        // With --json the error is a JSON object on standard output, and nothing is on stderr.
         Some(1) => {
-            let message = stderr.trim().strip_prefix("error: ").unwrap_or_else(|| panic!("{args:?}: {stderr}"));
+            let error: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{args:?}: {e}: {stdout}"));
+            assert!(stderr.is_empty(), "{args:?}: {stderr}");
+            let message = error["error"]["message"].as_str().unwrap_or_else(|| panic!("{args:?}: {stdout}"));
             Answer::Refused(message.replace("--all", "\"all\": true").replace("--", ""))
         }
         other => panic!("{args:?} exited with {other:?}: {stderr}"),

@@ -239,12 +239,13 @@ fn environment_overrides_reach_the_binary_and_bad_ones_are_named() {
     let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(list["plugins"][0]["name"], "log");
 
+    // With --json the error is a JSON object on standard output.
     let out = ferry(&[("FERRY_PLUGINS_INSTANCES", "several")]);
     assert_eq!(out.status.code(), Some(1));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("environment variable FERRY_PLUGINS_INSTANCES: plugins.instances:"), "{stderr}");
+    let error = String::from_utf8_lossy(&out.stdout);
+    assert!(error.contains("environment variable FERRY_PLUGINS_INSTANCES: plugins.instances:"), "{error}");
     let out = ferry(&[("FERRY_PLUGIN_DIR", "x")]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("FERRY_PLUGIN_DIR is not a setting ferry knows"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("FERRY_PLUGIN_DIR is not a setting ferry knows"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

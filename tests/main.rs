@@ -14,6 +14,7 @@ mod http;
 mod kafka;
 mod languages;
 mod limits;
+mod operator;
 mod relay;
 mod reload;
 mod rows;

@@ -130,7 +130,7 @@ async fn the_watcher_loads_replaces_keeps_and_removes_plugins() {
     .await;
     stop.cancel();
     // Every change was counted: two versions loaded, one refused, one removal.
-    let stats = ferry.store.stats(SystemClock.now(), None).await.unwrap();
+    let stats = ferry.store.stats(SystemClock.now(), None, true).await.unwrap();
     let metrics = ferry.metrics.render(&stats, &[], &[], Duration::ZERO);
     for (result, n) in [("loaded", 2), ("failed", 1), ("removed", 1)] {
         let line = format!("ferry_plugin_reloads_total{{plugin=\"scripted\",result=\"{result}\"}} {n}");

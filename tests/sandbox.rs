@@ -91,7 +91,7 @@ async fn traps_loops_and_memory_hogs_become_transient_failures() {
     let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", "ok", "{}")).await;
     assert_eq!(row.status, Status::Sent);
     // Each kind of fault is counted for the metrics.
-    let stats = s.db.store.stats(s.clock.now(), None).await.unwrap();
+    let stats = s.db.store.stats(s.clock.now(), None, true).await.unwrap();
     let metrics = s.ferry.metrics.render(&stats, &[], &[], std::time::Duration::ZERO);
     for kind in ["out_of_memory", "timeout", "trap"] {
         let line = format!("ferry_plugin_faults_total{{plugin=\"scripted\",kind=\"{kind}\"}} 1");

@@ -569,7 +569,7 @@ async fn successes_are_recorded_on_the_event_row(db: TestDb) {
 async fn stats_describe_the_outbox(db: TestDb) {
     let s = &db.store;
     let now = t0() + secs(400);
-    let empty = s.stats(now, Some(t0())).await.unwrap();
+    let empty = s.stats(now, Some(t0()), true).await.unwrap();
     assert!(empty.routes.is_empty());
     assert_eq!((empty.oldest_pending_created_at, empty.oldest_due_at, empty.latency), (None, None, None));
 
@@ -594,7 +594,7 @@ async fn stats_describe_the_outbox(db: TestDb) {
     // Deferred past `now`: PENDING, the oldest by creation, but not due.
     s.insert(&NewEvent::new("b", "later", "{}").not_before(t0() + secs(1000)), t0() - secs(50)).await.unwrap();
 
-    let stats = s.stats(now, Some(t0())).await.unwrap();
+    let stats = s.stats(now, Some(t0()), true).await.unwrap();
     assert_eq!(stats.at, now);
     assert_eq!(stats.routes["a"][&Status::Sent], 2);
     assert_eq!(stats.routes["b"][&Status::Processing], 1);
@@ -607,9 +607,9 @@ async fn stats_describe_the_outbox(db: TestDb) {
     assert_eq!(latency.samples, 2);
     assert_eq!((latency.from_created.p50_ms, latency.from_created.p95_ms), (2000, 4000));
     assert_eq!((latency.from_event_time.p50_ms, latency.from_event_time.max_ms), (12_000, 15_000));
-    let later = s.stats(now, Some(t0() + secs(5))).await.unwrap();
+    let later = s.stats(now, Some(t0() + secs(5)), true).await.unwrap();
     assert_eq!(later.latency.map(|l| l.samples), Some(1), "only SENT at or after the window start");
-    assert_eq!(s.stats(now, None).await.unwrap().latency, None);
+    assert_eq!(s.stats(now, None, true).await.unwrap().latency, None);
 }
 
 /// A summary's group says when its first and its last event failed.

@@ -194,6 +194,27 @@ impl ClaimedEvent {
     }
 }
 
+/// How [`EventRecord::headers`] reads in JSON answers: the stored object as a JSON object, so
+/// `jq .headers.tenant` works. A stored text that is not a JSON object (ferry never writes one; a
+/// hand-written row may hold one) is answered as that text, so nothing is hidden.
+pub mod headers_json {
+    use serde::{Deserialize as _, Deserializer, Serialize as _, Serializer};
+
+    pub fn serialize<S: Serializer>(text: &str, serializer: S) -> Result<S::Ok, S::Error> {
+        match serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text) {
+            Ok(object) => object.serialize(serializer),
+            Err(_) => serializer.serialize_str(text),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+        Ok(match serde_json::Value::deserialize(deserializer)? {
+            serde_json::Value::String(text) => text,
+            other => other.to_string(),
+        })
+    }
+}
+
 /// Parses the stored `headers` JSON object. Non-string values are kept as their JSON text.
 pub fn parse_headers(json: &str) -> Result<Vec<(String, String)>, String> {
     match serde_json::from_str::<serde_json::Value>(json) {
@@ -309,6 +330,8 @@ pub struct EventRecord {
     #[serde(skip)]
     pub payload: Vec<u8>,
     pub content_type: String,
+    /// The stored JSON object's text; a JSON object in answers (see [`headers_json`]).
+    #[serde(with = "headers_json")]
     pub headers: String,
     pub status: Status,
     #[sqlx(try_from = "Count")]

@@ -19,6 +19,7 @@ pub mod relay;
 pub mod report;
 pub mod service;
 pub mod store;
+pub mod systemd;
 pub mod untrusted;
 pub mod watch;
 

@@ -139,7 +139,11 @@ impl Metrics {
         let plugin_reloads = Family::<ReloadLabels, Counter>::default();
         registry.register("ferry_plugin_reloads", "Plugin files loaded, removed or refused", plugin_reloads.clone());
         let events = Family::<StatusLabels, Gauge>::default();
-        registry.register("ferry_events", "Events in the outbox, by route and status", events.clone());
+        registry.register(
+            "ferry_events",
+            "Unfinished events in the outbox (PENDING, PROCESSING, FAILED), by route and status",
+            events.clone(),
+        );
         let oldest_pending_age = FloatGauge::default();
         registry.register(
             "ferry_oldest_pending_age_seconds",
@@ -184,11 +188,17 @@ impl Metrics {
     }
 
     /// Sets the outbox gauges from fresh figures and renders every metric in the OpenMetrics text
-    /// format. `routes` are the configured routes: each gets a breaker state, closed by default.
+    /// format. `routes` are the configured routes: each gets a breaker state, closed by default,
+    /// and its event counts, 0 when it has none (a series that drops to 0 rather than going
+    /// stale when a route's last unfinished event is delivered).
     pub fn render(&self, stats: &Stats, breakers: &[Breaker], routes: &[String], cooldown: Duration) -> String {
         self.events.clear();
-        for (route, counts) in &stats.routes {
-            for status in Status::ALL {
+        let none = BTreeMap::new();
+        let configured = routes.iter().filter(|r| !stats.routes.contains_key(*r)).map(|r| (r, &none));
+        for (route, counts) in stats.routes.iter().chain(configured) {
+            // SENT rows are not counted on a scrape (see `Store::stats`): ferry_events_delivered
+            // counts deliveries.
+            for status in Status::ALL.into_iter().filter(|s| *s != Status::Sent) {
                 let n = counts.get(&status).copied().unwrap_or(0);
                 let labels = StatusLabels { route: route.clone(), status: status.to_string() };
                 self.events.get_or_create(&labels).set(i64::try_from(n).unwrap_or(i64::MAX));

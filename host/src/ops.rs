@@ -313,17 +313,10 @@ impl Ops {
         Ok(FailedPage::new(self.store.list_failed(&filter, limit).await?, limit))
     }
 
-    /// Resends or purges every FAILED event matching `filter` (every FAILED event only with
-    /// `all`), a bounded step at a time, calling `progress(done, total)` after each step.
-    pub async fn failed_bulk(
-        &self,
-        filter: FilterInput,
-        all: bool,
-        op: BulkOp,
-        mut progress: impl FnMut(u64, u64),
-    ) -> Result<u64, OpError> {
+    /// The validated filter of a bulk resend or purge: one that names nothing (an upper id bound
+    /// alone still means every FAILED event up to it) must come with `all`.
+    pub fn bulk_scope(&self, filter: FilterInput, all: bool) -> Result<FailedFilter, OpError> {
         let filter = filter.validate(self.front)?;
-        // An upper id bound alone still means every FAILED event up to it.
         let unbounded = FailedFilter { through_id: None, ..filter.clone() };
         if unbounded.is_everything() && !all {
             let name = |field| self.front.name(field);
@@ -337,6 +330,19 @@ impl Ops {
                 self.front.switch("all")
             )));
         }
+        Ok(filter)
+    }
+
+    /// Resends or purges every FAILED event matching `filter` (every FAILED event only with
+    /// `all`), a bounded step at a time, calling `progress(done, total)` after each step.
+    pub async fn failed_bulk(
+        &self,
+        filter: FilterInput,
+        all: bool,
+        op: BulkOp,
+        mut progress: impl FnMut(u64, u64),
+    ) -> Result<u64, OpError> {
+        let filter = self.bulk_scope(filter, all)?;
         let total = self.store.count_failed(&filter).await?;
         let clock = self.clock.clone();
         let done = store::bulk(self.store.as_ref(), &filter, op, || clock.now(), |done| progress(done, total)).await?;
@@ -413,7 +419,7 @@ impl Ops {
         }
         let now = self.clock.now();
         let since = crate::clock::earlier(now, window);
-        Ok(StatsView::from(&self.store.stats(now, Some(since)).await?))
+        Ok(StatsView::from(&self.store.stats(now, Some(since), true).await?))
     }
 
     /// Events per status.

@@ -30,6 +30,10 @@ pub struct EventView {
     /// Every delivery attempt, oldest first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts_history: Option<Vec<AttemptRecord>>,
+    /// The stored payload's size in bytes, present only when `payload` or `payload_base64` holds
+    /// less than all of it (`ferry show --payload head|none`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_bytes: Option<u64>,
 }
 
 impl EventView {
@@ -38,7 +42,27 @@ impl EventView {
             Ok(text) => (Some(text.to_string()), None),
             Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&event.payload))),
         };
-        EventView { event, payload, payload_base64, attempts_history: attempts }
+        EventView { event, payload, payload_base64, attempts_history: attempts, payload_bytes: None }
+    }
+
+    /// Keeps at most `limit` bytes of the payload (cut at a character boundary for text), and
+    /// records the full size when anything was left out. `None` keeps it all.
+    pub fn shorten_payload(&mut self, limit: Option<usize>) {
+        let Some(limit) = limit else { return };
+        let size = self.event.payload.len();
+        if size <= limit && limit > 0 {
+            return;
+        }
+        self.payload_bytes = Some(size as u64);
+        if limit == 0 {
+            (self.payload, self.payload_base64) = (None, None);
+        } else if let Some(text) = &mut self.payload {
+            let cut = (0..=limit).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+            text.truncate(cut);
+        } else {
+            let head = &self.event.payload[..limit];
+            self.payload_base64 = Some(base64::engine::general_purpose::STANDARD.encode(head));
+        }
     }
 }
 
@@ -180,6 +204,31 @@ impl From<&crate::backoff::RetryPolicy> for RetryView {
             retry_after_max_seconds: policy.retry_after_max.as_secs_f64(),
         }
     }
+}
+
+/// What `ferry config check` found: what `serve` would start with, without the database.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConfigCheck {
+    /// Whether `serve` would start and every route has a working transport.
+    pub ok: bool,
+    /// The database `serve` would use (credentials masked; not connected to).
+    pub database: String,
+    pub plugins: PluginsView,
+    pub routes: Vec<RouteCheck>,
+    /// What stops `serve`, or leaves a route without a transport.
+    pub errors: Vec<String>,
+    /// What is probably a mistake but does not stop `serve`.
+    pub warnings: Vec<String>,
+}
+
+/// One route's transport at start-up: its plugin loaded and its `init` run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RouteCheck {
+    pub route: String,
+    pub plugin: String,
+    pub ready: bool,
+    /// Why the route has no transport.
+    pub error: Option<String>,
 }
 
 /// The plugins loaded, and the files that failed to load with why.

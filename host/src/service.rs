@@ -2,6 +2,7 @@
 //! transport per route, and build the relay. `serve` is the same function in production and in
 //! tests.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -11,8 +12,9 @@ use crate::admin::Admin;
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Settings};
 use crate::metrics::Metrics;
-use crate::plugins::{Registry, Runtime, route_transports};
+use crate::plugins::{Registry, RouteTransport, Runtime, route_transports};
 use crate::relay::{Relay, Routes};
+use crate::report::{ConfigCheck, RouteCheck};
 use crate::store::{self, Store, redact_url};
 
 /// A started ferry: everything `serve` runs, exposed so tests can drive single cycles and reloads.
@@ -38,11 +40,15 @@ impl Ferry {
         let registry = Arc::new(Registry::new(runtime, settings.clone(), metrics.clone()));
         registry.load_dir().await?;
         let transports = route_transports(&registry, &settings);
-        for (route, transport) in &transports {
-            match transport.warm_up().await {
-                Ok(()) => tracing::info!(route = %route, plugin = %transport.plugin_name(), "route ready"),
-                Err(why) => tracing::error!(route = %route, "route has no transport: {why}"),
+        let checks = warm_up(&transports).await;
+        for check in &checks {
+            match &check.error {
+                None => tracing::info!(route = %check.route, plugin = %check.plugin, "route ready"),
+                Some(why) => tracing::error!(route = %check.route, "route has no transport: {why}"),
             }
+        }
+        for warning in warnings(&settings, &registry) {
+            tracing::warn!("{warning}");
         }
         let routes = Routes::new(settings.clone(), transports);
         let relay = Relay::new(store.clone(), clock.clone(), routes, metrics.clone());
@@ -60,6 +66,138 @@ impl Ferry {
             self.relay.waker(),
             self.relay.health(),
         )
+    }
+}
+
+/// Makes each route's first plugin instance (running the plugin's `init` with the route's
+/// config), in route order.
+async fn warm_up(transports: &HashMap<String, Arc<RouteTransport>>) -> Vec<RouteCheck> {
+    let mut routes: Vec<_> = transports.iter().collect();
+    routes.sort_by_key(|(name, _)| name.as_str());
+    let mut checks = Vec::with_capacity(routes.len());
+    for (route, transport) in routes {
+        let error = transport.warm_up().await.err();
+        checks.push(RouteCheck {
+            route: route.clone(),
+            plugin: transport.plugin_name().to_string(),
+            ready: error.is_none(),
+            error,
+        });
+    }
+    checks
+}
+
+/// What is probably a mistake in the configuration but does not stop ferry: plugin files that
+/// did not load, and `[sandbox.NAME]` tables for plugins that are not loaded (a typo there leaves
+/// the real plugin with the defaults: no grants).
+fn warnings(settings: &Settings, registry: &Registry) -> Vec<String> {
+    let loaded = registry.names();
+    let (_, failed) = registry.status();
+    let mut warnings: Vec<String> =
+        failed.iter().map(|(file, why)| format!("plugin file {} did not load: {why}", file.display())).collect();
+    for name in settings.config.sandbox.keys().filter(|name| !loaded.contains(name)) {
+        warnings.push(format!(
+            "[sandbox.{name}] is for a plugin named {name:?}, but no plugin of that name is loaded from {} \
+             (loaded: {}); check the name the plugin reports in `ferry plugins list`",
+            registry.dir().display(),
+            if loaded.is_empty() { "none".to_string() } else { loaded.join(", ") }
+        ));
+    }
+    warnings
+}
+
+const INCOMPLETE_HINT: &str =
+    "set relay.allow_incomplete = true (or FERRY_RELAY_ALLOW_INCOMPLETE=true) to start anyway";
+
+/// Why `serve` must not start with no routes (unless `relay.allow_incomplete`).
+fn no_routes(config: &Config) -> Option<String> {
+    (!config.relay.allow_incomplete && config.route.is_empty()).then(|| {
+        format!(
+            "no routes are configured, so nothing would be delivered: add a [route.NAME] table with \
+             plugin = \"…\", or {INCOMPLETE_HINT}"
+        )
+    })
+}
+
+/// Why `serve` must not start (unless `relay.allow_incomplete`): no routes, or routes whose
+/// plugin has no file in the plugins directory (a mistyped name, a plugin not deployed). A
+/// plugin whose file is there but does not load (broken, hostile, over its limits) does not stop
+/// `serve`: its routes' events fail alone, with reason no_transport, and the others flow.
+fn incomplete(settings: &Settings, registry: &Registry) -> Option<String> {
+    if let Some(why) = no_routes(&settings.config) {
+        return Some(why);
+    }
+    if settings.config.relay.allow_incomplete {
+        return None;
+    }
+    let loaded = registry.names();
+    let missing: Vec<String> = settings
+        .routes
+        .values()
+        .filter(|route| {
+            !loaded.contains(&route.plugin) && !registry.dir().join(format!("{}.wasm", route.plugin)).exists()
+        })
+        .map(|route| format!("route {:?} needs plugin {:?}", route.name, route.plugin))
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "{}, which is not loaded from {} (loaded: {}): check the plugin name and the directory \
+             (`ferry plugins list`), or {INCOMPLETE_HINT}",
+            missing.join("; "),
+            registry.dir().display(),
+            if loaded.is_empty() { "none".to_string() } else { loaded.join(", ") }
+        )
+    })
+}
+
+/// Everything `serve` checks before it starts, except the database: the configuration (already
+/// loaded), the admin token, the plugins directory, and each route's plugin and `init`.
+pub async fn check(config: &Config) -> anyhow::Result<ConfigCheck> {
+    let settings = Arc::new(config.settings()?);
+    let mut errors = Vec::new();
+    if config.admin.address().is_some()
+        && let Err(why) = config.admin.bearer_token()
+    {
+        errors.push(why);
+    }
+    let runtime = Arc::new(Runtime::new(&settings)?);
+    let registry = Arc::new(Registry::new(runtime, settings.clone(), Arc::default()));
+    registry.load_dir().await?;
+    let routes = warm_up(&route_transports(&registry, &settings)).await;
+    errors.extend(incomplete(&settings, &registry));
+    errors.extend(routes.iter().filter_map(|r| r.error.as_ref().map(|why| format!("route {:?}: {why}", r.route))));
+    let mut warnings = warnings(&settings, &registry);
+    if settings.routes.is_empty() && config.relay.allow_incomplete {
+        warnings.push("no routes are configured: nothing will be delivered".into());
+    }
+    Ok(ConfigCheck {
+        ok: errors.is_empty(),
+        database: redact_url(&config.database.url),
+        plugins: crate::ops::plugins(&registry),
+        routes,
+        errors,
+        warnings,
+    })
+}
+
+/// Tells systemd every `every` that ferry is alive, as long as no relay worker is wedged (stuck
+/// in one cycle past its lease): then it stays silent, and systemd restarts the service.
+async fn watchdog(
+    systemd: Arc<crate::systemd::Notifier>,
+    every: std::time::Duration,
+    health: Arc<crate::relay::RelayHealth>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        match health.wedged() {
+            None => systemd.notify("WATCHDOG=1"),
+            Some(why) => tracing::error!("not telling systemd's watchdog that ferry is alive: {why}"),
+        }
     }
 }
 
@@ -85,6 +223,10 @@ async fn open(config: &Config, create: bool) -> anyhow::Result<Arc<dyn Store>> {
 /// Runs ferry until `shutdown` is cancelled, which may come while it is still starting (loading
 /// plugins, say): then it stops at once.
 pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+    // Before the database is opened or created.
+    if let Some(why) = no_routes(config) {
+        anyhow::bail!("not starting: {why}");
+    }
     let ferry = tokio::select! {
         ferry = Ferry::start(config, Arc::new(SystemClock)) => ferry?,
         _ = shutdown.cancelled() => {
@@ -92,6 +234,9 @@ pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Resu
             return Ok(());
         }
     };
+    if let Some(why) = incomplete(&ferry.settings, &ferry.registry) {
+        anyhow::bail!("not starting: {why}");
+    }
     if config.plugins.watch {
         crate::watch::spawn(ferry.registry.clone(), config.plugins.debounce.0, shutdown.child_token())?;
     }
@@ -99,6 +244,34 @@ pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Resu
         Some(_) => Some(ferry.admin()?.serve(shutdown.child_token()).await?),
         None => None,
     };
+    let plugins: Vec<String> = ferry
+        .registry
+        .status()
+        .0
+        .iter()
+        .map(|p| format!("{} {}", crate::untrusted::clean(&p.name, 64), crate::untrusted::clean(&p.version, 32)))
+        .collect();
+    let routes = ferry.settings.routes.keys().cloned().collect::<Vec<_>>().join(",");
+    tracing::info!(
+        version = crate::cli::VERSION,
+        config = %config.file.as_deref().map_or_else(|| "(built-in defaults)".into(), |p| p.display().to_string()),
+        database = %redact_url(&config.database.url),
+        routes = %routes,
+        plugins = %plugins.join(","),
+        admin = %admin.as_ref().map_or_else(|| "off".into(), |(address, _)| address.to_string()),
+        "ferry started"
+    );
+    let systemd = Arc::new(crate::systemd::Notifier::from_env());
+    systemd.notify(&format!("READY=1\nSTATUS=delivering routes {routes}"));
+    if let Some(every) = systemd.watchdog_interval() {
+        tokio::spawn(watchdog(systemd.clone(), every, ferry.relay.health(), shutdown.child_token()));
+    }
+    // As soon as the stop is asked for, while deliveries in flight finish.
+    let stopping = shutdown.clone();
+    tokio::spawn(async move {
+        stopping.cancelled().await;
+        systemd.notify("STOPPING=1");
+    });
     ferry.relay.run(shutdown).await;
     if let Some((_, admin)) = admin {
         let _ = admin.await;

@@ -55,13 +55,29 @@ pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value
 }
 
 pub(super) async fn metrics(State(admin): State<Admin>) -> Result<Response, ApiError> {
+    let mut last = admin.scrape.lock().await;
+    let fresh = last.as_ref().filter(|(at, _)| at.elapsed() < std::time::Duration::from_secs(1));
+    let text = match fresh {
+        Some((_, text)) => text.clone(),
+        None => {
+            let text = scrape(&admin).await?;
+            *last = Some((std::time::Instant::now(), text.clone()));
+            text
+        }
+    };
+    Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
+}
+
+/// Reads the outbox figures and renders every metric.
+async fn scrape(admin: &Admin) -> Result<String, ApiError> {
     let ops = &admin.ops;
     let store_error = |e| ApiError::from(ops::OpError::from(e));
-    let stats = ops.store.stats(ops.clock.now(), None).await.map_err(store_error)?;
+    // Only the statuses with partial indexes are counted: a scrape must not read every SENT row
+    // kept for retention (deliveries are counted by ferry_events_delivered instead).
+    let stats = ops.store.stats(ops.clock.now(), None, false).await.map_err(store_error)?;
     let breakers: Vec<Breaker> = ops.store.breakers().await.map_err(store_error)?;
     let routes: Vec<String> = ops.settings.routes.keys().cloned().collect();
-    let text = admin.metrics.render(&stats, &breakers, &routes, ops.settings.breaker_cooldown());
-    Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
+    Ok(admin.metrics.render(&stats, &breakers, &routes, ops.settings.breaker_cooldown()))
 }
 
 pub(super) async fn openapi() -> Response {

@@ -43,6 +43,10 @@ pub struct Admin {
     token: Arc<str>,
     /// The dashboard's signed-in browsers.
     sessions: Arc<ui::Sessions>,
+    /// The last `/metrics` answer and when it was made: scrapes within a second share it, and
+    /// one at a time reaches the database (`/metrics` may be open to anyone, see
+    /// `admin.metrics_public`).
+    scrape: Arc<tokio::sync::Mutex<Option<(std::time::Instant, String)>>>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -64,13 +68,21 @@ impl Admin {
     ) -> anyhow::Result<Admin> {
         let token = settings.config.admin.bearer_token().map_err(anyhow::Error::msg)?;
         let ops = Ops { settings, store, clock, wake: Some(wake), front: FrontEnd::Api };
-        Ok(Admin { ops, registry, metrics, relay, token: token.into(), sessions: Default::default() })
+        Ok(Admin {
+            ops,
+            registry,
+            metrics,
+            relay,
+            token: token.into(),
+            sessions: Default::default(),
+            scrape: Default::default(),
+        })
     }
 
     /// Every endpoint.
     pub fn router(self) -> Router {
+        let public_metrics = self.ops.settings.config.admin.metrics_public;
         let protected = Router::new()
-            .route("/metrics", get(metrics))
             .route("/v1/openapi.json", get(openapi))
             .route("/v1/stats", get(stats))
             .route("/v1/activity", get(activity))
@@ -90,7 +102,13 @@ impl Admin {
             .route("/v1/breakers", get(breakers))
             .route("/v1/breakers/{route}/open", post(breaker_open))
             .route("/v1/breakers/{route}/close", post(breaker_close))
-            .route("/ui/session/end", post(ui::sign_out))
+            .route("/ui/session/end", post(ui::sign_out));
+        let (open, protected) = if public_metrics {
+            (Router::new().route("/metrics", get(metrics)), protected)
+        } else {
+            (Router::new(), protected.route("/metrics", get(metrics)))
+        };
+        let protected = protected
             .route_layer(axum::middleware::from_fn_with_state(self.clone(), authorize))
             // Room for the largest payload ferry accepts, base64-encoded in JSON.
             .layer(axum::extract::DefaultBodyLimit::max(
@@ -104,6 +122,7 @@ impl Admin {
             .route("/ui/app.js", get(ui::script))
             .route("/ui/app.css", get(ui::style))
             .route("/ui/icon.svg", get(ui::icon))
+            .merge(open)
             .merge(protected)
             .fallback(not_found)
             .method_not_allowed_fallback(method_not_allowed)

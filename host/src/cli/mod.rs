@@ -16,7 +16,7 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::SystemClock;
-use crate::config::{Config, parse_duration};
+use crate::config::{Config, Sources, parse_duration};
 use crate::event::NewEvent;
 use crate::ops::{self, FilterInput, FrontEnd, OpError, Ops};
 use crate::plugins::{Registry, Runtime, trial};
@@ -24,18 +24,46 @@ use crate::report::{Cancelled, Created, FailedCount, Purged, ReloadResult, Reloa
 use crate::service;
 use crate::store::{BulkOp, EndEvent};
 
+/// What `ferry --version` prints: the release, the commit it was built from and the transport
+/// contract it implements.
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("BUILT_FROM_COMMIT"),
+    ", transport contract ferry:transport@",
+    "0.1.0",
+    ")"
+);
+
+const GLOBAL: &str = "Global options";
+
+const EXAMPLES: &str = "\
+Examples:
+  ferry config check                      check ferry.toml, the plugins and each route's init
+  ferry serve                             run the relay (and the admin API, if admin.listen is set)
+  ferry emit orders order.paid '{\"id\": 7}'
+  ferry failed summary                    what is failing, grouped by route, type and reason
+  ferry failed resend --route orders      deliver a route's FAILED events again
+  ferry show 42 --payload head            one event, its history and the start of its payload
+  ferry --json status | jq .FAILED
+
+Environment: FERRY_CONFIG, FERRY_DATABASE_URL, FERRY_LOG (a level such as debug, or directives
+such as ferry=debug,sqlx=warn), FERRY_LOG_FORMAT (text or json), and FERRY_<TABLE>_<KEY> for any
+key of the database, relay, retry, breaker, admin and plugins tables.";
+
 /// Delivers events from a transactional outbox through WebAssembly transport plugins.
 #[derive(Debug, Parser)]
-#[command(name = "ferry", version, about)]
+#[command(name = "ferry", version = VERSION, about, after_help = EXAMPLES)]
 pub struct Cli {
     /// Configuration file. Without it, ./ferry.toml is used if present, else the built-in defaults.
-    #[arg(long, short, global = true, env = "FERRY_CONFIG")]
+    #[arg(long, short, global = true, env = "FERRY_CONFIG", help_heading = GLOBAL)]
     pub config: Option<PathBuf>,
     /// Overrides database.url from the configuration file.
-    #[arg(long, global = true, env = "FERRY_DATABASE_URL")]
+    #[arg(long, global = true, env = "FERRY_DATABASE_URL", help_heading = GLOBAL, hide_env_values = true)]
     pub database_url: Option<String>,
-    /// Print JSON instead of text (the shapes the admin API answers with).
-    #[arg(long, global = true)]
+    /// Print JSON instead of text (the shapes the admin API answers with); errors too, as
+    /// {"error": {"code": …, "message": …}} on standard output with a non-zero exit code.
+    #[arg(long, global = true, help_heading = GLOBAL)]
     pub json: bool,
     #[command(subcommand)]
     pub command: Command,
@@ -64,8 +92,28 @@ pub enum Command {
     /// Count, list, resend or purge FAILED events, narrowed by route, type and creation time.
     #[command(subcommand)]
     Failed(FailedCommand),
-    /// Show one event: its fields, last error and payload.
-    Show { id: i64 },
+    /// Show one event: its fields, why it waits, its history and its payload.
+    Show {
+        id: i64,
+        /// How much of the payload to show: all of it, its first 1 KiB, or none.
+        #[arg(long, value_enum, default_value_t = PayloadShown::Full)]
+        payload: PayloadShown,
+    },
+    /// Check or print the configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Print a shell completion script: `ferry completions bash > /etc/bash_completion.d/ferry`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff), or write one page per command into a directory.
+    #[command(after_help = "Examples:\n  ferry man | man -l -\n  ferry man --dir /usr/local/share/man/man1")]
+    Man {
+        /// Write ferry.1 and a page for every subcommand (ferry-failed-purge.1, …) into DIR.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
+    },
     /// Show, open or close the per-route circuit breakers.
     #[command(subcommand)]
     Breaker(BreakerCommand),
@@ -85,6 +133,25 @@ pub enum Command {
         #[arg(long, value_parser = parse_duration)]
         window: Option<std::time::Duration>,
     },
+}
+
+/// How much of an event's payload `ferry show` prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PayloadShown {
+    Full,
+    Head,
+    None,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Check everything `serve` checks before it starts, without touching the database: the
+    /// file and FERRY_* variables, the plugins directory, each route's plugin and its `init`.
+    /// Exits 0 when ferry would start and every route has a working transport.
+    Check,
+    /// Print every setting in effect and where it came from (default, file, environment), with
+    /// secrets masked.
+    Show,
 }
 
 /// Which FAILED events a command applies to.
@@ -152,20 +219,36 @@ pub enum FailedCommand {
         limit: Option<u32>,
     },
     /// Make the matching FAILED events PENDING again (attempts and error reset).
+    #[command(after_help = "Examples:\n  ferry failed resend --route orders --reason attempts_exhausted\n  \
+        ferry failed resend --all --dry-run")]
     Resend {
         #[command(flatten)]
         filter: FilterArgs,
         /// Required to resend every FAILED event when no filter is given.
         #[arg(long)]
         all: bool,
+        /// Only say how many events would be resent.
+        #[arg(long)]
+        dry_run: bool,
     },
-    /// Delete the matching FAILED events for good.
+    /// Delete the matching FAILED events for good. On a terminal, asks first (say how many and
+    /// wait for "y"); --yes skips the question, as does a non-interactive standard input.
+    #[command(
+        after_help = "Examples:\n  ferry failed purge --route orders --before 2026-11-01T00:00:00Z --dry-run\n  \
+        ferry failed purge --type test.ping --yes"
+    )]
     Purge {
         #[command(flatten)]
         filter: FilterArgs,
         /// Required to purge every FAILED event when no filter is given.
         #[arg(long)]
         all: bool,
+        /// Only say how many events would be purged.
+        #[arg(long)]
+        dry_run: bool,
+        /// Do not ask on a terminal.
+        #[arg(long, short)]
+        yes: bool,
     },
 }
 
@@ -299,22 +382,21 @@ pub struct EmitArgs {
 }
 
 impl Cli {
+    /// Where this invocation's configuration comes from: the file it names (or ./ferry.toml when
+    /// present), the environment, and --database-url.
+    pub fn sources(&self) -> anyhow::Result<Sources> {
+        let file = match &self.config {
+            Some(path) => Some(path.clone()),
+            None if std::path::Path::new("ferry.toml").exists() => Some(PathBuf::from("ferry.toml")),
+            None => None,
+        };
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        Sources::read(file, env, self.database_url.clone()).map_err(Into::into)
+    }
+
     /// Loads the configuration this invocation names.
     pub fn load_config(&self) -> anyhow::Result<Config> {
-        let mut config = match &self.config {
-            Some(path) => Config::load_with_env(path, std::env::vars())?,
-            None if std::path::Path::new("ferry.toml").exists() => {
-                Config::load_with_env("ferry.toml".as_ref(), std::env::vars())?
-            }
-            None => Config::from_sources("", "defaults", std::env::vars())?,
-        };
-        if let Some(url) = &self.database_url {
-            config.database.url = url.clone();
-            config
-                .validate()
-                .map_err(|message| anyhow::anyhow!("invalid --database-url / FERRY_DATABASE_URL: {message}"))?;
-        }
-        Ok(config)
+        Ok(self.sources()?.load()?)
     }
 }
 
@@ -339,20 +421,83 @@ pub fn out(text: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// An operation's error as the CLI reports it (exit code 1, the message as it is).
+/// An operation's error as the CLI reports it: the message as it is, exit code 1; the kind is kept
+/// for `--json` (see [`error_code`]).
 fn failed(e: OpError) -> anyhow::Error {
-    anyhow::Error::msg(e.to_string())
+    anyhow::Error::new(e)
+}
+
+/// A command that failed after printing its answer (a reload report with failed files, a trial
+/// with failed events): `--json` prints no second object, the exit code says it failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Answered(pub String);
+
+/// The `code` of a `--json` error, from what failed; the same words the admin API uses.
+pub fn error_code(e: &anyhow::Error) -> &'static str {
+    if let Some(op) = e.downcast_ref::<OpError>() {
+        return match op {
+            OpError::Invalid(_) => "bad_request",
+            OpError::NotFound(_) => "not_found",
+            OpError::Conflict(_) => "conflict",
+            OpError::Store(_) => "unavailable",
+        };
+    }
+    if e.downcast_ref::<crate::config::ConfigError>().is_some() {
+        return "config";
+    }
+    if e.downcast_ref::<crate::store::StoreError>().is_some() || e.downcast_ref::<sqlx::Error>().is_some() {
+        return "unavailable";
+    }
+    "failed"
+}
+
+/// The text of an error: its causes after it (`reading x.toml: permission denied`), except for an
+/// operation's error, whose message already says everything (a database error quotes its cause).
+pub fn error_message(e: &anyhow::Error) -> String {
+    if e.downcast_ref::<OpError>().is_some() { e.to_string() } else { format!("{e:#}") }
+}
+
+/// Reports `e` the way the invocation asked: `{"error": {"code", "message"}}` on standard output
+/// with `--json`, `error: …` on standard error otherwise. Exit code 1 either way.
+pub fn report_error(json: bool, code: &str, message: &str) -> std::process::ExitCode {
+    if json {
+        let body = serde_json::json!({ "error": { "code": code, "message": message } });
+        // Standard output may be closed as well; the exit code still tells.
+        let _ = out(&body.to_string());
+    } else {
+        eprintln!("error: {message}");
+    }
+    std::process::ExitCode::FAILURE
 }
 
 /// Runs the parsed command.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let json = cli.json;
     // Writing a project needs no configuration: a broken ferry.toml where it runs is no obstacle.
-    if let Command::Plugins(PluginsCommand::New { name, lang, dir }) = &cli.command {
-        return plugins_new(name, *lang, dir.as_deref(), json);
+    // These need no configuration: a broken ferry.toml where they run is no obstacle.
+    match &cli.command {
+        Command::Plugins(PluginsCommand::New { name, lang, dir }) => {
+            return plugins_new(name, *lang, dir.as_deref(), json);
+        }
+        Command::Completions { shell } => {
+            let mut command = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(*shell, &mut command, "ferry", &mut std::io::stdout());
+            return Ok(());
+        }
+        Command::Man { dir } => return manual(dir.as_deref()),
+        Command::Config(ConfigCommand::Show) => {
+            let shown = cli.sources()?.show()?;
+            return say(json, &shown, render::config);
+        }
+        _ => {}
     }
     let config = cli.load_config()?;
     match cli.command {
+        Command::Plugins(PluginsCommand::New { .. })
+        | Command::Completions { .. }
+        | Command::Man { .. }
+        | Command::Config(ConfigCommand::Show) => Ok(()),
         Command::Serve => {
             let shutdown = CancellationToken::new();
             tokio::spawn(stop_on_signal(shutdown.clone()));
@@ -372,7 +517,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plugins(PluginsCommand::List) => plugins_list(&config, json).await,
         Command::Plugins(PluginsCommand::Check { file }) => plugins_check(&config, &file, json).await,
         Command::Plugins(PluginsCommand::Reload) => plugins_reload(&config, json).await,
-        Command::Plugins(PluginsCommand::New { name, lang, dir }) => plugins_new(&name, lang, dir.as_deref(), json),
         Command::Plugins(PluginsCommand::Try(args)) => plugins_try(&config, args, json).await,
         Command::Resend { ids } => {
             let ops = ops(&config).await?;
@@ -383,11 +527,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
             let resent = (ids.len() - errors.len()) as u64;
-            say(json, &Resent { resent }, |_| format!("{resent} of {} events resent", ids.len()))?;
-            if !errors.is_empty() {
-                bail!("{}", errors.join("; "));
+            if errors.is_empty() {
+                return say(json, &Resent { resent }, |_| format!("{resent} of {} events resent", ids.len()));
             }
-            Ok(())
+            // One answer: with --json the error alone, which says what was done.
+            if !json {
+                out(&format!("{resent} of {} events resent", ids.len()))?;
+            }
+            match ids.len() {
+                1 => bail!("{}", errors.join("; ")),
+                n => bail!("{resent} of {n} events resent; {}", errors.join("; ")),
+            }
         }
         Command::Event(EventCommand::Cancel { id }) => {
             ops(&config).await?.end_event(id, EndEvent::Cancel).await.map_err(failed)?;
@@ -399,10 +549,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Breaker(command) => breaker(&config, command, json).await,
         Command::Failed(command) => failed_command(&config, command, json).await,
-        Command::Show { id } => {
-            let view = ops(&config).await?.show(id).await.map_err(failed)?;
+        Command::Show { id, payload } => {
+            let mut view = ops(&config).await?.show(id).await.map_err(failed)?;
+            view.shorten_payload(match payload {
+                PayloadShown::Full => None,
+                PayloadShown::Head => Some(render::PAYLOAD_HEAD),
+                PayloadShown::None => Some(0),
+            });
             say(json, &view, render::event)
         }
+        Command::Config(ConfigCommand::Check) => config_check(&config, json).await,
         Command::Status => {
             let counts = ops(&config).await?.status().await.map_err(failed)?;
             say(json, &counts, render::status)
@@ -430,15 +586,57 @@ async fn failed_command(config: &Config, command: FailedCommand, json: bool) -> 
             let page = ops.failed_list(filter.input(), after, limit).await.map_err(failed)?;
             say(json, &page, render::failed_page)
         }
-        FailedCommand::Resend { filter, all } => {
-            let resent = bulk(&ops, filter.input(), all, BulkOp::Resend).await?;
+        FailedCommand::Resend { filter, all, dry_run } => {
+            let filter = filter.input();
+            if dry_run {
+                return dry_run_count(&ops, filter, all, "resent", json).await;
+            }
+            let resent = bulk(&ops, filter, all, BulkOp::Resend).await?;
             say(json, &Resent { resent }, |r| format!("{} events resent", r.resent))
         }
-        FailedCommand::Purge { filter, all } => {
-            let purged = bulk(&ops, filter.input(), all, BulkOp::Purge).await?;
+        FailedCommand::Purge { filter, all, dry_run, yes } => {
+            let mut filter = filter.input();
+            if dry_run {
+                return dry_run_count(&ops, filter, all, "purged", json).await;
+            }
+            ops.bulk_scope(filter.clone(), all).map_err(failed)?;
+            let count = ops.failed_count(filter.clone()).await.map_err(failed)?;
+            if count.failed == 0 {
+                return say(json, &Purged { purged: 0 }, |_| "no FAILED event matches; nothing purged".into());
+            }
+            if !yes && interactive() && !confirm(&format!("Purge {} FAILED events for good?", count.failed))? {
+                bail!("not confirmed; nothing was purged");
+            }
+            // What was counted and confirmed, not what fails after.
+            filter.through_id = count.last_id;
+            let purged = bulk(&ops, filter, all, BulkOp::Purge).await?;
             say(json, &Purged { purged }, |p| format!("{} events purged", p.purged))
         }
     }
+}
+
+/// `--dry-run`: how many FAILED events a resend or purge would touch, as `failed count` answers.
+async fn dry_run_count(ops: &Ops, filter: FilterInput, all: bool, verb: &str, json: bool) -> anyhow::Result<()> {
+    ops.bulk_scope(filter.clone(), all).map_err(failed)?;
+    let count = ops.failed_count(filter).await.map_err(failed)?;
+    say(json, &count, |c| format!("{} FAILED events would be {verb} (dry run: nothing changed)", c.failed))
+}
+
+/// Whether a person is at the keyboard: standard input is a terminal. (The question goes to
+/// standard error, even when that is redirected.)
+fn interactive() -> bool {
+    use std::io::IsTerminal as _;
+    std::io::stdin().is_terminal()
+}
+
+/// Asks `question` on standard error; true only for an answer of y or yes.
+fn confirm(question: &str) -> anyhow::Result<bool> {
+    use std::io::Write as _;
+    eprint!("{question} [y/N] ");
+    std::io::stderr().flush()?;
+    let mut answer = String::new();
+    std::io::stdin().read_line(&mut answer).context("reading the answer")?;
+    Ok(matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes"))
 }
 
 /// Resends or purges every match, with a progress bar on a terminal.
@@ -463,6 +661,38 @@ async fn breaker(config: &Config, command: BreakerCommand, json: bool) -> anyhow
         let state = if b.breaker.is_open() { "open until closed by hand" } else { "closed" };
         format!("breaker of route {}: {state}", b.breaker.route)
     })
+}
+
+/// `ferry config check`: what `serve` would start with, exit 1 when it would not start or a route
+/// has no working transport.
+async fn config_check(config: &Config, json: bool) -> anyhow::Result<()> {
+    let check = service::check(config).await?;
+    say(json, &check, render::config_check)?;
+    if !check.ok {
+        return Err(Answered(check.errors.join("; ")).into());
+    }
+    Ok(())
+}
+
+/// `ferry man`: the top page on standard output, or every page into `dir`.
+fn manual(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let command = <Cli as clap::CommandFactory>::command();
+    match dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            clap_mangen::generate_to(command, dir)
+                .with_context(|| format!("writing manual pages into {}", dir.display()))?;
+            Ok(())
+        }
+        None => {
+            let mut page = Vec::new();
+            clap_mangen::Man::new(command).render(&mut page)?;
+            use std::io::Write as _;
+            let mut stdout = std::io::stdout().lock();
+            stdout.write_all(&page).and_then(|()| stdout.flush())?;
+            Ok(())
+        }
+    }
 }
 
 async fn plugins_list(config: &Config, json: bool) -> anyhow::Result<()> {
@@ -531,10 +761,15 @@ async fn plugins_try(config: &Config, args: TryArgs, json: bool) -> anyhow::Resu
     let report = trial::run(config, &setup, &events).await?;
     say(json, &report, render::trial)?;
     if let Some(error) = &report.init.error {
-        bail!("init failed: {error}");
+        return Err(Answered(format!("init failed: {error}")).into());
     }
     if report.succeeded < report.events {
-        bail!("{} of {} events did not succeed", report.events - report.succeeded, report.events);
+        return Err(Answered(format!(
+            "{} of {} events did not succeed",
+            report.events - report.succeeded,
+            report.events
+        ))
+        .into());
     }
     Ok(())
 }
@@ -552,7 +787,7 @@ async fn health(config: &Config, live: bool, json: bool) -> anyhow::Result<()> {
         out(&format!("{status} {}", body.trim()))?
     }
     if status != 200 {
-        bail!("ferry at {address} is not {}", if live { "live" } else { "ready" });
+        return Err(Answered(format!("ferry at {address} is not {}", if live { "live" } else { "ready" })).into());
     }
     Ok(())
 }
@@ -577,7 +812,9 @@ async fn plugins_reload(config: &Config, json: bool) -> anyhow::Result<()> {
     say(json, &view, render::reload)?;
     let failed = view.files.iter().filter(|f| f.result == ReloadResult::Failed).count();
     if failed > 0 {
-        bail!("{failed} plugin files failed to load; the versions already active stay in use");
+        return Err(
+            Answered(format!("{failed} plugin files failed to load; the versions already active stay in use")).into()
+        );
     }
     Ok(())
 }

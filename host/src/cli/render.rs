@@ -5,36 +5,123 @@ use std::fmt::Write as _;
 use std::io::IsTerminal as _;
 
 use crate::breaker::BreakerState;
+use crate::config::ConfigShown;
 use crate::event::Status;
 use crate::report::{
-    BreakerView, EventView, FailedPage, FailedSummary, PluginsView, ReloadView, StatsView, StatusCounts,
+    BreakerView, ConfigCheck, EventView, FailedPage, FailedSummary, PluginsView, ReloadView, StatsView, StatusCounts,
 };
 use crate::store::{self, Percentiles};
 
+/// How much of a payload `ferry show --payload head` prints.
+pub const PAYLOAD_HEAD: usize = 1024;
+
+/// A text table: each column as wide as its widest cell, numbers right-aligned, the last column
+/// not padded (so a long error does not push every line wider).
+struct Table {
+    columns: Vec<(&'static str, bool)>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    /// Columns by title; `true` right-aligns one (counts, ids).
+    fn new(columns: &[(&'static str, bool)]) -> Table {
+        Table { columns: columns.to_vec(), rows: Vec::new() }
+    }
+
+    fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    fn render(&self) -> String {
+        let width = |i: usize| {
+            let title = self.columns[i].0.chars().count();
+            self.rows.iter().map(|r| r.get(i).map_or(0, |c| c.chars().count())).max().unwrap_or(0).max(title)
+        };
+        let widths: Vec<usize> = (0..self.columns.len()).map(width).collect();
+        let line = |cells: &mut dyn Iterator<Item = &str>| {
+            let mut out = String::new();
+            for (i, cell) in cells.enumerate() {
+                let last = i + 1 == self.columns.len();
+                let (w, right) = (widths[i], self.columns[i].1);
+                let pad = w.saturating_sub(cell.chars().count());
+                if i > 0 {
+                    out.push_str("  ");
+                }
+                match (right, last) {
+                    (true, _) => out.push_str(&format!("{}{cell}", " ".repeat(pad))),
+                    (false, true) => out.push_str(cell),
+                    (false, false) => out.push_str(&format!("{cell}{}", " ".repeat(pad))),
+                }
+            }
+            out.trim_end().to_string()
+        };
+        let mut out = line(&mut self.columns.iter().map(|(title, _)| *title));
+        for row in &self.rows {
+            out.push('\n');
+            out.push_str(&line(&mut row.iter().map(String::as_str)));
+        }
+        out
+    }
+}
+
+/// A span of time as a person reads it: the two largest units, such as `3h 12m`, `45s`, `2d 4h`.
+pub fn human(d: std::time::Duration) -> String {
+    let s = d.as_secs();
+    if s == 0 {
+        return format!("{}ms", d.as_millis());
+    }
+    let parts = [(s / 86_400, "d"), (s / 3_600 % 24, "h"), (s / 60 % 60, "m"), (s % 60, "s")];
+    let first = parts.iter().position(|(n, _)| *n > 0).unwrap_or(3);
+    parts[first..]
+        .iter()
+        .take(2)
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, unit)| format!("{n}{unit}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// How long before now `t` was, as `3h 12m ago`; `-` for none.
+fn ago(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    match t {
+        None => "-".into(),
+        Some(t) => match (chrono::Utc::now() - t).to_std() {
+            Ok(d) => format!("{} ago", human(d)),
+            Err(_) => format!("in {}", human((t - chrono::Utc::now()).to_std().unwrap_or_default())),
+        },
+    }
+}
+
+fn untrusted(text: &str) -> String {
+    crate::untrusted::clean(text, 64)
+}
+
 /// `ferry status`: events per status.
 pub fn status(counts: &StatusCounts) -> String {
-    let mut out = format!("{:<12}{:>10}", "STATUS", "EVENTS");
+    let mut table = Table::new(&[("STATUS", false), ("EVENTS", true)]);
     for status in Status::ALL {
-        let _ = write!(out, "\n{:<12}{:>10}", status.as_str(), counts.get(&status).copied().unwrap_or(0));
+        table.row(vec![status.as_str().into(), counts.get(&status).copied().unwrap_or(0).to_string()]);
     }
-    out
+    table.render()
 }
 
 /// `ferry stats`: the figures, latency over `window`.
 pub fn stats(stats: &StatsView, window: std::time::Duration) -> String {
-    let mut out = format!("{:<20} {:>10} {:>10} {:>10} {:>10}", "ROUTE", "PENDING", "PROCESSING", "SENT", "FAILED");
+    let columns = [("ROUTE", false), ("PENDING", true), ("PROCESSING", true), ("SENT", true), ("FAILED", true)];
+    let mut table = Table::new(&columns);
     for (route, counts) in &stats.routes {
-        let n = |s: Status| counts.get(&s).copied().unwrap_or(0);
-        let _ = write!(
-            out,
-            "\n{route:<20} {:>10} {:>10} {:>10} {:>10}",
+        let n = |s: Status| counts.get(&s).copied().unwrap_or(0).to_string();
+        table.row(vec![
+            untrusted(route),
             n(Status::Pending),
             n(Status::Processing),
             n(Status::Sent),
-            n(Status::Failed)
-        );
+            n(Status::Failed),
+        ]);
     }
-    let seconds = |s: Option<f64>| s.map_or("-".to_string(), |s| format!("{s:.1}s"));
+    let mut out = table.render();
+    let seconds = |s: Option<f64>| s.map_or("-".to_string(), |s| human(std::time::Duration::from_secs_f64(s.max(0.0))));
+    let window = human(window);
     let _ = write!(out, "\n\noldest pending event   {}", seconds(stats.oldest_pending_age_seconds));
     let _ = write!(out, "\nclaim lag              {}", seconds(stats.claim_lag_seconds));
     let _ = write!(out, "\nstuck in PROCESSING    {}", stats.stuck);
@@ -44,12 +131,12 @@ pub fn stats(stats: &StatsView, window: std::time::Duration) -> String {
             let line = |p: &Percentiles| {
                 format!("p50 {} ms  p95 {} ms  p99 {} ms  max {} ms", p.p50_ms, p.p95_ms, p.p99_ms, p.max_ms)
             };
-            let _ = write!(out, "\nlatency over the last {window:?} ({} events delivered):", l.samples);
+            let _ = write!(out, "\nlatency over the last {window} ({} events delivered):", l.samples);
             let _ = write!(out, "\n  from event time      {}", line(&l.from_event_time));
             let _ = write!(out, "\n  from creation        {}", line(&l.from_created));
         }
         None => {
-            let _ = write!(out, "\nlatency                no events delivered in the last {window:?}");
+            let _ = write!(out, "\nlatency                no events delivered in the last {window}");
         }
     }
     out
@@ -57,21 +144,26 @@ pub fn stats(stats: &StatsView, window: std::time::Duration) -> String {
 
 /// `ferry failed summary`: one line per group, the largest first.
 pub fn failed_summary(summary: &FailedSummary) -> String {
-    let mut out =
-        format!("{:>8}  {:<16} {:<24} {:<18} {:<25} LAST FAILED", "EVENTS", "ROUTE", "TYPE", "REASON", "FIRST FAILED");
-    let time = |t: Option<chrono::DateTime<chrono::Utc>>| t.map_or("-".to_string(), |t| t.to_rfc3339());
+    let columns = [
+        ("EVENTS", true),
+        ("ROUTE", false),
+        ("TYPE", false),
+        ("REASON", false),
+        ("FIRST FAILED", false),
+        ("LAST FAILED", false),
+    ];
+    let mut table = Table::new(&columns);
     for g in &summary.groups {
-        let _ = write!(
-            out,
-            "\n{:>8}  {:<16} {:<24} {:<18} {:<25} {}",
-            g.count,
-            crate::untrusted::clean(&g.route, 64),
-            crate::untrusted::clean(&g.event_type, 64),
-            crate::untrusted::clean(g.reason.as_deref().unwrap_or("-"), 64),
-            time(g.first_failed_at),
-            time(g.last_failed_at),
-        );
+        table.row(vec![
+            g.count.to_string(),
+            untrusted(&g.route),
+            untrusted(&g.event_type),
+            untrusted(g.reason.as_deref().unwrap_or("-")),
+            ago(g.first_failed_at),
+            ago(g.last_failed_at),
+        ]);
     }
+    let mut out = table.render();
     let _ = write!(out, "\n{} FAILED events in {} groups", summary.total, summary.groups.len());
     if summary.truncated {
         let _ = write!(
@@ -85,23 +177,30 @@ pub fn failed_summary(summary: &FailedSummary) -> String {
 
 /// `ferry failed list`: one line per event, and how to get the next page.
 pub fn failed_page(page: &FailedPage) -> String {
-    let mut out = format!(
-        "{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} LAST ERROR",
-        "ID", "ROUTE", "TYPE", "CREATED", "ATTEMPTS", "REASON"
-    );
+    let columns = [
+        ("ID", true),
+        ("ROUTE", false),
+        ("TYPE", false),
+        ("CREATED", false),
+        ("FAILED", false),
+        ("ATTEMPTS", true),
+        ("REASON", false),
+        ("LAST ERROR", false),
+    ];
+    let mut table = Table::new(&columns);
     for e in &page.events {
-        let _ = write!(
-            out,
-            "\n{:>10}  {:<16} {:<20} {:<25} {:>8}  {:<18} {}",
-            e.id,
-            crate::untrusted::clean(&e.route, 64),
-            crate::untrusted::clean(&e.event_type, 64),
-            e.created_at.to_rfc3339(),
-            e.attempts,
-            e.failure_reason.map_or("-", |r| r.as_str()),
-            crate::untrusted::clean(e.last_error.as_deref().unwrap_or("-").lines().next().unwrap_or(""), 200)
-        );
+        table.row(vec![
+            e.id.to_string(),
+            untrusted(&e.route),
+            untrusted(&e.event_type),
+            e.created_at.format("%Y-%m-%d %H:%M:%SZ").to_string(),
+            ago(Some(e.last_status_at)),
+            e.attempts.to_string(),
+            e.failure_reason.map_or("-", |r| r.as_str()).to_string(),
+            crate::untrusted::clean(e.last_error.as_deref().unwrap_or("-").lines().next().unwrap_or(""), 200),
+        ]);
     }
+    let mut out = table.render();
     if let Some(next) = page.next_after {
         let _ = write!(out, "\nmore: --after {next}");
     }
@@ -110,31 +209,83 @@ pub fn failed_page(page: &FailedPage) -> String {
 
 /// `ferry breaker list`.
 pub fn breakers(breakers: &[BreakerView]) -> String {
-    let mut out = format!("{:<20} {:<10} {:>8}  {:<25} REASON", "ROUTE", "STATE", "FAILURES", "OPENED AT");
+    let mut table =
+        Table::new(&[("ROUTE", false), ("STATE", false), ("FAILURES", true), ("OPENED", false), ("REASON", false)]);
     for view in breakers {
         let b = &view.breaker;
-        let opened = b.opened_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into());
         let state = match view.state {
             BreakerState::Open if b.manual => "open (by hand)",
             state => state.as_str(),
         };
-        let reason = b.reason.as_deref().unwrap_or("-");
-        let _ = write!(out, "\n{:<20} {:<10} {:>8}  {:<25} {reason}", b.route, state, b.consecutive_failures, opened);
+        table.row(vec![
+            untrusted(&b.route),
+            state.to_string(),
+            b.consecutive_failures.to_string(),
+            ago(b.opened_at),
+            crate::untrusted::clean(b.reason.as_deref().unwrap_or("-"), 200),
+        ]);
     }
-    out
+    table.render()
 }
 
 /// `ferry plugins list`.
 pub fn plugins(view: &PluginsView) -> String {
-    let mut out = format!("{:<16} {:<10} {:<14} {:<24} FILE", "NAME", "VERSION", "HASH", "ROUTES");
+    let mut table =
+        Table::new(&[("NAME", false), ("VERSION", false), ("HASH", false), ("ROUTES", false), ("FILE", false)]);
     for p in &view.plugins {
         let routes = if p.routes.is_empty() { "-".to_string() } else { p.routes.join(",") };
-        let hash = &p.hash[..p.hash.len().min(12)];
-        let _ = write!(out, "\n{:<16} {:<10} {:<14} {:<24} {}", p.name, p.version, hash, routes, p.file.display());
+        table.row(vec![
+            untrusted(&p.name),
+            untrusted(&p.version),
+            p.hash[..p.hash.len().min(12)].to_string(),
+            routes,
+            p.file.display().to_string(),
+        ]);
     }
+    let mut out = table.render();
     for (path, error) in &view.errors {
         let _ = write!(out, "\nnot loaded: {}: {error}", path.display());
     }
+    out
+}
+
+/// `ferry config show`: `key = value  # source`, aligned.
+pub fn config(shown: &ConfigShown) -> String {
+    let mut table = Table::new(&[("KEY", false), ("VALUE", false), ("SOURCE", false)]);
+    for s in &shown.settings {
+        table.row(vec![s.key.clone(), s.value.to_string(), s.source.clone()]);
+    }
+    table.render()
+}
+
+/// `ferry config check`: each route, the plugins, then errors and warnings, and a verdict.
+pub fn config_check(check: &ConfigCheck) -> String {
+    let mut table = Table::new(&[("ROUTE", false), ("PLUGIN", false), ("TRANSPORT", false)]);
+    for r in &check.routes {
+        let state = match &r.error {
+            None => "ready".to_string(),
+            Some(why) => format!("none: {}", crate::untrusted::clean(why, 300)),
+        };
+        table.row(vec![untrusted(&r.route), untrusted(&r.plugin), state]);
+    }
+    let mut out = format!("database      {} (not connected to)\n", check.database);
+    let names: Vec<String> =
+        check.plugins.plugins.iter().map(|p| format!("{} {}", untrusted(&p.name), untrusted(&p.version))).collect();
+    let _ = writeln!(out, "plugins       {}", if names.is_empty() { "none".to_string() } else { names.join(", ") });
+    out.push_str(&table.render());
+    // Both may quote what a plugin said (its name, its init error).
+    for warning in &check.warnings {
+        let _ = write!(out, "\nwarning: {}", crate::untrusted::clean(warning, 1000));
+    }
+    for error in &check.errors {
+        let _ = write!(out, "\nerror: {}", crate::untrusted::clean(error, 1000));
+    }
+    let verdict = if check.ok {
+        "\nok: ferry serve would start with this configuration"
+    } else {
+        "\nnot ok: fix the errors above"
+    };
+    out.push_str(verdict);
     out
 }
 
@@ -206,12 +357,24 @@ pub fn event(view: &EventView) -> String {
             a.duration_ms
         );
     }
-    match &view.payload {
-        Some(payload) => {
+    let size = event.payload.len();
+    match (&view.payload, view.payload_bytes) {
+        (Some(payload), None) => {
             let _ = write!(out, "payload\n{}", crate::untrusted::printable(payload));
         }
-        None => {
-            let _ = write!(out, "payload       {} bytes, not UTF-8 text", event.payload.len());
+        (Some(payload), Some(_)) => {
+            let _ = write!(
+                out,
+                "payload       the first {} of {size} bytes (--payload full shows all)\n{}\n…",
+                payload.len(),
+                crate::untrusted::printable(payload)
+            );
+        }
+        (None, _) if view.payload_base64.is_none() && view.payload_bytes.is_some() => {
+            let _ = write!(out, "payload       {size} bytes, not shown");
+        }
+        (None, _) => {
+            let _ = write!(out, "payload       {size} bytes, not UTF-8 text");
         }
     }
     out

@@ -13,9 +13,11 @@ use serde::Deserialize;
 mod env;
 mod grants;
 mod settings;
+mod sources;
 mod units;
 
 pub use self::settings::{Ordering, PluginSettings, RouteSettings, Sandbox, Settings};
+pub use self::sources::{ConfigShown, Setting, Sources};
 pub use self::units::{
     ByteSize, ConfigValue, Dur, MaxAttempts, Retention, format_duration, normalize_origin, parse_duration, parse_size,
 };
@@ -54,6 +56,9 @@ pub struct Config {
     /// Routes, keyed by the route name events carry.
     #[serde(default)]
     pub route: BTreeMap<String, RouteConfig>,
+    /// The file this was read from, if any (for the start-up line).
+    #[serde(skip)]
+    pub file: Option<PathBuf>,
 }
 
 /// The per-route circuit breaker.
@@ -79,6 +84,8 @@ pub struct AdminConfig {
     pub max_connections: u32,
     /// How long a client has to send a request's headers.
     pub header_timeout: Dur,
+    /// Whether `/metrics` is served without the token.
+    pub metrics_public: bool,
 }
 
 impl fmt::Debug for AdminConfig {
@@ -89,6 +96,7 @@ impl fmt::Debug for AdminConfig {
             .field("token_file", &self.token_file)
             .field("max_connections", &self.max_connections)
             .field("header_timeout", &self.header_timeout)
+            .field("metrics_public", &self.metrics_public)
             .finish()
     }
 }
@@ -144,6 +152,8 @@ pub struct RelayConfig {
     pub instance_id: String,
     /// Largest payload accepted at emit and loaded at claim.
     pub max_payload: ByteSize,
+    /// Whether `serve` starts with no routes, or with a route whose plugin is not loaded.
+    pub allow_incomplete: bool,
 }
 
 /// The retry keys, all present in the defaults.
@@ -332,8 +342,9 @@ impl Config {
     /// Parses `text` over the defaults, then applies environment overrides: `FERRY_RELAY_BATCH_SIZE=500`
     /// sets `relay.batch_size`, for every key of the `database`, `relay`, `retry`, `breaker`, `admin` and `plugins`
     /// tables. A value is read as TOML when it parses as such (`500`, `true`, `["a"]`) and as a
-    /// string otherwise (`5m`, `unlimited`). An unknown `FERRY_` variable, or a bad value, is an
-    /// error naming the variable. Variables read elsewhere (`FERRY_CONFIG`, `FERRY_LOG`,
+    /// string otherwise (`5m`, `unlimited`). A bad value, or an unknown key of one of ferry's
+    /// tables, is an error naming the variable; a `FERRY_` variable that names no table of ferry's
+    /// is some other program's, ignored with a warning. Variables read elsewhere (`FERRY_CONFIG`, `FERRY_LOG`,
     /// `FERRY_LOG_FORMAT`, `FERRY_DATABASE_URL`) are left alone.
     pub fn from_sources(
         text: &str,
@@ -356,10 +367,21 @@ impl Config {
         let user: toml::Table =
             text.parse().map_err(|e: toml::de::Error| ConfigError::invalid(origin, e.to_string()))?;
         env::merge(&mut merged, user);
-        env::overlay(&defaults, &mut merged, env)?;
-        let mut config: Config = toml::Value::Table(merged)
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::invalid(origin, e.message().to_string()))?;
+        env::overlay(&defaults, &mut merged, env, true)?;
+        // Every variable was checked alone above, so what fails here is the file's: blamed on the
+        // key, and on its line when the file sets it.
+        let mut config: Config = serde_path_to_error::deserialize(toml::Value::Table(merged)).map_err(|e| {
+            let key = e.path().to_string();
+            let message = e.inner().message().to_string();
+            let place = match sources::line_of(text, &key) {
+                Some(line) => format!("{origin}, line {line}"),
+                None => origin.to_string(),
+            };
+            match key.as_str() {
+                "" | "." => ConfigError::invalid(&place, message),
+                _ => ConfigError::invalid(&place, format!("{key}: {message}")),
+            }
+        })?;
         if let Some(base) = base {
             config.resolve_paths(base);
         }

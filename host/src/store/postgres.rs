@@ -19,8 +19,8 @@ use ferry_outbox::Outbox;
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
-    Recovered, SentCall, Stats, Store, StoreError, WATCH_SQL, calls_of, claimed_event, complete_batch,
-    counts_by_status, duration_ms, ids_in_order, in_claim_order, stats_from,
+    Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
+    complete_batch, counts_by_status, duration_ms, ids_in_order, in_claim_order, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -418,8 +418,14 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    async fn stats(&self, now: DateTime<Utc>, latency_since: Option<DateTime<Utc>>) -> Result<Stats, StoreError> {
-        let counts = sqlx::query(ROUTE_COUNTS_SQL).fetch_all(&self.pool).await?;
+    async fn stats(
+        &self,
+        now: DateTime<Utc>,
+        latency_since: Option<DateTime<Utc>>,
+        count_sent: bool,
+    ) -> Result<Stats, StoreError> {
+        let counts_sql = if count_sent { ROUTE_COUNTS_SQL } else { UNFINISHED_COUNTS_SQL };
+        let counts = sqlx::query(counts_sql).fetch_all(&self.pool).await?;
         let watch = sqlx::query(WATCH_SQL).bind(now).fetch_one(&self.pool).await?;
         let latency = match latency_since {
             Some(since) => Some((

@@ -85,17 +85,28 @@ fn latency(since: DateTime<Utc>, rows: &[(DateTime<Utc>, DateTime<Utc>, DateTime
     Some(Latency { since, samples: rows.len(), from_event_time, from_created })
 }
 
-/// The figures of [`Stats`] besides the counts and latency, in one pass over the unfinished rows.
-/// The same text serves both backends; only the time type of the parameter differs.
-pub(crate) const WATCH_SQL: &str = "SELECT MIN(created_at) FILTER (WHERE status = 'PENDING') AS oldest_pending,
-            MIN(next_attempt_at) FILTER (WHERE status = 'PENDING' AND next_attempt_at <= $1) AS oldest_due,
-            COUNT(*) FILTER (WHERE status = 'PROCESSING' AND lease_until < $1) AS stuck,
-            COUNT(*) FILTER (WHERE status = 'PENDING' AND max_attempts > 0 AND attempts >= max_attempts - 1)
-                AS last_attempt
-     FROM ferry_events WHERE status IN ('PENDING', 'PROCESSING')";
+/// The figures of [`Stats`] besides the counts and latency. Each sub-query names one status, so
+/// it reads only that status's partial index and rows, never the retained SENT ones. The same
+/// text serves both backends; only the time type of the parameter differs.
+pub const WATCH_SQL: &str = "SELECT
+        (SELECT MIN(created_at) FROM ferry_events WHERE status = 'PENDING') AS oldest_pending,
+        (SELECT MIN(next_attempt_at) FROM ferry_events WHERE status = 'PENDING' AND next_attempt_at <= $1)
+            AS oldest_due,
+        (SELECT COUNT(*) FROM ferry_events WHERE status = 'PROCESSING' AND lease_until < $1) AS stuck,
+        (SELECT COUNT(*) FROM ferry_events
+         WHERE status = 'PENDING' AND max_attempts > 0 AND attempts >= max_attempts - 1) AS last_attempt";
 
 pub(crate) const ROUTE_COUNTS_SQL: &str =
     "SELECT route, status, COUNT(*) AS n FROM ferry_events GROUP BY route, status";
+
+/// `ROUTE_COUNTS_SQL` without SENT: one arm per status, each matching its partial index's
+/// predicate exactly, so none reads the retained SENT rows.
+pub const UNFINISHED_COUNTS_SQL: &str =
+    "SELECT route, 'PENDING' AS status, COUNT(*) AS n FROM ferry_events WHERE status = 'PENDING' GROUP BY route
+     UNION ALL
+     SELECT route, 'PROCESSING', COUNT(*) FROM ferry_events WHERE status = 'PROCESSING' GROUP BY route
+     UNION ALL
+     SELECT route, 'FAILED', COUNT(*) FROM ferry_events WHERE status = 'FAILED' GROUP BY route";
 
 pub(crate) const LATENCY_SQL: &str = "SELECT event_time, created_at, processed_at FROM ferry_events
      WHERE status = 'SENT' AND processed_at >= $1 ORDER BY processed_at DESC LIMIT $2";

@@ -449,9 +449,10 @@
     return "";
   }
 
-  function headers(text) {
-    let parsed;
-    try { parsed = JSON.parse(text || "{}"); } catch { return h("pre", { class: "payload" }, text); }
+  // An object as stored, or (for a row written by hand that holds no JSON object) its text.
+  function headers(value) {
+    if (typeof value === "string") return h("pre", { class: "payload" }, value);
+    const parsed = value;
     const entries = Array.isArray(parsed) ? parsed : Object.entries(parsed || {});
     if (entries.length === 0) return h("p", { class: "muted" }, "None.");
     return table(["Name", "Value"], entries.map((pair) => h("tr", {},

@@ -1,0 +1,30 @@
+//! Records the commit ferry is built from, for `ferry --version`: `git rev-parse` when the source is
+//! a git checkout, `unknown` otherwise (a source archive, or no git installed). The build script
+//! re-runs when HEAD moves, not on every change to the index, so `git status` never rebuilds ferry.
+
+use std::process::Command;
+
+fn git(args: &[&str]) -> Option<String> {
+    let output = Command::new("git").args(args).output().ok()?;
+    let text = String::from_utf8(output.stdout).ok()?;
+    (output.status.success() && !text.trim().is_empty()).then(|| text.trim().to_string())
+}
+
+fn main() {
+    let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    println!("cargo:rustc-env=BUILT_FROM_COMMIT={commit}");
+    // HEAD, and the branch refs it may point to: loose (a directory, which cargo scans) or packed.
+    // In a worktree the refs live in the common directory.
+    let dirs =
+        [git(&["rev-parse", "--absolute-git-dir"]), git(&["rev-parse", "--path-format=absolute", "--git-common-dir"])];
+    for dir in dirs.into_iter().flatten() {
+        let dir = std::path::Path::new(&dir);
+        // Only what exists: cargo re-runs a build script on every build for a missing path.
+        for watched in [dir.join("HEAD"), dir.join("packed-refs"), dir.join("refs").join("heads")] {
+            if watched.exists() {
+                println!("cargo:rerun-if-changed={}", watched.display());
+            }
+        }
+    }
+    println!("cargo:rerun-if-changed=build.rs");
+}

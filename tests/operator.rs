@@ -109,34 +109,32 @@ async fn serve_refuses_an_incomplete_configuration_unless_told_otherwise() {
     // A plugin whose file is there but does not load fails only its own route's events.
     std::fs::write(dir.path().join("plugins").join("broken.wasm"), b"\0asm but not really").unwrap();
     let broken = log_route(dir.path(), "[route.shaky]\nplugin = \"broken\"\n");
-    let log = dir.path().join("broken.log");
-    let mut serve = spawn_serve(&broken, &log);
-    eventually(Duration::from_secs(30), "serve to start without the broken plugin", || async {
-        std::fs::read_to_string(&log).unwrap_or_default().contains("route has no transport").then_some(())
-    })
-    .await;
-    assert!(serve.try_wait().unwrap().is_none(), "serve runs: {}", std::fs::read_to_string(&log).unwrap());
-    let _ = serve.kill();
-    let _ = serve.wait();
+    runs_without_a_transport(&broken, &[], &dir.path().join("broken.log")).await;
     std::fs::remove_file(dir.path().join("plugins").join("broken.wasm")).unwrap();
     assert!(!database.exists(), "refused before the database was created");
 
-    // Told otherwise, it starts, and says which route has no transport.
-    let log = dir.path().join("serve.log");
+    // Told otherwise, the mistyped route starts too, and is said to have no transport.
+    let typo = log_route(dir.path(), "[route.typo]\nplugin = \"lgo\"\n");
+    runs_without_a_transport(&typo, &[("FERRY_RELAY_ALLOW_INCOMPLETE", "true")], &dir.path().join("serve.log")).await;
+}
+
+/// Starts `serve` on `config` with `env`, waits for it to log a route without a transport, checks
+/// that it is still running, and stops it.
+async fn runs_without_a_transport(config: &Path, env: &[(&str, &str)], log: &Path) {
     let mut serve = Command::new(crate::common::ferry_bin())
         .args(["--config", config.to_str().unwrap(), "serve"])
         .env_remove("FERRY_DATABASE_URL")
-        .env("FERRY_RELAY_ALLOW_INCOMPLETE", "true")
+        .envs(env.iter().copied())
         .env("FERRY_LOG", "warn")
         .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(log).unwrap())
         .spawn()
         .unwrap();
     eventually(Duration::from_secs(30), "serve to report the route without transport", || async {
-        std::fs::read_to_string(&log).unwrap_or_default().contains("route has no transport").then_some(())
+        std::fs::read_to_string(log).unwrap_or_default().contains("route has no transport").then_some(())
     })
     .await;
-    assert!(serve.try_wait().unwrap().is_none(), "serve is running: {}", std::fs::read_to_string(&log).unwrap());
+    assert!(serve.try_wait().unwrap().is_none(), "serve is running: {}", std::fs::read_to_string(log).unwrap());
     let _ = serve.kill();
     let _ = serve.wait();
 }

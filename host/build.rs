@@ -11,7 +11,14 @@ fn git(args: &[&str]) -> Option<String> {
 }
 
 fn main() {
-    let commit = git(&["rev-parse", "--short=12", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    // Only ferry's own repository: a source tree unpacked inside some other repository (a home
+    // directory kept in git) must not report that repository's commit.
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
+    let own = git(&["rev-parse", "--show-toplevel"])
+        .and_then(|top| std::fs::canonicalize(top).ok())
+        .zip(std::fs::canonicalize(&manifest).ok())
+        .is_some_and(|(top, manifest)| manifest.starts_with(&top) && top.join("wit").is_dir());
+    let commit = own.then(|| git(&["rev-parse", "--short=12", "HEAD"])).flatten().unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=BUILT_FROM_COMMIT={commit}");
     // HEAD, and the branch refs it may point to: loose (a directory, which cargo scans) or packed.
     // In a worktree the refs live in the common directory.

@@ -168,7 +168,20 @@ async fn the_cli_and_the_api_give_the_same_answers() {
     assert_eq!(cli(&api, &["failed", "resend", "--route", "a"]), resent);
     let Answer::Ok(created) = cli(&api, &["emit", "s", "order.paid", "{\"n\":1}"]) else { panic!("emit refused") };
     let shown = get(format!("/v1/events/{}", created["id"])).await;
-    assert_eq!(cli(&api, &["show", &created["id"].to_string()]), shown, "an event emitted by the CLI");
+    // Why it waits depends on the time each front-end's clock says (the API's is a test clock).
+    let unhurried = |answer: Answer| match answer {
+        Answer::Ok(mut view) => {
+            assert!(view["waiting"].as_array().is_some_and(|w| !w.is_empty()), "a PENDING event says why: {view}");
+            view.as_object_mut().map(|v| v.remove("waiting"));
+            Answer::Ok(view)
+        }
+        refused => refused,
+    };
+    assert_eq!(
+        unhurried(cli(&api, &["show", &created["id"].to_string()])),
+        unhurried(shown),
+        "an event emitted by the CLI"
+    );
 
     // Reports: the same figures (the time they were taken aside).
     let figures = |answer: Answer| match answer {

@@ -42,6 +42,8 @@ async fn main() -> ExitCode {
 /// default, or `json`) say; a value ferry cannot use is an error naming the variable.
 fn logging() -> Result<(), String> {
     let filter = match std::env::var("FERRY_LOG") {
+        // Set but empty (a line left in an environment file): the default.
+        Ok(spec) if spec.trim().is_empty() => EnvFilter::new(DEFAULT_LOG),
         Ok(spec) => log_filter(&spec)?,
         Err(std::env::VarError::NotPresent) => EnvFilter::new(DEFAULT_LOG),
         Err(std::env::VarError::NotUnicode(_)) => return Err("environment variable FERRY_LOG is not UTF-8".into()),

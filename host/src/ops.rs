@@ -9,7 +9,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 
-use crate::breaker::Breaker;
+use crate::breaker::{Breaker, BreakerState};
 use crate::clock::Clock;
 use crate::config::{Ordering, Settings};
 use crate::event::{FailureReason, NewEvent, Status};
@@ -222,7 +222,73 @@ impl Ops {
         self.check_id(id)?;
         let event = self.store.get(id).await?.ok_or_else(|| OpError::NotFound(format!("no event with id {id}")))?;
         let attempts = self.store.attempts(id).await?;
-        Ok(EventView::new(event, Some(attempts)))
+        let waiting = match event.status {
+            Status::Pending => Some(self.why_waiting(&event).await?),
+            _ => None,
+        };
+        let mut view = EventView::new(event, Some(attempts));
+        view.waiting = waiting;
+        Ok(view)
+    }
+
+    /// Why a PENDING event is not being delivered yet, a sentence per reason: deferred or backing
+    /// off, its route's breaker, an earlier event of its ordering key; "due now" when nothing
+    /// holds it back. (Whether the route's plugin is loaded only the running ferry knows: its
+    /// readiness check and `ferry config check` say.)
+    async fn why_waiting(&self, event: &crate::event::EventRecord) -> Result<Vec<String>, OpError> {
+        let now = self.clock.now();
+        let Some(route) = self.settings.route(&event.route) else {
+            return Ok(vec![format!(
+                "route {:?} is not configured here: when it is due, it fails with reason no_transport",
+                event.route
+            )]);
+        };
+        let mut why = Vec::new();
+        if event.next_attempt_at > now {
+            let when = event.next_attempt_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+            why.push(match event.attempts {
+                0 => format!("deferred until {when}"),
+                n => format!("attempt {} is due at {when}, after a transient failure", n + 1),
+            });
+        }
+        let cooldown = self.settings.breaker_cooldown();
+        if let Some(b) = self.store.breakers().await?.into_iter().find(|b| b.route == event.route) {
+            let reason = b.reason.as_deref().unwrap_or("no reason given");
+            match b.state(now, cooldown) {
+                BreakerState::Open if b.manual => why.push(format!(
+                    "the route's breaker was opened by hand ({reason}): its events wait until `ferry breaker close {}`",
+                    event.route
+                )),
+                BreakerState::Open => why.push(format!(
+                    "the route's breaker is open after {} transient failures in a row (the last: {reason}); a probe \
+                     delivery may go from {}",
+                    b.consecutive_failures,
+                    b.opened_at.map_or_else(String::new, |at| {
+                        crate::clock::later(at, cooldown).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                    })
+                )),
+                BreakerState::HalfOpen => {
+                    why.push("the route's breaker is half-open: one probe delivery at a time until one succeeds".into())
+                }
+                BreakerState::Closed => {}
+            }
+        }
+        if let (Ordering::Ordered { failed_blocks_key }, Some(key)) = (route.ordering, &event.ordering_key)
+            && let Some((ahead, status)) =
+                self.store.ahead_in_key(&event.route, key, event.id, failed_blocks_key).await?
+        {
+            why.push(match status {
+                Status::Failed => format!(
+                    "event {ahead}, earlier in its ordering key, is FAILED and holds the key back until it is \
+                     resent or purged"
+                ),
+                status => format!("event {ahead}, earlier in its ordering key, is {status} and goes first"),
+            });
+        }
+        if why.is_empty() {
+            why.push("due now: the next claim takes it".into());
+        }
+        Ok(why)
     }
 
     /// Makes FAILED event `id` PENDING again, attempts and error reset.

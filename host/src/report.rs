@@ -34,6 +34,9 @@ pub struct EventView {
     /// less than all of it (`ferry show --payload head|none`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_bytes: Option<u64>,
+    /// For a PENDING event: why it is not being delivered yet, a sentence per reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Vec<String>>,
 }
 
 impl EventView {
@@ -42,7 +45,7 @@ impl EventView {
             Ok(text) => (Some(text.to_string()), None),
             Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&event.payload))),
         };
-        EventView { event, payload, payload_base64, attempts_history: attempts, payload_bytes: None }
+        EventView { event, payload, payload_base64, attempts_history: attempts, payload_bytes: None, waiting: None }
     }
 
     /// Keeps at most `limit` bytes of the payload (cut at a character boundary for text), and

@@ -22,15 +22,14 @@ enum Target {
 impl Notifier {
     /// The notifier `NOTIFY_SOCKET` describes.
     pub fn from_env() -> Notifier {
+        use std::os::unix::ffi::OsStrExt as _;
         let target = std::env::var_os("NOTIFY_SOCKET").and_then(|socket| {
-            let text = socket.to_string_lossy();
-            match text.strip_prefix('@') {
+            let bytes = socket.as_bytes();
+            match bytes.split_first() {
                 #[cfg(target_os = "linux")]
-                Some(name) => Some(Target::Abstract(name.as_bytes().to_vec())),
-                #[cfg(not(target_os = "linux"))]
-                Some(_) => None,
-                None if text.starts_with('/') => Some(Target::Path(socket.into())),
-                None => None,
+                Some((b'@', name)) => Some(Target::Abstract(name.to_vec())),
+                Some((b'/', _)) => Some(Target::Path(socket.into())),
+                _ => None,
             }
         });
         Notifier { target }
@@ -55,12 +54,14 @@ impl Notifier {
             return None;
         }
         let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok().filter(|u| *u > 0)?;
-        Some(Duration::from_micros(usec / 2))
+        Some(Duration::from_micros(usec / 2).max(Duration::from_millis(1)))
     }
 }
 
 fn send(target: &Target, message: &[u8]) -> std::io::Result<()> {
     let socket = std::os::unix::net::UnixDatagram::unbound()?;
+    // Never wait on systemd: a full queue drops the message (the next watchdog tick follows).
+    socket.set_nonblocking(true)?;
     match target {
         Target::Path(path) => socket.send_to(message, path).map(drop),
         #[cfg(target_os = "linux")]

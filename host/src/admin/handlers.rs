@@ -55,23 +55,33 @@ pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value
 }
 
 pub(super) async fn metrics(State(admin): State<Admin>) -> Result<Response, ApiError> {
-    let mut last = admin.scrape.lock().await;
+    // A scrape waits for the one in progress, but not for long: a database that stopped
+    // answering must not pile scrapers up on the admin port's connections.
+    let limit = std::time::Duration::from_secs(10);
+    let busy = || ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the metrics could not be read within 10 s");
+    let mut last = tokio::time::timeout(limit, admin.scrape.lock()).await.map_err(|_| busy())?;
     let fresh = last.as_ref().filter(|(at, _)| at.elapsed() < std::time::Duration::from_secs(1));
-    let text = match fresh {
-        Some((_, text)) => text.clone(),
+    // Failures are kept for the second as well, so waiting scrapers do not each retry them.
+    let answer = match fresh {
+        Some((_, answer)) => answer.clone(),
         None => {
-            let text = scrape(&admin).await?;
-            *last = Some((std::time::Instant::now(), text.clone()));
-            text
+            let answer = match tokio::time::timeout(limit, scrape(&admin)).await {
+                Ok(Ok(text)) => Ok(text),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("the metrics could not be read within 10 s".to_string()),
+            };
+            *last = Some((std::time::Instant::now(), answer.clone()));
+            answer
         }
     };
+    let text = answer.map_err(|message| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message))?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
 }
 
 /// Reads the outbox figures and renders every metric.
-async fn scrape(admin: &Admin) -> Result<String, ApiError> {
+async fn scrape(admin: &Admin) -> Result<String, ops::OpError> {
     let ops = &admin.ops;
-    let store_error = |e| ApiError::from(ops::OpError::from(e));
+    let store_error = ops::OpError::from;
     // Only the statuses with partial indexes are counted: a scrape must not read every SENT row
     // kept for retention (deliveries are counted by ferry_events_delivered instead).
     let stats = ops.store.stats(ops.clock.now(), None, false).await.map_err(store_error)?;

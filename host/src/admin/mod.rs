@@ -32,6 +32,9 @@ use crate::store::Store;
 /// The OpenAPI description served at `/v1/openapi.json`.
 pub const OPENAPI: &str = include_str!("openapi.json");
 
+/// A `/metrics` answer (or why there is none) and when it was made.
+type Scrape = (std::time::Instant, Result<String, String>);
+
 /// What the handlers share.
 #[derive(Clone)]
 pub struct Admin {
@@ -46,7 +49,7 @@ pub struct Admin {
     /// The last `/metrics` answer and when it was made: scrapes within a second share it, and
     /// one at a time reaches the database (`/metrics` may be open to anyone, see
     /// `admin.metrics_public`).
-    scrape: Arc<tokio::sync::Mutex<Option<(std::time::Instant, String)>>>,
+    scrape: Arc<tokio::sync::Mutex<Option<Scrape>>>,
 }
 
 impl std::fmt::Debug for Admin {

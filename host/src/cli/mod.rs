@@ -390,7 +390,10 @@ impl Cli {
             None if std::path::Path::new("ferry.toml").exists() => Some(PathBuf::from("ferry.toml")),
             None => None,
         };
-        let env: Vec<(String, String)> = std::env::vars().collect();
+        // Only what is UTF-8: ferry's variables are text, and another program's need not be.
+        let env: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+            .collect();
         Sources::read(file, env, self.database_url.clone()).map_err(Into::into)
     }
 
@@ -669,7 +672,8 @@ async fn config_check(config: &Config, json: bool) -> anyhow::Result<()> {
     let check = service::check(config).await?;
     say(json, &check, render::config_check)?;
     if !check.ok {
-        return Err(Answered(check.errors.join("; ")).into());
+        let errors = check.errors.iter().map(|e| crate::untrusted::clean(e, 1000)).collect::<Vec<_>>();
+        return Err(Answered(errors.join("; ")).into());
     }
     Ok(())
 }
@@ -761,7 +765,7 @@ async fn plugins_try(config: &Config, args: TryArgs, json: bool) -> anyhow::Resu
     let report = trial::run(config, &setup, &events).await?;
     say(json, &report, render::trial)?;
     if let Some(error) = &report.init.error {
-        return Err(Answered(format!("init failed: {error}")).into());
+        return Err(Answered(format!("init failed: {}", crate::untrusted::clean(error, 1000))).into());
     }
     if report.succeeded < report.events {
         return Err(Answered(format!(

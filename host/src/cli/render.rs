@@ -336,6 +336,9 @@ pub fn event(view: &EventView) -> String {
     for (name, value) in fields {
         let _ = writeln!(out, "{name:<13} {value}");
     }
+    for (n, why) in view.waiting.iter().flatten().enumerate() {
+        let _ = writeln!(out, "{:<13} {}", if n == 0 { "waiting" } else { "" }, text(why));
+    }
     let attempts = view.attempts_history.as_deref().unwrap_or_default();
     let _ = writeln!(out, "history       {} attempts recorded", attempts.len());
     for a in attempts {

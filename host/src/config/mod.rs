@@ -364,15 +364,18 @@ impl Config {
     ) -> Result<Config, ConfigError> {
         let defaults: toml::Table = DEFAULT_TOML.parse().expect("ferry.default.toml parses");
         let mut merged = defaults.clone();
-        let user: toml::Table =
-            text.parse().map_err(|e: toml::de::Error| ConfigError::invalid(origin, e.to_string()))?;
+        let user: toml::Table = text.parse().map_err(|e: toml::de::Error| syntax_error(origin, text, &e))?;
         env::merge(&mut merged, user);
         env::overlay(&defaults, &mut merged, env, true)?;
         // Every variable was checked alone above, so what fails here is the file's: blamed on the
         // key, and on its line when the file sets it.
         let mut config: Config = serde_path_to_error::deserialize(toml::Value::Table(merged)).map_err(|e| {
             let key = e.path().to_string();
-            let message = e.inner().message().to_string();
+            let message = match sources::is_secret(&key) {
+                // serde's message quotes the value (`invalid type: integer `123456``).
+                true => "invalid type or value (not shown: the setting holds a secret)".to_string(),
+                false => e.inner().message().to_string(),
+            };
             let place = match sources::line_of(text, &key) {
                 Some(line) => format!("{origin}, line {line}"),
                 None => origin.to_string(),
@@ -524,6 +527,18 @@ impl Config {
                 None => format!("sqlite://{}", full.display()),
             };
         }
+    }
+}
+
+/// A TOML syntax error, placed by its line. toml's own rendering quotes the offending source line,
+/// which may hold a secret (`token = hunter2`), so only its message is kept.
+pub(crate) fn syntax_error(origin: &str, text: &str, e: &toml::de::Error) -> ConfigError {
+    match e.span() {
+        Some(span) => {
+            let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+            ConfigError::invalid(&format!("{origin}, line {line}"), e.message().to_string())
+        }
+        None => ConfigError::invalid(origin, e.message().to_string()),
     }
 }
 

@@ -87,7 +87,7 @@ impl Sources {
         let defaults: toml::Table = DEFAULT_TOML.parse().expect("ferry.default.toml parses");
         let user: toml::Table = match &self.file {
             Some((_, text)) => {
-                text.parse().map_err(|e: toml::de::Error| ConfigError::invalid(&self.origin(), e.to_string()))?
+                text.parse().map_err(|e: toml::de::Error| super::syntax_error(&self.origin(), text, &e))?
             }
             None => toml::Table::new(),
         };
@@ -112,10 +112,8 @@ impl Sources {
                 // An empty secret is shown as empty: "not set" is what the operator needs to see.
                 toml::Value::String(text) if text.is_empty() => serde_json::Value::String(String::new()),
                 _ if secret(path) => serde_json::Value::String(MASK.into()),
-                // A URL may carry a password wherever it is (`https://user:pass@host/`).
-                toml::Value::String(text) if text.contains("://") => {
-                    serde_json::Value::String(crate::store::redact_url(text))
-                }
+                // A URL may carry a secret wherever it is (`https://user:pass@host/`, `?token=…`).
+                toml::Value::String(text) if text.contains("://") => serde_json::Value::String(redact_any_url(text)),
                 _ => serde_json::to_value(value).unwrap_or(serde_json::Value::Null),
             };
             settings.push(Setting { key, value, source });
@@ -149,18 +147,50 @@ fn lookup<'a>(table: &'a toml::Table, path: &[&str]) -> Option<&'a toml::Value> 
     }
 }
 
+/// Whether the setting at dotted `key` (as serde_path_to_error prints it) is a secret.
+pub(super) fn is_secret(key: &str) -> bool {
+    let path: Vec<&str> = key.split('.').map(|step| step.split('[').next().unwrap_or(step)).collect();
+    secret(&path)
+}
+
+/// `url` with its user information and any query parameter named like a secret masked:
+/// `https://***@host/in?sig=***&v=2`.
+fn redact_any_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    let (authority, tail) = rest.find(['/', '?', '#']).map_or((rest, ""), |i| rest.split_at(i));
+    let authority = authority.rsplit_once('@').map_or_else(|| authority.to_string(), |(_, host)| format!("***@{host}"));
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let query: Vec<String> = query
+                .split('&')
+                .map(|pair| match pair.split_once('=') {
+                    Some((name, _)) if secret_word(name) || name.eq_ignore_ascii_case("sig") => {
+                        format!("{name}={MASK}")
+                    }
+                    _ => pair.to_string(),
+                })
+                .collect();
+            format!("{path}?{}", query.join("&"))
+        }
+        None => tail.to_string(),
+    };
+    format!("{scheme}://{authority}{tail}")
+}
+
+fn secret_word(name: &str) -> bool {
+    const SECRET_WORDS: [&str; 10] =
+        ["secret", "password", "passwd", "token", "key", "credential", "sasl", "auth", "bearer", "dsn"];
+    let name = name.to_ascii_lowercase();
+    SECRET_WORDS.iter().any(|w| name.contains(w))
+}
+
 /// Whether the setting at `path` is a secret: the admin token, a plugin's environment values,
 /// and route config keys whose names say they hold one.
 fn secret(path: &[&str]) -> bool {
-    const SECRET_WORDS: [&str; 10] =
-        ["secret", "password", "passwd", "token", "key", "credential", "sasl", "auth", "bearer", "dsn"];
     match path {
         ["admin", "token"] => true,
         ["sandbox", _, "env", ..] => true,
-        ["route", _, "config", name, ..] => {
-            let name = name.to_ascii_lowercase();
-            SECRET_WORDS.iter().any(|w| name.contains(w))
-        }
+        ["route", _, "config", name, ..] => secret_word(name),
         _ => false,
     }
 }
@@ -199,6 +229,17 @@ mod tests {
         assert_eq!(line_of("retry.schedule = [\"1s\",\n 2]\n", "retry.schedule[1]"), Some(1));
         assert_eq!(line_of(text, "relay.lease"), None);
         assert_eq!(line_of("not toml [", "relay.lease"), None);
+    }
+
+    #[test]
+    fn urls_lose_user_information_and_secret_parameters() {
+        assert_eq!(redact_any_url("https://ghp_abc@host/x"), "https://***@host/x");
+        assert_eq!(
+            redact_any_url("https://u:p@host:8443/x?v=2&access_token=t&sig=s"),
+            "https://***@host:8443/x?v=2&access_token=********&sig=********"
+        );
+        assert_eq!(redact_any_url("http://plain/x"), "http://plain/x");
+        assert!(is_secret("sandbox.x.env.PIN") && is_secret("admin.token") && !is_secret("relay.batch_size"));
     }
 
     #[test]

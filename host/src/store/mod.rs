@@ -298,6 +298,16 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// The delivery history of event `id`, oldest first.
     async fn attempts(&self, id: i64) -> Result<Vec<AttemptRecord>, StoreError>;
 
+    /// The oldest event of `route` and ordering `key` older than `id` that holds it back on an
+    /// ordered route: PENDING or PROCESSING, or FAILED when `failed_blocks`. Its id and status.
+    async fn ahead_in_key(
+        &self,
+        route: &str,
+        key: &str,
+        id: i64,
+        failed_blocks: bool,
+    ) -> Result<Option<(i64, Status)>, StoreError>;
+
     /// Number of events per status (statuses with no events are included as zero).
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError>;
 
@@ -406,6 +416,18 @@ pub async fn connect(url: &str, max_connections: u32, create: bool) -> Result<Ar
         (true, true) => Ok(Arc::new(SqliteStore::connect(url, max_connections).await?)),
         (true, false) => Ok(Arc::new(SqliteStore::connect_existing(url, max_connections).await?)),
         (false, _) => Ok(Arc::new(PostgresStore::connect(url, max_connections).await?)),
+    }
+}
+
+/// The statement of [`Store::ahead_in_key`], on either backend; it reads the `ferry_events_key`
+/// index (route, key, id over unfinished events).
+pub(crate) fn ahead_in_key_sql(failed_blocks: bool) -> &'static str {
+    if failed_blocks {
+        "SELECT id, status FROM ferry_events WHERE route = $1 AND ordering_key = $2 AND id < $3
+         AND status IN ('PENDING', 'PROCESSING', 'FAILED') ORDER BY id LIMIT 1"
+    } else {
+        "SELECT id, status FROM ferry_events WHERE route = $1 AND ordering_key = $2 AND id < $3
+         AND status IN ('PENDING', 'PROCESSING') ORDER BY id LIMIT 1"
     }
 }
 

@@ -441,6 +441,17 @@ impl Store for PostgresStore {
         Ok(sqlx::query_as(ATTEMPTS_SQL).bind(id).fetch_all(&self.pool).await?)
     }
 
+    async fn ahead_in_key(
+        &self,
+        route: &str,
+        key: &str,
+        id: i64,
+        failed_blocks: bool,
+    ) -> Result<Option<(i64, Status)>, StoreError> {
+        let sql = super::ahead_in_key_sql(failed_blocks);
+        Ok(sqlx::query_as(sql).bind(route).bind(key).bind(id).fetch_optional(&self.pool).await?)
+    }
+
     async fn counts(&self) -> Result<BTreeMap<Status, u64>, StoreError> {
         let rows: Vec<(String, i64)> =
             sqlx::query_as("SELECT status, COUNT(*) FROM ferry_events GROUP BY status").fetch_all(&self.pool).await?;

@@ -154,27 +154,9 @@ pub(super) fn is_secret(key: &str) -> bool {
 }
 
 /// `url` with its user information and any query parameter named like a secret masked:
-/// `https://***@host/in?sig=***&v=2`.
+/// `https://***@host/in?sig=********&v=2`.
 fn redact_any_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
-    let (authority, tail) = rest.find(['/', '?', '#']).map_or((rest, ""), |i| rest.split_at(i));
-    let authority = authority.rsplit_once('@').map_or_else(|| authority.to_string(), |(_, host)| format!("***@{host}"));
-    let tail = match tail.split_once('?') {
-        Some((path, query)) => {
-            let query: Vec<String> = query
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((name, _)) if secret_word(name) || name.eq_ignore_ascii_case("sig") => {
-                        format!("{name}={MASK}")
-                    }
-                    _ => pair.to_string(),
-                })
-                .collect();
-            format!("{path}?{}", query.join("&"))
-        }
-        None => tail.to_string(),
-    };
-    format!("{scheme}://{authority}{tail}")
+    crate::store::mask_url(url, true, MASK, |name| secret_word(name) || name.eq_ignore_ascii_case("sig"))
 }
 
 fn secret_word(name: &str) -> bool {

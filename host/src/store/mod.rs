@@ -384,9 +384,17 @@ pub trait Store: std::fmt::Debug + Send + Sync {
 /// A database URL with any password replaced, for error messages and logs: the one in the
 /// authority (which may itself contain `@`) and a `password=` query parameter.
 pub fn redact_url(url: &str) -> String {
+    mask_url(url, false, "***", |name| name.eq_ignore_ascii_case("password"))
+}
+
+/// `url` with `***` in place of its password (or, with `whole_user`, of all its user
+/// information), and `mask` in place of the value of every query parameter `secret` names. Text
+/// that is not a URL comes back as it is.
+pub fn mask_url(url: &str, whole_user: bool, mask: &str, secret: impl Fn(&str) -> bool) -> String {
     let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
     let (authority, tail) = rest.find(['/', '?']).map_or((rest, ""), |i| rest.split_at(i));
     let authority = match authority.rsplit_once('@') {
+        Some((_, host)) if whole_user => format!("***@{host}"),
         Some((auth, host)) => match auth.split_once(':') {
             Some((user, _password)) => format!("{user}:***@{host}"),
             None => format!("{auth}@{host}"),
@@ -398,7 +406,7 @@ pub fn redact_url(url: &str) -> String {
             let query: Vec<String> = query
                 .split('&')
                 .map(|pair| match pair.split_once('=') {
-                    Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+                    Some((key, _)) if secret(key) => format!("{key}={mask}"),
                     _ => pair.to_string(),
                 })
                 .collect();

@@ -15,14 +15,7 @@ use crate::common::{TestDb, eventually, install, plugin_variant, plugins_dir, re
 const TOKEN: &str = "dashboard-test-token-0123456789";
 
 /// Stops the spawned server however the test ends.
-struct Serve(std::process::Child);
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+use crate::common::Reaped as Serve;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

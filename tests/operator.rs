@@ -4,6 +4,7 @@
 //! purge question), `serve` refusing an incomplete configuration, and `/metrics` that reads no
 //! SENT rows and can be scraped without the token when the operator says so.
 
+use std::collections::HashMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::common::{Backend, TestDb, eventually, plugins_dir, spawn_serve};
+use crate::common::{Backend, Reaped, TestDb, eventually, plugins_dir, spawn_serve};
 use crate::e2e::run_ferry;
 
 /// Runs the binary with `args` and `env`, nothing else of the caller's `FERRY_*` environment.
@@ -324,6 +325,33 @@ async fn json_is_a_contract_for_answers_and_errors() {
     assert_eq!(json(&out)["headers"]["tenant"], "acme", "{out}");
     let (_, out, _) = ferry(&["--json", "show", &ids[0].to_string()]);
     assert!(json(&out)["headers"].is_object(), "{out}");
+
+    // A JSON payload is JSON, its text as stored: a number past 2^64 keeps every digit. Text is
+    // text, whatever it looks like, and so is JSON that does not parse.
+    let big = r#"{"amount": 123456789012345678901234567890.5, "tags": ["a"]}"#;
+    for (payload, content_type, shown) in [
+        (big, "application/json", format!(r#""payload_json":{big}"#)),
+        ("[1,2]", "application/cloudevents+json; charset=utf-8", r#""payload_json":[1,2]"#.to_string()),
+        ("123", "text/plain", r#""payload":"123""#.to_string()),
+        ("{\"unclosed\": ", "application/json", r#""payload":"{\"unclosed\": ""#.to_string()),
+    ] {
+        let (_, out, stderr) = ferry(&["--json", "emit", "a", "x", payload, "--content-type", content_type]);
+        let id = json(&out)["id"].as_i64().unwrap_or_else(|| panic!("{stderr}"));
+        let (_, out, _) = ferry(&["--json", "show", &id.to_string()]);
+        assert!(out.contains(&shown), "{payload} as {content_type}: {out}");
+        let view = json(&out);
+        assert!(view.get("payload_json").is_none() || view.get("payload").is_none(), "one of them: {view}");
+    }
+
+    // The newest failures first, and failures by the text of their error.
+    let (_, out, _) = ferry(&["--json", "failed", "list", "--newest", "--limit", "2", "--error", "REJECTED"]);
+    let page = json(&out);
+    let listed: Vec<i64> = page["events"].as_array().unwrap().iter().map(|e| e["id"].as_i64().unwrap()).collect();
+    assert_eq!(listed, [ids[5], ids[4]], "{page}");
+    let (_, out, _) = ferry(&["--json", "failed", "list", "--newest", "--limit", "2", "--after", &ids[4].to_string()]);
+    assert_eq!(json(&out)["events"][0]["id"].as_i64(), Some(ids[3]), "{out}");
+    let (_, out, _) = ferry(&["--json", "failed", "count", "--error", "timed out"]);
+    assert_eq!(json(&out)["failed"], 0, "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -349,8 +377,8 @@ async fn show_prints_as_much_payload_as_asked() {
     assert!(text.ends_with(&format!("payload       {} bytes, not shown\n", payload.len())), "{text}");
     let (_, out, _) = run_ferry(&config, &["--json", "show", &id]);
     let view = json(&out);
-    assert_eq!(view["payload"], payload.as_str());
-    assert!(view.get("payload_bytes").is_none(), "{view}");
+    assert_eq!(view["payload_json"], json(&payload), "a JSON payload in full is JSON");
+    assert!(view.get("payload").is_none() && view.get("payload_bytes").is_none(), "{view}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -594,3 +622,131 @@ async fn metrics_can_be_public_and_nothing_else_is(db: TestDb) {
 }
 
 crate::both_backends!(a_scrape_reads_no_sent_rows, metrics_can_be_public_and_nothing_else_is);
+
+/// `ferry serve`'s configuration for the reload test: the scripted plugin recording to `out`,
+/// with `relay` in [relay] and `routes` appended.
+fn reload_config(db: &TestDb, port: u16, relay: &str, routes: &str) -> String {
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let out = db.dir.path().join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    format!(
+        "[database]\nurl = {:?}\n[relay]\npoll_interval = \"10ms\"\nidle_poll_max = \"50ms\"\nbatch_size = 20\n{relay}\n\
+         [admin]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"reload-admin-token-0123456789\"\n\
+         [plugins]\ndir = {plugins:?}\ncache_dir = {:?}\n[retry]\ninitial = \"20ms\"\njitter = \"none\"\n\
+         [sandbox.scripted]\ndirs = {{ \"/out\" = {out:?} }}\n{routes}",
+        db.url,
+        crate::common::target_dir().join("test-plugin-cache"),
+    )
+}
+
+/// Route `name` on the scripted plugin, recording its deliveries to `/out/FILE.log`.
+fn scripted_route(name: &str, file: &str) -> String {
+    format!("[route.{name}]\nplugin = \"scripted\"\nconfig = {{ record = \"/out/{file}.log\", delay_ms = \"5\" }}\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_routes_while_events_flow() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let port = crate::common::broker::free_port();
+    let path = db.dir.path().join("ferry.toml");
+    std::fs::write(&path, reload_config(&db, port, "", &scripted_route("a", "a1"))).unwrap();
+    let log_path = db.dir.path().join("serve.log");
+    let mut serve = Reaped(
+        Command::new(crate::common::ferry_bin())
+            .args(["--config", path.to_str().unwrap(), "serve"])
+            .env_remove("FERRY_DATABASE_URL")
+            .env("FERRY_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log_path).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+    let logged = |text: &'static str, times: usize| {
+        let log = &log;
+        async move {
+            for _ in 0..300 {
+                if log().matches(text).count() >= times {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("{text:?} not logged {times} times within 30 s: {}", log());
+        }
+    };
+    logged("ferry started", 1).await;
+    let pid = serve.0.id().to_string();
+    let hangup = || assert!(Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
+
+    // Events keep coming on route a while its config changes (recording to another file) and
+    // route b is added.
+    let store = db.store.clone();
+    let emitter = tokio::spawn(async move {
+        let mut ids = Vec::new();
+        for i in 0..300 {
+            ids.push(store.insert(&ferry::NewEvent::new("a", "e", format!("{i}")), chrono::Utc::now()).await.unwrap());
+            tokio::time::sleep(Duration::from_millis(3)).await;
+        }
+        ids
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let both = format!("{}{}", scripted_route("a", "a2"), scripted_route("b", "b"));
+    std::fs::write(&path, reload_config(&db, port, "", &both)).unwrap();
+    hangup();
+    logged("configuration reloaded", 1).await;
+    let reloaded = log();
+    assert!(reloaded.contains("added=b changed=a removed= unchanged=0"), "{reloaded}");
+
+    // The admin API knows route b at once: it takes an event for it.
+    let api = reqwest::Client::new();
+    let created: Value = api
+        .post(format!("http://127.0.0.1:{port}/v1/events"))
+        .bearer_auth("reload-admin-token-0123456789")
+        .json(&serde_json::json!({ "route": "b", "type": "e", "payload": {} }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let on_b = created["id"].as_i64().unwrap_or_else(|| panic!("{created}"));
+    let on_a = emitter.await.unwrap();
+    eventually(Duration::from_secs(60), "every event SENT", || async {
+        (crate::common::count(&db.store, ferry::event::Status::Sent).await == 301).then_some(())
+    })
+    .await;
+    let out = db.dir.path().join("out");
+    let mut delivered: HashMap<i64, usize> = HashMap::new();
+    for d in crate::common::deliveries(&out) {
+        *delivered.entry(d.id).or_default() += 1;
+    }
+    assert!(on_a.iter().chain([&on_b]).all(|id| delivered.get(id) == Some(&1)), "each event once: {delivered:?}");
+    let lines = |file: &str| std::fs::read_to_string(out.join(file)).map(|t| t.lines().count()).unwrap_or(0);
+    assert!(lines("a1.log") > 0 && lines("a2.log") > 0, "a's old config, then its new one, delivered");
+    assert_eq!(lines("b.log"), 1, "the new route delivers");
+
+    // A configuration that does not parse changes nothing, and ferry goes on.
+    std::fs::write(&path, "[route.a\nplugin = ").unwrap();
+    hangup();
+    logged("configuration not reloaded, the running one stays", 1).await;
+    // What cannot change while running is kept and named; a removed route's events fail alone.
+    std::fs::write(&path, reload_config(&db, port, "workers = 1", &scripted_route("a", "a2"))).unwrap();
+    hangup();
+    logged("configuration reloaded", 2).await;
+    assert!(log().contains("[relay] changed, but a running ferry keeps its value"), "{}", log());
+    let orphan = db.store.insert(&ferry::NewEvent::new("b", "e", "{}"), chrono::Utc::now()).await.unwrap();
+    let kept = db.store.insert(&ferry::NewEvent::new("a", "e", "{}"), chrono::Utc::now()).await.unwrap();
+    eventually(Duration::from_secs(30), "both events finished", || async {
+        let status = |id| {
+            let store = db.store.clone();
+            async move { store.get(id).await.unwrap().unwrap() }
+        };
+        let (orphan, kept) = (status(orphan).await, status(kept).await);
+        (orphan.status == ferry::event::Status::Failed && kept.status == ferry::event::Status::Sent).then_some(orphan)
+    })
+    .await;
+    assert!(log().contains("removed=b"), "{}", log());
+
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(serve.0.wait().unwrap().success(), "{}", log());
+}

@@ -317,6 +317,16 @@ async fn failed_events_are_counted_listed_resent_and_purged_by_filter(db: TestDb
     assert_eq!(page1, vec![ids[0], ids[2]]);
     let next = FailedFilter { after_id: Some(page1[1]), ..type_x.clone() };
     assert_eq!(listed(s.list_failed(&next, 2).await.unwrap()), vec![ids[4], ids[5]]);
+    let newest = FailedFilter { newest_first: true, ..type_x.clone() };
+    assert_eq!(listed(s.list_failed(&newest, 3).await.unwrap()), vec![ids[5], ids[4], ids[2]]);
+
+    // By the text of the last error, letter case aside; the text is data, not a pattern.
+    let error = |text: &str| FailedFilter { error: Some(text.into()), ..all.clone() };
+    assert_eq!(s.count_failed(&error("JECT")).await.unwrap(), 6);
+    for nothing in ["%", "_", "rejected!", "'"] {
+        assert_eq!(s.count_failed(&error(nothing)).await.unwrap(), 0, "{nothing:?}");
+    }
+    assert_eq!(s.failed_groups(&error("rejected"), 10).await.unwrap().len(), 4);
 
     // Resend route a in steps of 2: 2, then 1, then nothing left.
     let later = t0() + secs(7200);

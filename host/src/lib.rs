@@ -12,6 +12,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod event;
+pub mod live;
 pub mod metrics;
 pub mod ops;
 pub mod plugins;

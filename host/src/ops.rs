@@ -13,10 +13,11 @@ use crate::breaker::{Breaker, BreakerState};
 use crate::clock::Clock;
 use crate::config::{Ordering, Settings};
 use crate::event::{FailureReason, NewEvent, Status};
+use crate::live::Live;
 use crate::plugins::{Registry, Reloaded};
 use crate::report::{
-    BreakerView, Created, EventView, FailedCount, FailedPage, FailedSummary, PluginsView, ReloadResult, ReloadView,
-    ReloadedFile, RetryView, RouteView, StatsView, StatusCounts,
+    BreakerView, Created, EventView, FailedCount, FailedPage, FailedSummary, JsonPayload, PluginsView, ReloadResult,
+    ReloadView, ReloadedFile, RetryView, RouteView, StatsView, StatusCounts,
 };
 use crate::store::{self, BulkOp, EndEvent, FailedFilter, ReasonFilter, Store, StoreError};
 
@@ -108,6 +109,8 @@ pub struct FilterInput {
     pub reason: Option<String>,
     /// With this id or a lower one.
     pub through_id: Option<i64>,
+    /// Whose last error contains this text, letter case aside.
+    pub error: Option<String>,
 }
 
 impl FilterInput {
@@ -123,10 +126,19 @@ impl FilterInput {
                 name("before")
             )));
         }
-        for (field, value) in [("route", &self.route), ("type", &self.event_type)] {
+        for (field, value) in [("route", &self.route), ("type", &self.event_type), ("error", &self.error)] {
             if value.as_deref().is_some_and(|v| v.trim().is_empty()) {
                 return Err(OpError::Invalid(format!("{} must not be empty", name(field))));
             }
+        }
+        if let Some(text) = &self.error
+            && text.len() > MAX_ERROR_FILTER
+        {
+            return Err(OpError::Invalid(format!(
+                "{} is {} bytes long; an error is at most {MAX_ERROR_FILTER} bytes, so search for a shorter part of it",
+                name("error"),
+                text.len()
+            )));
         }
         if let Some(id) = self.through_id
             && id < 1
@@ -155,14 +167,32 @@ impl FilterInput {
             after_id: None,
             reason,
             through_id: self.through_id,
+            error: self.error,
+            newest_first: false,
         })
     }
 }
 
+/// Which page of a listing: where it starts, how long it is, and in which order.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Page {
+    /// The last id of the previous page.
+    pub after: Option<i64>,
+    /// Events per page ([`DEFAULT_PAGE`] when not given).
+    pub limit: Option<u32>,
+    /// The most recent events (highest ids) first.
+    pub newest_first: bool,
+}
+
+/// The longest text an error filter searches for; stored errors are bounded to a few KiB (a
+/// plugin's reason to `untrusted::MAX_REASON` characters).
+const MAX_ERROR_FILTER: usize = 4096;
+
 /// What the operations work on.
 #[derive(Debug, Clone)]
 pub struct Ops {
-    pub settings: Arc<Settings>,
+    /// The settings in effect; `serve` replaces them on a configuration reload.
+    pub settings: Arc<Live<Settings>>,
     pub store: Arc<dyn Store>,
     pub clock: Arc<dyn Clock>,
     /// Wakes a relay in this process after events became due (emit, resend).
@@ -172,6 +202,16 @@ pub struct Ops {
 }
 
 impl Ops {
+    /// Operations under fixed settings (a command of its own, not `serve`).
+    pub fn new(settings: Arc<Settings>, store: Arc<dyn Store>, clock: Arc<dyn Clock>, front: FrontEnd) -> Ops {
+        Ops { settings: Arc::new(Live::new(settings)), store, clock, wake: None, front }
+    }
+
+    /// The settings in effect now.
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings.get()
+    }
+
     fn wake(&self) {
         if let Some(wake) = &self.wake {
             wake.notify_one();
@@ -203,9 +243,10 @@ impl Ops {
     /// `now` (from [`Ops::now`], so a delay counted from it is exact).
     pub async fn emit(&self, event: NewEvent, now: DateTime<Utc>) -> Result<Created, OpError> {
         event.validate().map_err(OpError::Invalid)?;
-        event.check_payload(self.settings.config.relay.max_payload.0).map_err(OpError::Invalid)?;
-        if self.settings.route(&event.route).is_none() {
-            let known: Vec<&str> = self.settings.routes.keys().map(String::as_str).collect();
+        let settings = self.settings();
+        event.check_payload(settings.config.relay.max_payload.0).map_err(OpError::Invalid)?;
+        if settings.route(&event.route).is_none() {
+            let known: Vec<&str> = settings.routes.keys().map(String::as_str).collect();
             return Err(OpError::Invalid(format!(
                 "route {:?} is not configured (configured: {})",
                 event.route,
@@ -219,6 +260,11 @@ impl Ops {
 
     /// One event with its delivery history.
     pub async fn show(&self, id: i64) -> Result<EventView, OpError> {
+        self.show_as(id, JsonPayload::Value).await
+    }
+
+    /// One event with its delivery history, a JSON payload shown as `json` says.
+    pub async fn show_as(&self, id: i64, json: JsonPayload) -> Result<EventView, OpError> {
         self.check_id(id)?;
         let event = self.store.get(id).await?.ok_or_else(|| OpError::NotFound(format!("no event with id {id}")))?;
         let attempts = self.store.attempts(id).await?;
@@ -226,7 +272,7 @@ impl Ops {
             Status::Pending => Some(self.why_waiting(&event).await?),
             _ => None,
         };
-        let mut view = EventView::new(event, Some(attempts));
+        let mut view = EventView::showing(event, Some(attempts), json);
         view.waiting = waiting;
         Ok(view)
     }
@@ -237,7 +283,8 @@ impl Ops {
     /// readiness check and `ferry config check` say.)
     async fn why_waiting(&self, event: &crate::event::EventRecord) -> Result<Vec<String>, OpError> {
         let now = self.clock.now();
-        let Some(route) = self.settings.route(&event.route) else {
+        let settings = self.settings();
+        let Some(route) = settings.route(&event.route) else {
             return Ok(vec![format!(
                 "route {:?} is not configured here: when it is due, it fails with reason no_transport",
                 event.route
@@ -251,7 +298,7 @@ impl Ops {
                 n => format!("attempt {} is due at {when}, after a transient failure", n + 1),
             });
         }
-        let cooldown = self.settings.breaker_cooldown();
+        let cooldown = self.settings().breaker_cooldown();
         if let Some(b) = self.store.breakers().await?.into_iter().find(|b| b.route == event.route) {
             let reason = b.reason.as_deref().unwrap_or("no reason given");
             match b.state(now, cooldown) {
@@ -361,21 +408,25 @@ impl Ops {
         Ok(FailedSummary { groups, total, truncated })
     }
 
-    /// A page of FAILED events in id order, after id `after`, `limit` ([`DEFAULT_PAGE`]) at most.
-    pub async fn failed_list(
-        &self,
-        filter: FilterInput,
-        after: Option<i64>,
-        limit: Option<u32>,
-    ) -> Result<FailedPage, OpError> {
-        let limit = limit.unwrap_or(DEFAULT_PAGE);
+    /// A page of FAILED events in id order (`newest_first`: highest first) after id `after` in
+    /// that order, `limit` ([`DEFAULT_PAGE`]) at most.
+    pub async fn failed_list(&self, filter: FilterInput, page: Page) -> Result<FailedPage, OpError> {
+        let limit = page.limit.unwrap_or(DEFAULT_PAGE);
         if !(1..=MAX_PAGE).contains(&limit) {
             return Err(OpError::Invalid(format!(
                 "{} must be between 1 and {MAX_PAGE}, got {limit}",
                 self.front.name("limit")
             )));
         }
-        let filter = FailedFilter { after_id: after, ..filter.validate(self.front)? };
+        let mut filter = FailedFilter { newest_first: page.newest_first, ..filter.validate(self.front)? };
+        match page.after {
+            // Newest first, the next page holds the lower ids.
+            Some(after) if page.newest_first => {
+                let below = after.saturating_sub(1);
+                filter.through_id = Some(filter.through_id.map_or(below, |through| through.min(below)));
+            }
+            after => filter.after_id = after,
+        }
         Ok(FailedPage::new(self.store.list_failed(&filter, limit).await?, limit))
     }
 
@@ -422,7 +473,7 @@ impl Ops {
     /// Every stored breaker, with its state now.
     pub async fn breakers(&self) -> Result<Vec<BreakerView>, OpError> {
         let now = self.clock.now();
-        let cooldown = self.settings.breaker_cooldown();
+        let cooldown = self.settings().breaker_cooldown();
         Ok(self.store.breakers().await?.into_iter().map(|b| BreakerView::new(b, now, cooldown)).collect())
     }
 
@@ -431,22 +482,22 @@ impl Ops {
         if route.trim().is_empty() {
             return Err(OpError::Invalid("the route name must not be empty".into()));
         }
-        if self.settings.route(route).is_none() {
+        if self.settings().route(route).is_none() {
             return Err(OpError::NotFound(format!("route {route:?} is not configured")));
         }
         let now = self.clock.now();
         let breaker = self.store.set_breaker(route, open, reason, now).await?;
         tracing::info!(route, open, "circuit breaker switched by an operator");
-        Ok(BreakerView::new(breaker, now, self.settings.breaker_cooldown()))
+        Ok(BreakerView::new(breaker, now, self.settings().breaker_cooldown()))
     }
 
     /// Every configured route, with its plugin (as `registry` has it) and breaker.
     pub async fn routes(&self, registry: &Registry) -> Result<Vec<RouteView>, OpError> {
         let now = self.clock.now();
         let breakers = self.store.breakers().await?;
-        let cooldown = self.settings.breaker_cooldown();
-        Ok(self
-            .settings
+        let settings = self.settings();
+        let cooldown = settings.breaker_cooldown();
+        Ok(settings
             .routes
             .values()
             .map(|route| {

@@ -15,13 +15,17 @@ use crate::event::{AttemptRecord, EventRecord, Status};
 use crate::plugins::PluginStatus;
 use crate::store::{Latency, Stats};
 
-/// One event with every field; the payload as text when it is UTF-8, else base64; and its
-/// delivery history when asked for.
+/// One event with every field; its payload as JSON when its content type is JSON and it parses,
+/// else as text when it is UTF-8, else base64; and its delivery history when asked for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EventView {
     #[serde(flatten)]
     pub event: EventRecord,
-    /// The payload, when it is UTF-8 text.
+    /// The payload, when its content type is JSON (`application/json`, `…+json`) and it is valid
+    /// JSON: the stored text as it is, so numbers keep every digit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_json: Option<JsonText>,
+    /// The payload, when it is UTF-8 text (and not shown as `payload_json`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<String>,
     /// The payload, base64-encoded, when it is not UTF-8 text.
@@ -30,8 +34,8 @@ pub struct EventView {
     /// Every delivery attempt, oldest first.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempts_history: Option<Vec<AttemptRecord>>,
-    /// The stored payload's size in bytes, present only when `payload` or `payload_base64` holds
-    /// less than all of it (`ferry show --payload head|none`).
+    /// The stored payload's size in bytes, present only when the payload fields hold less than
+    /// all of it (`ferry show --payload head|none`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_bytes: Option<u64>,
     /// For a PENDING event: why it is not being delivered yet, a sentence per reason.
@@ -39,17 +43,77 @@ pub struct EventView {
     pub waiting: Option<Vec<String>>,
 }
 
-impl EventView {
-    pub fn new(event: EventRecord, attempts: Option<Vec<AttemptRecord>>) -> EventView {
-        let (payload, payload_base64) = match std::str::from_utf8(&event.payload) {
-            Ok(text) => (Some(text.to_string()), None),
-            Err(_) => (None, Some(base64::engine::general_purpose::STANDARD.encode(&event.payload))),
-        };
-        EventView { event, payload, payload_base64, attempts_history: attempts, payload_bytes: None, waiting: None }
+/// A JSON value kept as its text: serialized as that JSON, not as a string holding it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct JsonText(Box<serde_json::value::RawValue>);
+
+impl JsonText {
+    /// `text`, when it is one valid JSON value.
+    pub fn parse(text: &str) -> Option<JsonText> {
+        serde_json::from_str(text).ok().map(JsonText)
     }
 
-    /// Keeps at most `limit` bytes of the payload (cut at a character boundary for text), and
-    /// records the full size when anything was left out. `None` keeps it all.
+    pub fn as_str(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl PartialEq for JsonText {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+/// Whether `content_type` says JSON: `application/json`, or a `+json` type such as
+/// `application/cloudevents+json`, parameters aside.
+fn is_json_type(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// How a view shows a payload whose content type is JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum JsonPayload {
+    /// As a JSON value (`payload_json`), when it parses.
+    #[default]
+    Value,
+    /// As text (`payload`), for a reader that keeps the stored text as it is.
+    Text,
+}
+
+impl EventView {
+    pub fn new(event: EventRecord, attempts: Option<Vec<AttemptRecord>>) -> EventView {
+        Self::showing(event, attempts, JsonPayload::Value)
+    }
+
+    /// A view whose JSON payload is shown as `json` says.
+    pub fn showing(event: EventRecord, attempts: Option<Vec<AttemptRecord>>, json: JsonPayload) -> EventView {
+        let (mut payload_json, mut payload, mut payload_base64) = (None, None, None);
+        match std::str::from_utf8(&event.payload) {
+            Ok(text) => match (json, is_json_type(&event.content_type)) {
+                (JsonPayload::Value, true) => match JsonText::parse(text) {
+                    Some(value) => payload_json = Some(value),
+                    None => payload = Some(text.to_string()),
+                },
+                _ => payload = Some(text.to_string()),
+            },
+            Err(_) => payload_base64 = Some(base64::engine::general_purpose::STANDARD.encode(&event.payload)),
+        }
+        EventView {
+            event,
+            payload_json,
+            payload,
+            payload_base64,
+            attempts_history: attempts,
+            payload_bytes: None,
+            waiting: None,
+        }
+    }
+
+    /// Keeps at most `limit` bytes of the payload (cut at a character boundary for text, and a
+    /// JSON payload cut short becomes text), and records the full size when anything was left
+    /// out. `None` keeps it all.
     pub fn shorten_payload(&mut self, limit: Option<usize>) {
         let Some(limit) = limit else { return };
         let size = self.event.payload.len();
@@ -57,6 +121,9 @@ impl EventView {
             return;
         }
         self.payload_bytes = Some(size as u64);
+        if let Some(json) = self.payload_json.take() {
+            self.payload = Some(json.as_str().to_string());
+        }
         if limit == 0 {
             (self.payload, self.payload_base64) = (None, None);
         } else if let Some(text) = &mut self.payload {

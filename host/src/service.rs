@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::Admin;
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, Settings};
+use crate::live::Live;
 use crate::metrics::Metrics;
 use crate::plugins::{Registry, RouteTransport, Runtime, route_transports};
 use crate::relay::{Relay, Routes};
@@ -20,7 +21,9 @@ use crate::store::{self, Store, redact_url};
 /// A started ferry: everything `serve` runs, exposed so tests can drive single cycles and reloads.
 #[derive(Debug)]
 pub struct Ferry {
-    pub settings: Arc<Settings>,
+    /// The settings in effect, shared with the registry and the admin API; replaced by
+    /// [`Ferry::reload`].
+    pub settings: Arc<Live<Settings>>,
     pub store: Arc<dyn Store>,
     pub relay: Relay,
     pub registry: Arc<Registry>,
@@ -37,7 +40,8 @@ impl Ferry {
         let store = open_store(config).await?;
         let runtime = Arc::new(Runtime::new(&settings)?);
         let metrics = Arc::new(Metrics::new());
-        let registry = Arc::new(Registry::new(runtime, settings.clone(), metrics.clone()));
+        let live = Arc::new(Live::new(settings.clone()));
+        let registry = Arc::new(Registry::sharing(runtime, live.clone(), metrics.clone()));
         registry.load_dir().await?;
         let transports = route_transports(&registry, &settings);
         let checks = warm_up(&transports).await;
@@ -52,7 +56,68 @@ impl Ferry {
         }
         let routes = Routes::new(settings.clone(), transports);
         let relay = Relay::new(store.clone(), clock.clone(), routes, metrics.clone());
-        Ok(Ferry { settings, store, relay, registry, metrics, clock })
+        Ok(Ferry { settings: live, store, relay, registry, metrics, clock })
+    }
+
+    /// Puts `config`'s routes and retry policies in effect while deliveries go on (what SIGHUP
+    /// does). Routes whose settings did not change keep their transport and its warm instances;
+    /// a new or changed route gets a new transport, whose plugin must accept the route's config
+    /// (its `init` runs first); a removed route's events fail with `no_transport` from then on,
+    /// as at start. Batches in flight finish with the table they were claimed under.
+    ///
+    /// Settings a running ferry cannot change (`[database]`, `[relay]`, `[breaker]`, `[admin]`,
+    /// `[plugins]`, `[sandbox.*]`) keep their running values and are named in the answer. When
+    /// anything is wrong nothing changes, and the error says why.
+    pub async fn reload(&self, mut config: Config) -> anyhow::Result<ConfigReload> {
+        // No plugin version is swapped in while the route table changes under it.
+        let _plugins = self.registry.hold_reloads().await;
+        let running = self.settings.get();
+        let needs_restart = keep_restart_only(&mut config, &running.config);
+        let settings = Arc::new(config.settings()?);
+        if let Some(why) = incomplete(&settings, &self.registry) {
+            anyhow::bail!("{why}");
+        }
+        let room = self.registry.runtime().route_slots();
+        if settings.route_instances() > room {
+            anyhow::bail!(
+                "the routes would need {} plugin instances at once, more than the {room} reserved when ferry \
+                 started; restart ferry to apply this configuration",
+                settings.route_instances()
+            );
+        }
+        let current = self.relay.routes();
+        let mut reload = ConfigReload { needs_restart, ..ConfigReload::default() };
+        let mut transports = HashMap::new();
+        let mut fresh = Vec::new();
+        for (name, route) in &settings.routes {
+            let transport = match current.transport(name) {
+                Some(transport) if transport.route() == route.as_ref() => {
+                    reload.unchanged.push(name.clone());
+                    transport.clone()
+                }
+                before => {
+                    let list = if before.is_some() { &mut reload.changed } else { &mut reload.added };
+                    list.push(name.clone());
+                    let transport = Arc::new(RouteTransport::new(self.registry.clone(), route.clone()));
+                    fresh.push((name.clone(), transport.clone()));
+                    transport
+                }
+            };
+            transports.insert(name.clone(), transport);
+        }
+        reload.removed = running.routes.keys().filter(|name| !settings.routes.contains_key(*name)).cloned().collect();
+        for (route, transport) in fresh {
+            if let Err(why) = transport.warm_up().await {
+                if !settings.config.relay.allow_incomplete {
+                    anyhow::bail!("route {route:?}: {why}");
+                }
+                tracing::error!(route = %route, "route has no transport: {why}");
+            }
+        }
+        self.settings.set(settings.clone());
+        self.relay.replace_routes(Routes::new(settings, transports));
+        self.relay.wake();
+        Ok(reload)
     }
 
     /// The admin API over this ferry (not yet serving).
@@ -67,6 +132,34 @@ impl Ferry {
             self.relay.health(),
         )
     }
+}
+
+/// What a configuration reload changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConfigReload {
+    pub added: Vec<String>,
+    pub changed: Vec<String>,
+    pub removed: Vec<String>,
+    pub unchanged: Vec<String>,
+    /// Tables that differ from the running configuration but take effect only after a restart.
+    pub needs_restart: Vec<&'static str>,
+}
+
+/// Gives `config` the running values of what a running ferry cannot change, and names the tables
+/// that differed.
+fn keep_restart_only(config: &mut Config, running: &Config) -> Vec<&'static str> {
+    let mut differ = Vec::new();
+    macro_rules! keep {
+        ($($field:ident => $table:literal),*) => {$(
+            if config.$field != running.$field {
+                differ.push($table);
+                config.$field = running.$field.clone();
+            }
+        )*};
+    }
+    keep!(database => "[database]", relay => "[relay]", breaker => "[breaker]", admin => "[admin]",
+        plugins => "[plugins]", sandbox => "[sandbox.*]");
+    differ
 }
 
 /// Makes each route's first plugin instance (running the plugin's `init` with the route's
@@ -220,13 +313,23 @@ async fn open(config: &Config, create: bool) -> anyhow::Result<Arc<dyn Store>> {
     Ok(store)
 }
 
+/// Reads the configuration again, from where it was read at start: what a reload puts in effect.
+pub type Reread = Box<dyn Fn() -> anyhow::Result<Config> + Send + Sync>;
+
 /// Runs ferry until `shutdown` is cancelled, which may come while it is still starting (loading
-/// plugins, say): then it stops at once.
-pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Result<()> {
+/// plugins, say): then it stops at once. With `reread`, SIGHUP reloads the configuration
+/// ([`Ferry::reload`]).
+pub async fn serve(config: &Config, shutdown: CancellationToken, reread: Option<Reread>) -> anyhow::Result<()> {
     // Before the database is opened or created.
     if let Some(why) = no_routes(config) {
         anyhow::bail!("not starting: {why}");
     }
+    // Listening from the start: SIGHUP's default action would end the process, and a reload asked
+    // for while ferry starts is done once it has.
+    let hangups = match reread {
+        Some(reread) => Some((hangups()?, reread)),
+        None => None,
+    };
     let ferry = tokio::select! {
         ferry = Ferry::start(config, Arc::new(SystemClock)) => ferry?,
         _ = shutdown.cancelled() => {
@@ -234,7 +337,7 @@ pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Resu
             return Ok(());
         }
     };
-    if let Some(why) = incomplete(&ferry.settings, &ferry.registry) {
+    if let Some(why) = incomplete(&ferry.settings.get(), &ferry.registry) {
         anyhow::bail!("not starting: {why}");
     }
     if config.plugins.watch {
@@ -251,7 +354,7 @@ pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Resu
         .iter()
         .map(|p| format!("{} {}", crate::untrusted::clean(&p.name, 64), crate::untrusted::clean(&p.version, 32)))
         .collect();
-    let routes = ferry.settings.routes.keys().cloned().collect::<Vec<_>>().join(",");
+    let routes = route_names(&ferry.settings.get());
     tracing::info!(
         version = crate::cli::VERSION,
         config = %config.file.as_deref().map_or_else(|| "(built-in defaults)".into(), |p| p.display().to_string()),
@@ -266,15 +369,68 @@ pub async fn serve(config: &Config, shutdown: CancellationToken) -> anyhow::Resu
     if let Some(every) = systemd.watchdog_interval() {
         tokio::spawn(watchdog(systemd.clone(), every, ferry.relay.health(), shutdown.child_token()));
     }
-    // As soon as the stop is asked for, while deliveries in flight finish.
-    let stopping = shutdown.clone();
-    tokio::spawn(async move {
-        stopping.cancelled().await;
+    // As soon as the stop is asked for, while deliveries in flight finish; joined, so it is sent
+    // before `serve` returns.
+    let stopping = async {
+        shutdown.cancelled().await;
         systemd.notify("STOPPING=1");
-    });
-    ferry.relay.run(shutdown).await;
+    };
+    let reloads = async {
+        if let Some((hangups, reread)) = hangups {
+            reload_on_hangup(&ferry, hangups, reread, &systemd, &shutdown).await;
+        }
+    };
+    tokio::join!(ferry.relay.run(shutdown.clone()), stopping, reloads);
     if let Some((_, admin)) = admin {
         let _ = admin.await;
     }
     Ok(())
+}
+
+/// The configured routes' names, comma-separated, for the log and systemd's status line.
+fn route_names(settings: &Settings) -> String {
+    settings.routes.keys().cloned().collect::<Vec<_>>().join(",")
+}
+
+fn hangups() -> anyhow::Result<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).context("listening for SIGHUP")
+}
+
+/// Reloads the configuration on every SIGHUP until `shutdown`. A configuration that cannot be
+/// read or put in effect is logged and changes nothing: the running one stays.
+async fn reload_on_hangup(
+    ferry: &Ferry,
+    mut hangups: tokio::signal::unix::Signal,
+    reread: Reread,
+    systemd: &crate::systemd::Notifier,
+    shutdown: &CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            got = hangups.recv() => if got.is_none() { return },
+        }
+        systemd.notify("STATUS=reloading the configuration");
+        tracing::info!("SIGHUP: reloading the configuration");
+        let result = match reread() {
+            Ok(config) => ferry.reload(config).await,
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(done) => {
+                tracing::info!(
+                    added = %done.added.join(","),
+                    changed = %done.changed.join(","),
+                    removed = %done.removed.join(","),
+                    unchanged = done.unchanged.len(),
+                    "configuration reloaded; batches in flight finish under the previous one"
+                );
+                for table in done.needs_restart {
+                    tracing::warn!("{table} changed, but a running ferry keeps its value; restart ferry to apply it");
+                }
+            }
+            Err(e) => tracing::error!("configuration not reloaded, the running one stays: {e:#}"),
+        }
+        systemd.notify(&format!("STATUS=delivering routes {}", route_names(&ferry.settings.get())));
+    }
 }

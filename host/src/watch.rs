@@ -16,7 +16,7 @@ use crate::plugins::{Registry, Reloaded, is_plugin_file};
 
 /// Watches the registry's plugins directory until `stop`.
 pub fn spawn(registry: Arc<Registry>, debounce: Duration, stop: CancellationToken) -> anyhow::Result<()> {
-    let dir = registry.dir().to_path_buf();
+    let dir = registry.dir();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<PathBuf>();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
         Ok(event) => event.paths.into_iter().filter(|p| is_plugin_file(p)).for_each(|p| drop(tx.send(p))),

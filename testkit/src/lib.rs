@@ -275,6 +275,18 @@ pub fn spawn_serve(config: &Path, log: &Path) -> std::process::Child {
         .expect("ferry serve starts")
 }
 
+/// A child process killed (and waited for) when dropped, so a failing test leaves no `ferry
+/// serve` behind.
+#[derive(Debug)]
+pub struct Reaped(pub std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Polls `check` until it returns `Some`, failing the test with `what` after `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
 where

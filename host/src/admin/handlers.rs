@@ -20,8 +20,8 @@ use crate::config::parse_duration;
 use crate::event::NewEvent;
 use crate::ops::{self, FilterInput};
 use crate::report::{
-    BreakerView, Cancelled, Created, EventView, FailedCount, FailedPage, FailedSummary, PluginsView, Purged,
-    ReloadView, Resent, RouteView, StatsView,
+    BreakerView, Cancelled, Created, EventView, FailedCount, FailedPage, FailedSummary, JsonPayload, PluginsView,
+    Purged, ReloadView, Resent, RouteView, StatsView,
 };
 use crate::store::{BulkOp, EndEvent};
 
@@ -34,14 +34,9 @@ pub(super) async fn live() -> Json<Value> {
 pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value>) {
     let database = admin.ops.store.ping().await.map_err(|e| e.to_string());
     let loaded = admin.registry.names();
-    let missing: BTreeMap<&String, &String> = admin
-        .ops
-        .settings
-        .routes
-        .values()
-        .filter(|r| !loaded.contains(&r.plugin))
-        .map(|r| (&r.name, &r.plugin))
-        .collect();
+    let settings = admin.ops.settings();
+    let missing: BTreeMap<&String, &String> =
+        settings.routes.values().filter(|r| !loaded.contains(&r.plugin)).map(|r| (&r.name, &r.plugin)).collect();
     let relay = admin.relay.wedged();
     let ready = database.is_ok() && missing.is_empty() && relay.is_none();
     let body = json!({
@@ -86,8 +81,9 @@ async fn scrape(admin: &Admin) -> Result<String, ops::OpError> {
     // kept for retention (deliveries are counted by ferry_events_delivered instead).
     let stats = ops.store.stats(ops.clock.now(), None, false).await.map_err(store_error)?;
     let breakers: Vec<Breaker> = ops.store.breakers().await.map_err(store_error)?;
-    let routes: Vec<String> = ops.settings.routes.keys().cloned().collect();
-    Ok(admin.metrics.render(&stats, &breakers, &routes, ops.settings.breaker_cooldown()))
+    let settings = ops.settings();
+    let routes: Vec<String> = settings.routes.keys().cloned().collect();
+    Ok(admin.metrics.render(&stats, &breakers, &routes, settings.breaker_cooldown()))
 }
 
 pub(super) async fn openapi() -> Response {
@@ -189,8 +185,25 @@ pub(super) async fn enqueue(
     Ok((StatusCode::CREATED, Json(admin.ops.emit(event, now).await?)))
 }
 
-pub(super) async fn show(State(admin): State<Admin>, EventId(id): EventId) -> Result<Json<EventView>, ApiError> {
-    Ok(Json(admin.ops.show(id).await?))
+/// How `GET /v1/events/{id}` shows the payload.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ShowParams {
+    /// `json` (the default): a JSON payload as a JSON value; `text`: as the stored text.
+    payload: Option<String>,
+}
+
+pub(super) async fn show(
+    State(admin): State<Admin>,
+    EventId(id): EventId,
+    Params(params): Params<ShowParams>,
+) -> Result<Json<EventView>, ApiError> {
+    let json = match params.payload.as_deref() {
+        None | Some("json") => JsonPayload::Value,
+        Some("text") => JsonPayload::Text,
+        Some(other) => return Err(ApiError::bad_request(format!("payload must be json or text, got {other:?}"))),
+    };
+    Ok(Json(admin.ops.show_as(id, json).await?))
 }
 
 pub(super) async fn resend_one(State(admin): State<Admin>, EventId(id): EventId) -> Result<Json<Resent>, ApiError> {
@@ -228,10 +241,13 @@ pub(super) struct FilterParams {
     event_type: Option<String>,
     reason: Option<String>,
     through_id: Option<i64>,
+    error: Option<String>,
     from: Option<String>,
     before: Option<String>,
     after: Option<i64>,
     limit: Option<u32>,
+    /// Listing only: `oldest` (the default) or `newest` first.
+    order: Option<String>,
     /// Bulk operations only: required when no other filter is given.
     #[serde(default)]
     all: bool,
@@ -245,13 +261,19 @@ impl FilterParams {
             event_type: self.event_type.clone(),
             reason: self.reason.clone(),
             through_id: self.through_id,
+            error: self.error.clone(),
             from: self.from.as_deref().map(|t| rfc3339("from", t)).transpose()?,
             before: self.before.as_deref().map(|t| rfc3339("before", t)).transpose()?,
         })
     }
 
     fn only(&self, allowed: &[&str]) -> Result<(), ApiError> {
-        let given = [("after", self.after.is_some()), ("limit", self.limit.is_some()), ("all", self.all)];
+        let given = [
+            ("after", self.after.is_some()),
+            ("limit", self.limit.is_some()),
+            ("order", self.order.is_some()),
+            ("all", self.all),
+        ];
         match given.iter().find(|(name, set)| *set && !allowed.contains(name)) {
             Some((name, _)) => Err(ApiError::bad_request(format!("{name} is not accepted here"))),
             None => Ok(()),
@@ -263,8 +285,14 @@ pub(super) async fn failed_list(
     State(admin): State<Admin>,
     Params(params): Params<FilterParams>,
 ) -> Result<Json<FailedPage>, ApiError> {
-    params.only(&["after", "limit"])?;
-    Ok(Json(admin.ops.failed_list(params.input()?, params.after, params.limit).await?))
+    params.only(&["after", "limit", "order"])?;
+    let newest_first = match params.order.as_deref() {
+        None | Some("oldest") => false,
+        Some("newest") => true,
+        Some(other) => return Err(ApiError::bad_request(format!("order must be oldest or newest, got {other:?}"))),
+    };
+    let page = ops::Page { after: params.after, limit: params.limit, newest_first };
+    Ok(Json(admin.ops.failed_list(params.input()?, page).await?))
 }
 
 pub(super) async fn failed_count(

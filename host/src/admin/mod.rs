@@ -23,6 +23,7 @@ use self::extract::{authorize, method_not_allowed, not_found};
 use self::handlers::*;
 use crate::clock::Clock;
 use crate::config::Settings;
+use crate::live::Live;
 use crate::metrics::Metrics;
 use crate::ops::{FrontEnd, Ops};
 use crate::plugins::Registry;
@@ -54,14 +55,14 @@ pub struct Admin {
 
 impl std::fmt::Debug for Admin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Admin").field("listen", &self.ops.settings.config.admin.listen).finish_non_exhaustive()
+        f.debug_struct("Admin").field("listen", &self.ops.settings().config.admin.listen).finish_non_exhaustive()
     }
 }
 
 impl Admin {
     /// The API's state; reads the bearer token (from `admin.token` or `admin.token_file`).
     pub fn new(
-        settings: Arc<Settings>,
+        settings: Arc<Live<Settings>>,
         store: Arc<dyn Store>,
         registry: Arc<Registry>,
         metrics: Arc<Metrics>,
@@ -69,7 +70,7 @@ impl Admin {
         wake: Arc<Notify>,
         relay: Arc<RelayHealth>,
     ) -> anyhow::Result<Admin> {
-        let token = settings.config.admin.bearer_token().map_err(anyhow::Error::msg)?;
+        let token = settings.get().config.admin.bearer_token().map_err(anyhow::Error::msg)?;
         let ops = Ops { settings, store, clock, wake: Some(wake), front: FrontEnd::Api };
         Ok(Admin {
             ops,
@@ -84,7 +85,7 @@ impl Admin {
 
     /// Every endpoint.
     pub fn router(self) -> Router {
-        let public_metrics = self.ops.settings.config.admin.metrics_public;
+        let public_metrics = self.ops.settings().config.admin.metrics_public;
         let protected = Router::new()
             .route("/v1/openapi.json", get(openapi))
             .route("/v1/stats", get(stats))
@@ -115,7 +116,7 @@ impl Admin {
             .route_layer(axum::middleware::from_fn_with_state(self.clone(), authorize))
             // Room for the largest payload ferry accepts, base64-encoded in JSON.
             .layer(axum::extract::DefaultBodyLimit::max(
-                self.ops.settings.config.relay.max_payload.0 / 3 * 4 + (64 << 10),
+                self.ops.settings().config.relay.max_payload.0 / 3 * 4 + (64 << 10),
             ));
         Router::new()
             .route("/health/live", get(live))
@@ -142,13 +143,13 @@ impl Admin {
     /// descriptors the relay and the plugins need.
     pub async fn serve(self, shutdown: CancellationToken) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
         let address: SocketAddr =
-            self.ops.settings.config.admin.address().ok_or_else(|| anyhow::anyhow!("admin.listen is not set"))?;
+            self.ops.settings().config.admin.address().ok_or_else(|| anyhow::anyhow!("admin.listen is not set"))?;
         let listener = tokio::net::TcpListener::bind(address)
             .await
             .map_err(|e| anyhow::anyhow!("admin.listen: cannot listen on {address}: {e}"))?;
         let bound = listener.local_addr()?;
         tracing::info!(address = %bound, "admin API listening");
-        let limits = &self.ops.settings.config.admin;
+        let limits = &self.ops.settings().config.admin;
         let (max_connections, header_timeout) = (limits.max_connections as usize, limits.header_timeout.0);
         let service = hyper_util::service::TowerToHyperService::new(self.router());
         let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));

@@ -274,7 +274,7 @@ pub(super) async fn sign_in(State(admin): State<Admin>, request: Request) -> Res
     }
     // This is the one public endpoint with a body: it gets as long as the headers had, and little
     // room, so a client trickling a body cannot hold a connection.
-    let within = admin.ops.settings.config.admin.header_timeout.0;
+    let within = admin.ops.settings().config.admin.header_timeout.0;
     let body = match tokio::time::timeout(within, axum::body::to_bytes(request.into_body(), MAX_FORM)).await {
         Ok(Ok(body)) => body,
         Ok(Err(_)) => return sign_in_page(StatusCode::PAYLOAD_TOO_LARGE, "The sign-in form was too large."),

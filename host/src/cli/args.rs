@@ -151,6 +151,9 @@ pub struct FilterArgs {
     /// plugin_fault, invalid_event, operator, or none (no reason recorded).
     #[arg(long)]
     reason: Option<String>,
+    /// Only events whose last error contains this text, letter case aside (e.g. "timed out").
+    #[arg(long, value_name = "TEXT")]
+    error: Option<String>,
     /// Only events created at or after this time (RFC 3339, e.g. 2026-11-26T08:00:00Z).
     #[arg(long, value_parser = parse_time)]
     from: Option<chrono::DateTime<chrono::Utc>>,
@@ -166,6 +169,7 @@ impl FilterArgs {
             event_type: self.event_type,
             reason: self.reason,
             through_id: None,
+            error: self.error,
             from: self.from,
             before: self.before,
         }
@@ -191,11 +195,16 @@ pub enum FailedCommand {
         #[command(flatten)]
         filter: FilterArgs,
     },
-    /// FAILED events in id order, a page at a time.
+    /// FAILED events in id order (oldest first, or newest first with --newest), a page at a time.
+    #[command(after_help = "Examples:\n  ferry failed list --newest --limit 20\n  \
+        ferry failed list --route orders --error \"timed out\"")]
     List {
         #[command(flatten)]
         filter: FilterArgs,
-        /// Start after this id (the last id of the previous page).
+        /// The most recent failures first.
+        #[arg(long)]
+        newest: bool,
+        /// Start after this id in the listing's order (the last id of the previous page).
         #[arg(long)]
         after: Option<i64>,
         /// Events per page (default 50, at most 10000).
@@ -369,20 +378,32 @@ impl Cli {
     /// Where this invocation's configuration comes from: the file it names (or ./ferry.toml when
     /// present), the environment, and --database-url.
     pub fn sources(&self) -> anyhow::Result<Sources> {
-        let file = match &self.config {
-            Some(path) => Some(path.clone()),
-            None if std::path::Path::new("ferry.toml").exists() => Some(PathBuf::from("ferry.toml")),
-            None => None,
-        };
-        // Only what is UTF-8: ferry's variables are text, and another program's need not be.
-        let env: Vec<(String, String)> = std::env::vars_os()
-            .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
-            .collect();
-        Sources::read(file, env, self.database_url.clone()).map_err(Into::into)
+        sources(self.config.as_deref(), self.database_url.clone())
+    }
+
+    /// Reads this invocation's configuration again, as `serve` does on SIGHUP.
+    pub fn reread(&self) -> crate::service::Reread {
+        let (config, database_url) = (self.config.clone(), self.database_url.clone());
+        Box::new(move || Ok(sources(config.as_deref(), database_url.clone())?.load()?))
     }
 
     /// Loads the configuration this invocation names.
     pub fn load_config(&self) -> anyhow::Result<Config> {
         Ok(self.sources()?.load()?)
     }
+}
+
+/// The configuration's sources: the file `config` names (or ./ferry.toml when present), the
+/// environment, and `database_url`.
+fn sources(config: Option<&std::path::Path>, database_url: Option<String>) -> anyhow::Result<Sources> {
+    let file = match config {
+        Some(path) => Some(path.to_path_buf()),
+        None if std::path::Path::new("ferry.toml").exists() => Some(PathBuf::from("ferry.toml")),
+        None => None,
+    };
+    // Only what is UTF-8: ferry's variables are text, and another program's need not be.
+    let env: Vec<(String, String)> = std::env::vars_os()
+        .filter_map(|(name, value)| Some((name.into_string().ok()?, value.into_string().ok()?)))
+        .collect();
+    Sources::read(file, env, database_url).map_err(Into::into)
 }

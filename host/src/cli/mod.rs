@@ -33,7 +33,7 @@ use crate::store::{BulkOp, EndEvent};
 async fn ops(config: &Config) -> anyhow::Result<Ops> {
     let settings = Arc::new(config.settings()?);
     let store = service::open_existing_store(config).await?;
-    Ok(Ops { settings, store, clock: Arc::new(SystemClock), wake: None, front: FrontEnd::Cli })
+    Ok(Ops::new(settings, store, Arc::new(SystemClock), FrontEnd::Cli))
 }
 
 /// Prints `value` as JSON, or the text `human` makes of it.
@@ -122,6 +122,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         _ => {}
     }
     let config = cli.load_config()?;
+    let reread = cli.reread();
     match cli.command {
         Command::Plugins(PluginsCommand::New { .. })
         | Command::Completions { .. }
@@ -130,7 +131,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve => {
             let shutdown = CancellationToken::new();
             tokio::spawn(stop_on_signal(shutdown.clone()));
-            service::serve(&config, shutdown).await
+            service::serve(&config, shutdown, Some(reread)).await
         }
         Command::Migrate => {
             service::open_store(&config).await?;
@@ -211,8 +212,9 @@ async fn failed_command(config: &Config, command: FailedCommand, json: bool) -> 
             let summary = ops.failed_summary(filter.input()).await.map_err(failed)?;
             say(json, &summary, render::failed_summary)
         }
-        FailedCommand::List { filter, after, limit } => {
-            let page = ops.failed_list(filter.input(), after, limit).await.map_err(failed)?;
+        FailedCommand::List { filter, newest, after, limit } => {
+            let page = ops::Page { after, limit, newest_first: newest };
+            let page = ops.failed_list(filter.input(), page).await.map_err(failed)?;
             say(json, &page, render::failed_page)
         }
         FailedCommand::Resend { filter, all, dry_run } => {

@@ -361,7 +361,8 @@ pub fn event(view: &EventView) -> String {
         );
     }
     let size = event.payload.len();
-    match (&view.payload, view.payload_bytes) {
+    let text = view.payload.as_deref().or(view.payload_json.as_ref().map(|json| json.as_str()));
+    match (text, view.payload_bytes) {
         (Some(payload), None) => {
             let _ = write!(out, "payload\n{}", crate::untrusted::printable(payload));
         }

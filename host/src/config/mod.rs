@@ -41,7 +41,7 @@ impl ConfigError {
 }
 
 /// The whole configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub database: DatabaseConfig,
@@ -62,7 +62,7 @@ pub struct Config {
 }
 
 /// The per-route circuit breaker.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BreakerConfig {
     /// Consecutive transient failures that open a route's breaker; 0 turns breakers off.
@@ -72,7 +72,7 @@ pub struct BreakerConfig {
 }
 
 /// The admin HTTP API.
-#[derive(Clone, Deserialize)]
+#[derive(Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdminConfig {
     /// `HOST:PORT` to serve on; empty: no API.
@@ -127,7 +127,7 @@ impl AdminConfig {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseConfig {
     /// `sqlite://PATH` or `postgres://…`.
@@ -135,7 +135,7 @@ pub struct DatabaseConfig {
     pub max_connections: u32,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RelayConfig {
     pub batch_size: u32,
@@ -157,7 +157,7 @@ pub struct RelayConfig {
 }
 
 /// The retry keys, all present in the defaults.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryConfig {
     pub max_attempts: MaxAttempts,
@@ -171,7 +171,7 @@ pub struct RetryConfig {
 }
 
 /// A route's overrides of [`RetryConfig`]; absent keys inherit the global value.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryOverrides {
     pub max_attempts: Option<MaxAttempts>,
@@ -201,7 +201,7 @@ pub enum JitterKind {
     Full,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PluginsConfig {
     pub dir: PathBuf,
@@ -226,7 +226,7 @@ pub struct PluginLimits {
 }
 
 /// What one plugin may touch. Everything not listed is denied.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxConfig {
     /// Guest path → host directory, pre-opened read-write for the plugin.
@@ -285,7 +285,7 @@ impl SandboxConfig {
     }
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     /// The plugin (by the name it reports) that delivers this route's events.

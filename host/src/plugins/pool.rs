@@ -111,7 +111,7 @@ impl std::fmt::Debug for RouteTransport {
 impl RouteTransport {
     /// The transport of `route`, served by its plugin from `registry` (it need not be loaded yet).
     pub fn new(registry: Arc<Registry>, route: Arc<RouteSettings>) -> Self {
-        let grants = registry.settings.plugin(&route.plugin);
+        let grants = registry.settings().plugin(&route.plugin);
         let limits = grants.limits;
         Self {
             route,
@@ -121,6 +121,11 @@ impl RouteTransport {
             registry,
             idle: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The route's settings this transport was made for.
+    pub fn route(&self) -> &RouteSettings {
+        &self.route
     }
 
     /// The plugin's name.

@@ -18,6 +18,7 @@ use super::runtime::Runtime;
 use super::sandbox::HostState;
 use super::{EPOCH_TICK, PluginInfo, WIT_VERSION, root_cause};
 use crate::config::{PluginLimits, Sandbox, Settings};
+use crate::live::Live;
 use crate::metrics::{Metrics, ReloadLabels};
 
 /// A compiled, pre-instantiated transport component.
@@ -70,7 +71,8 @@ pub enum Reloaded {
 /// atomic: calls already running keep the instance (and version) they started with.
 pub struct Registry {
     pub(super) runtime: Arc<Runtime>,
-    pub(super) settings: Arc<Settings>,
+    /// Replaced by a configuration reload; a load in progress keeps the version it started with.
+    settings: Arc<Live<Settings>>,
     pub(super) metrics: Arc<Metrics>,
     plugins: RwLock<BTreeMap<String, Arc<Plugin>>>,
     /// Load errors by file, kept until that file loads successfully.
@@ -88,6 +90,11 @@ impl std::fmt::Debug for Registry {
 impl Registry {
     /// An empty registry; call [`Registry::load_dir`] to fill it.
     pub fn new(runtime: Arc<Runtime>, settings: Arc<Settings>, metrics: Arc<Metrics>) -> Self {
+        Self::sharing(runtime, Arc::new(Live::new(settings)), metrics)
+    }
+
+    /// An empty registry reading its settings from `settings`, which a reload may replace.
+    pub fn sharing(runtime: Arc<Runtime>, settings: Arc<Live<Settings>>, metrics: Arc<Metrics>) -> Self {
         Self {
             runtime,
             settings,
@@ -109,8 +116,8 @@ impl Registry {
     }
 
     /// The directory plugins are loaded from.
-    pub fn dir(&self) -> &Path {
-        &self.settings.config.plugins.dir
+    pub fn dir(&self) -> PathBuf {
+        self.settings.get().config.plugins.dir.clone()
     }
 
     /// Loads every `*.wasm` file directly in the plugins directory. A file that fails to load is
@@ -127,7 +134,7 @@ impl Registry {
     /// Reloads every plugin file in the directory, and drops plugins whose file is gone: what the
     /// watcher does file by file, all at once. Returns each file's result.
     pub async fn reload_all(&self) -> anyhow::Result<Vec<(PathBuf, anyhow::Result<Reloaded>)>> {
-        let mut files = wasm_files(&self.settings.config.plugins.dir)?;
+        let mut files = wasm_files(&self.dir())?;
         let loaded: Vec<PathBuf> =
             self.plugins.read().unwrap_or_else(|e| e.into_inner()).values().map(|p| p.path.clone()).collect();
         files.extend(loaded.into_iter().filter(|path| !path.exists()));
@@ -177,12 +184,18 @@ impl Registry {
     }
 
     fn routes_of(&self, plugin: &str) -> Vec<String> {
-        self.settings.routes_of(plugin)
+        self.settings.get().routes_of(plugin)
     }
 
-    /// The settings the plugins run under.
-    pub fn settings(&self) -> &Arc<Settings> {
-        &self.settings
+    /// The settings the plugins run under now.
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings.get()
+    }
+
+    /// Holds off plugin reloads (from the watcher or `plugins reload`) while the guard lives: a
+    /// configuration reload takes it, so a new plugin version is checked against one route table.
+    pub async fn hold_reloads(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.reloading.lock().await
     }
 
     /// (Re)loads the plugin file at `path`: compiles it, checks that it exports our world and that
@@ -223,7 +236,8 @@ impl Registry {
             tracing::warn!(plugin = %name, file = %path.display(), "plugin file deleted; plugin removed");
             return Ok(Reloaded::Removed { name });
         }
-        let plugin = self.runtime.load(path, &self.settings).await?;
+        let settings = self.settings.get();
+        let plugin = self.runtime.load(path, &settings).await?;
         let name = plugin.info.name.clone();
         // Grants and route configs (secrets among them) go by plugin name. The name a component
         // reports is its own claim; the file name is the operator's: they must agree, so a file
@@ -242,8 +256,8 @@ impl Registry {
         }
         let plugin = Arc::new(plugin);
         let active = self.get(&name);
-        let grants = self.settings.plugin(&name);
-        for route in self.settings.routes.values().filter(|r| r.plugin == name) {
+        let grants = settings.plugin(&name);
+        for route in settings.routes.values().filter(|r| r.plugin == name) {
             let Err(e) = Instance::start(&self.runtime, &plugin, route, &grants).await else { continue };
             // A new version must not break a route the active version serves. A route that no
             // version can serve (its config is rejected by both) does not hold the others back;

@@ -23,6 +23,17 @@ use crate::config::Settings;
 /// to ask for its metadata, and a reload one per route to check it; one at a time.
 const SPARE_INSTANCES: usize = 4;
 
+/// Instances the pool holds beyond the configured routes' for routes a configuration reload
+/// adds: as many again as the routes have, and at least this many. The pool reserves address
+/// space, not memory, for them.
+const RELOAD_ROOM: usize = 16;
+
+/// The routes' instances a pool made for `settings` holds: theirs, and room for a reload.
+fn route_slots(settings: &Settings) -> usize {
+    let now = settings.route_instances();
+    now.saturating_add(now.max(RELOAD_ROOM))
+}
+
 /// The engine, its linkers, and the ticker that drives epoch interruption.
 pub struct Runtime {
     pub(super) engine: Engine,
@@ -34,6 +45,8 @@ pub struct Runtime {
     ticker_stop: Arc<AtomicBool>,
     /// Whether instances come from the pooling allocator (false: allocated on demand).
     pub pooling: bool,
+    /// The routes' instances the pool was sized for (the spares aside).
+    route_slots: usize,
     /// Largest plugin file read (`plugins.max_file_size`).
     pub(super) max_file_size: u64,
     /// Whether a missing granted directory is created (by `serve`) or an error (when inspecting).
@@ -60,6 +73,12 @@ impl Drop for Runtime {
 }
 
 impl Runtime {
+    /// How many plugin instances the routes may hold at once: what the instance pool was sized
+    /// for when ferry started (a reload cannot grow it).
+    pub fn route_slots(&self) -> usize {
+        if self.pooling { self.route_slots } else { usize::MAX }
+    }
+
     /// Creates the engine (component model, epoch interruption, the pooling allocator when the
     /// pool can be reserved, the compiled-code cache when configured) and links WASI and ferry's
     /// host imports.
@@ -84,8 +103,10 @@ impl Runtime {
         let mut pooled = engine_config.clone();
         let mut pool = PoolingAllocationConfig::default();
         // Room for every route's instances at once, each as large as a component may be, so no
-        // plugin's instances can take the slots another plugin needs.
-        let instances = u32::try_from(settings.route_instances() + SPARE_INSTANCES).unwrap_or(u32::MAX);
+        // plugin's instances can take the slots another plugin needs; and for the routes a
+        // reload may add.
+        let route_slots = route_slots(settings);
+        let instances = u32::try_from(route_slots.saturating_add(SPARE_INSTANCES)).unwrap_or(u32::MAX);
         pool.total_component_instances(instances)
             .total_stacks(instances)
             .total_core_instances(instances.saturating_mul(MAX_CORE_INSTANCES))
@@ -138,6 +159,7 @@ impl Runtime {
             linker_without_http,
             ticker_stop,
             pooling,
+            route_slots,
             max_file_size,
             create_dirs: true,
             load_timeout,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use rand::Rng;
 
-use super::Relay;
+use super::{Relay, Routes};
 use crate::backoff::RetryDecision;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::plugins::{DeliverError, Outcome, RouteTransport};
@@ -18,25 +18,25 @@ use crate::plugins::{DeliverError, Outcome, RouteTransport};
 impl Relay {
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion
     /// per event.
-    pub(super) async fn deliver_all(&self, events: &[ClaimedEvent]) -> Vec<Completion> {
+    pub(super) async fn deliver_all(&self, routes: &Routes, events: &[ClaimedEvent]) -> Vec<Completion> {
         let mut by_route: BTreeMap<&str, Vec<&ClaimedEvent>> = BTreeMap::new();
         let mut completions = Vec::with_capacity(events.len());
         for event in events {
             if let Some(defect) = &event.defect {
                 let call = self.call_log(&event.route, self.clock.now(), Duration::ZERO, None, None);
-                completions.push(self.fail(event, &call, FailureReason::InvalidEvent, reason(defect)));
+                completions.push(self.fail(routes, event, &call, FailureReason::InvalidEvent, reason(defect)));
             } else {
                 by_route.entry(&event.route).or_default().push(event);
             }
         }
         let lease_ends = std::time::Instant::now() + self.lease;
         let deliveries = by_route.into_iter().map(|(route, batch)| async move {
-            match self.routes.transports.get(route) {
-                Some(transport) => self.deliver_isolating(transport, batch, lease_ends).await,
+            match routes.transport(route) {
+                Some(transport) => self.deliver_isolating(routes, transport, batch, lease_ends).await,
                 None => {
                     let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
                     let why = format!("no route {route:?} is configured");
-                    self.judge(&batch, &call, Err(DeliverError::NoTransport(why)))
+                    self.judge(routes, &batch, &call, Err(DeliverError::NoTransport(why)))
                 }
             }
         });
@@ -55,6 +55,7 @@ impl Relay {
     /// (`lease_ends`); what is left is charged with the fault.
     async fn deliver_isolating(
         &self,
+        routes: &Routes,
         transport: &RouteTransport,
         batch: Vec<&ClaimedEvent>,
         lease_ends: std::time::Instant,
@@ -94,7 +95,7 @@ impl Relay {
                 }
                 other => other,
             };
-            completions.extend(self.judge(&part, &call, result));
+            completions.extend(self.judge(routes, &part, &call, result));
         }
         completions
     }
@@ -120,6 +121,7 @@ impl Relay {
     /// Turns a plugin's answer for `batch`, given by plugin call `call`, into completions.
     fn judge(
         &self,
+        routes: &Routes,
         batch: &[&ClaimedEvent],
         call: &Arc<CallLog>,
         result: Result<Vec<Outcome>, DeliverError>,
@@ -130,30 +132,38 @@ impl Relay {
                 .iter()
                 .zip(outcomes)
                 .map(|(event, outcome)| match outcome {
-                    Outcome::Success => self.complete(event, call, Disposition::Sent),
-                    Outcome::Permanent(f) => self.fail(event, call, FailureReason::Permanent, reason(&f.reason)),
+                    Outcome::Success => self.complete(routes, event, call, Disposition::Sent),
+                    Outcome::Permanent(f) => {
+                        self.fail(routes, event, call, FailureReason::Permanent, reason(&f.reason))
+                    }
                     Outcome::Transient(f) => {
                         let hint = f.retry_after_ms.map(Duration::from_millis);
                         let why = reason(&f.reason);
-                        self.retry_or_fail(event, call, now, why, hint, FailureReason::AttemptsExhausted)
+                        self.retry_or_fail(routes, event, call, now, why, hint, FailureReason::AttemptsExhausted)
                     }
                 })
                 .collect(),
             Err(DeliverError::Fault(fault)) => batch
                 .iter()
                 .map(|event| {
-                    self.retry_or_fail(event, call, now, reason(&fault.to_string()), None, FailureReason::PluginFault)
+                    let why = reason(&fault.to_string());
+                    self.retry_or_fail(routes, event, call, now, why, None, FailureReason::PluginFault)
                 })
                 .collect(),
             Err(DeliverError::NoTransport(why)) => {
                 let why = reason(&why);
-                batch.iter().map(|event| self.fail(event, call, FailureReason::NoTransport, why.clone())).collect()
+                batch
+                    .iter()
+                    .map(|event| self.fail(routes, event, call, FailureReason::NoTransport, why.clone()))
+                    .collect()
             }
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn retry_or_fail(
         &self,
+        routes: &Routes,
         event: &ClaimedEvent,
         call: &Arc<CallLog>,
         now: DateTime<Utc>,
@@ -161,25 +171,38 @@ impl Relay {
         hint: Option<Duration>,
         exhausted: FailureReason,
     ) -> Completion {
-        let policy = self.routes.settings.retry(&event.route);
+        let policy = routes.settings.retry(&event.route);
         let max = event.max_attempts.unwrap_or(policy.max_attempts);
         let unit: f64 = rand::rng().random();
         match policy.decide(event.attempt, max, hint, unit) {
             RetryDecision::RetryAfter(delay) => {
                 let at = crate::clock::later(now, delay);
-                self.complete(event, call, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
+                self.complete(routes, event, call, Disposition::Retry { at: crate::clock::truncate_ms(at), error })
             }
-            RetryDecision::GiveUp => self.fail(event, call, exhausted, error),
+            RetryDecision::GiveUp => self.fail(routes, event, call, exhausted, error),
         }
     }
 
-    fn fail(&self, event: &ClaimedEvent, call: &Arc<CallLog>, reason: FailureReason, error: String) -> Completion {
-        self.complete(event, call, Disposition::Failed { reason, error })
+    fn fail(
+        &self,
+        routes: &Routes,
+        event: &ClaimedEvent,
+        call: &Arc<CallLog>,
+        reason: FailureReason,
+        error: String,
+    ) -> Completion {
+        self.complete(routes, event, call, Disposition::Failed { reason, error })
     }
 
     /// The completion of `event`, with its attempt in the history of plugin call `call`.
-    fn complete(&self, event: &ClaimedEvent, call: &Arc<CallLog>, disposition: Disposition) -> Completion {
-        let max_attempts = event.max_attempts.unwrap_or(self.routes.settings.retry(&event.route).max_attempts);
+    fn complete(
+        &self,
+        routes: &Routes,
+        event: &ClaimedEvent,
+        call: &Arc<CallLog>,
+        disposition: Disposition,
+    ) -> Completion {
+        let max_attempts = event.max_attempts.unwrap_or(routes.settings.retry(&event.route).max_attempts);
         let attempt = AttemptLog { number: event.attempt, call: call.clone() };
         Completion { id: event.id, disposition, max_attempts, attempt }
     }

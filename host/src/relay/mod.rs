@@ -16,6 +16,7 @@ use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
 use crate::config::Settings;
 use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
+use crate::live::Live;
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
 
 mod deliver;
@@ -36,17 +37,27 @@ pub struct CycleStats {
     pub fenced_off: usize,
 }
 
-/// Routes resolved to transports, with their settings (retry policies among them).
+/// Routes resolved to transports, with their settings (retry policies among them). A cycle
+/// works with the table in effect when it claimed; a configuration reload puts a new one in
+/// effect for the cycles after.
 #[derive(Debug)]
 pub struct Routes {
     transports: HashMap<String, Arc<RouteTransport>>,
     settings: Arc<Settings>,
+    ordered_routes: Vec<String>,
+    blocking_routes: Vec<String>,
 }
 
 impl Routes {
     /// The route table: the settings and the transports started for them.
     pub fn new(settings: Arc<Settings>, transports: HashMap<String, Arc<RouteTransport>>) -> Self {
-        Self { transports, settings }
+        let (ordered_routes, blocking_routes) = settings.ordered_routes();
+        Self { transports, settings, ordered_routes, blocking_routes }
+    }
+
+    /// The transport of route `name`, if it is configured.
+    pub fn transport(&self, name: &str) -> Option<&Arc<RouteTransport>> {
+        self.transports.get(name)
     }
 }
 
@@ -55,7 +66,7 @@ impl Routes {
 pub struct Relay {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
-    routes: Routes,
+    routes: Live<Routes>,
     instance: String,
     batch_size: u32,
     workers: u32,
@@ -67,8 +78,6 @@ pub struct Relay {
     shutdown_grace: Duration,
     retain_sent: Option<Duration>,
     purge_batch: u32,
-    ordered_routes: Vec<String>,
-    blocking_routes: Vec<String>,
     /// Payloads larger than this are not loaded; such events fail alone.
     max_payload: u64,
     /// Consecutive transient failures that open a route's breaker; 0: breakers never open by
@@ -97,11 +106,10 @@ impl Relay {
     pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>, routes: Routes, metrics: Arc<Metrics>) -> Self {
         let settings = routes.settings.clone();
         let config = &settings.config;
-        let (ordered_routes, blocking_routes) = settings.ordered_routes();
         Self {
             store,
             clock,
-            routes,
+            routes: Live::new(Arc::new(routes)),
             instance: config.instance_id(),
             batch_size: config.relay.batch_size,
             workers: config.relay.workers,
@@ -113,8 +121,6 @@ impl Relay {
             shutdown_grace: config.relay.shutdown_grace.0,
             retain_sent: config.relay.retain_sent.0,
             purge_batch: config.relay.purge_batch,
-            ordered_routes,
-            blocking_routes,
             max_payload: config.relay.max_payload.0 as u64,
             breaker_threshold: config.breaker.threshold,
             breaker_cooldown: config.breaker.cooldown.0,
@@ -123,6 +129,17 @@ impl Relay {
             health: Arc::new(RelayHealth::new(config.relay.workers, config.relay.lease.0)),
             failed_notices: std::sync::Mutex::default(),
         }
+    }
+
+    /// The route table in effect.
+    pub fn routes(&self) -> Arc<Routes> {
+        self.routes.get()
+    }
+
+    /// Puts a new route table in effect from the next cycle on; cycles under way finish with
+    /// the table they started with (and its transports), so no delivery is dropped.
+    pub fn replace_routes(&self, routes: Routes) {
+        self.routes.set(Arc::new(routes));
     }
 
     /// Wakes the relay if it is waiting idle; for code in this process that has just emitted.
@@ -237,6 +254,7 @@ impl Relay {
     pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleStats, StoreError> {
         let now = self.clock.now();
         let token = new_token();
+        let routes = self.routes.get();
         let breakers = self.store.breakers().await?;
         let claim = Claim {
             now,
@@ -244,8 +262,8 @@ impl Relay {
             lease_until: crate::clock::later(now, self.lease),
             instance: self.instance.clone(),
             token: token.clone(),
-            ordered_routes: self.ordered_routes.clone(),
-            blocking_routes: self.blocking_routes.clone(),
+            ordered_routes: routes.ordered_routes.clone(),
+            blocking_routes: routes.blocking_routes.clone(),
             paused_routes: breakers.iter().filter(|b| b.is_open()).map(|b| b.route.clone()).collect(),
             only_route: None,
             max_payload: self.max_payload,
@@ -260,7 +278,7 @@ impl Relay {
             return Ok(CycleStats::default());
         }
         self.metrics.batch_size.observe(events.len() as f64);
-        let delivery = self.deliver_all(&events);
+        let delivery = self.deliver_all(&routes, &events);
         tokio::pin!(delivery);
         let completions = tokio::select! {
             done = &mut delivery => done,

@@ -103,6 +103,11 @@ pub struct FailedFilter {
     /// Only events with this id or a lower one (the highest a count saw, so a bulk operation
     /// confirmed by that count leaves newer events alone).
     pub through_id: Option<i64>,
+    /// Only events whose last error contains this text, letter case aside (on SQLite, only
+    /// ASCII letters' case).
+    pub error: Option<String>,
+    /// [`Store::list_failed`] only: the highest ids first.
+    pub newest_first: bool,
 }
 
 /// Which failure reason a [`FailedFilter`] selects.

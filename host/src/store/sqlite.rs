@@ -492,7 +492,8 @@ impl Store for SqliteStore {
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {
-        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?8");
+        let order = if filter.newest_first { "DESC" } else { "ASC" };
+        let sql = format!("SELECT {LIST_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id {order} LIMIT ?9");
         let rows: Vec<StoredRow> =
             bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
         Ok(rows.into_iter().map(StoredRow::into_record).collect())
@@ -500,7 +501,7 @@ impl Store for SqliteStore {
 
     async fn failed_groups(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<FailedGroup>, StoreError> {
         let sql = format!(
-            "SELECT {FAILED_GROUP_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} {FAILED_GROUP_ORDER} LIMIT ?8"
+            "SELECT {FAILED_GROUP_COLUMNS} FROM ferry_events WHERE {FAILED_WHERE} {FAILED_GROUP_ORDER} LIMIT ?9"
         );
         let rows: Vec<FailedGroupRow> =
             bind_filter!(sqlx::query_as(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
@@ -516,8 +517,8 @@ impl Store for SqliteStore {
         let sql = format!(
             "UPDATE ferry_events
              SET status = 'PENDING', attempts = 0, last_error = NULL, failure_reason = NULL,
-                 processed_at = NULL, next_attempt_at = ?9, last_status_at = ?9
-             WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?8)
+                 processed_at = NULL, next_attempt_at = ?10, last_status_at = ?10
+             WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?9)
                AND status = 'FAILED'
              RETURNING id"
         );
@@ -531,7 +532,7 @@ impl Store for SqliteStore {
 
     async fn purge_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<i64>, StoreError> {
         let sql = format!(
-            "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?8)
+            "DELETE FROM ferry_events WHERE id IN (SELECT id FROM ferry_events WHERE {FAILED_WHERE} ORDER BY id LIMIT ?9)
                AND status = 'FAILED'
              RETURNING id"
         );
@@ -636,13 +637,13 @@ impl Store for SqliteStore {
     }
 }
 
-/// The FAILED rows a [`FailedFilter`] selects; its values are bound as ?1..?7 by [`bind_filter`].
+/// The FAILED rows a [`FailedFilter`] selects; its values are bound as ?1..?8 by [`bind_filter`].
 const FAILED_WHERE: &str = "status = 'FAILED' AND (?1 IS NULL OR route = ?1) AND (?2 IS NULL OR event_type = ?2)
      AND (?3 IS NULL OR created_at >= ?3) AND (?4 IS NULL OR created_at < ?4) AND (?5 IS NULL OR id > ?5)
      AND (?6 IS NULL OR failure_reason = ?6 OR (?6 = 'none' AND failure_reason IS NULL))
-     AND (?7 IS NULL OR id <= ?7)";
+     AND (?7 IS NULL OR id <= ?7) AND (?8 IS NULL OR instr(lower(last_error), lower(?8)) > 0)";
 
-/// Binds a [`FailedFilter`] as ?1..?7 to a query (or `query_as`) built on [`FAILED_WHERE`].
+/// Binds a [`FailedFilter`] as ?1..?8 to a query (or `query_as`) built on [`FAILED_WHERE`].
 macro_rules! bind_filter {
     ($query:expr, $filter:expr) => {{
         let filter: &FailedFilter = $filter;
@@ -654,6 +655,7 @@ macro_rules! bind_filter {
             .bind(filter.after_id)
             .bind(filter.reason.map(ReasonFilter::as_str))
             .bind(filter.through_id)
+            .bind(&filter.error)
     }};
 }
 use bind_filter;

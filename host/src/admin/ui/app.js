@@ -412,7 +412,8 @@
   }
 
   async function event(id, mine) {
-    const e = await api("GET", `/v1/events/${encodeURIComponent(id)}`);
+    // The payload as stored: JSON parsed here would lose the digits of large numbers.
+    const e = await api("GET", `/v1/events/${encodeURIComponent(id)}?payload=text`);
     if (mine !== generation) return;
     const field = (name, value) => [h("dt", {}, name), h("dd", {}, value ?? "–")];
     const actions = [];

@@ -70,7 +70,8 @@ async fn the_cli_and_the_api_give_the_same_answers() {
     let failed = crate::store::failed_fixture(&api.s.db).await;
     let pending = api.enqueue("s", "ok").await;
     let (first, missing, pending) = (failed[0].to_string(), "987654".to_string(), pending.to_string());
-    let get = |path: String| api_answer(&api, Method::GET, Box::leak(path.into_boxed_str()), None);
+    let leak = |path: String| -> &'static str { Box::leak(path.into_boxed_str()) };
+    let get = |path: String| api_answer(&api, Method::GET, leak(path), None);
     let post = |path: &'static str, body: Value| api_answer(&api, Method::POST, path, Some(body));
 
     // (what, CLI arguments, the API's answer to the same input)
@@ -96,6 +97,33 @@ async fn the_cli_and_the_api_give_the_same_answers() {
             "resend a PENDING event",
             vec!["resend", &pending],
             post_dynamic(&api, &format!("/v1/events/{pending}/resend")).await,
+        ),
+        (
+            "reschedule a FAILED event",
+            vec!["reschedule", &first, "--delay", "1h"],
+            api_answer(
+                &api,
+                Method::POST,
+                leak(format!("/v1/events/{first}/reschedule")),
+                Some(json!({"delay": "1h"})),
+            )
+            .await,
+        ),
+        (
+            "reschedule a missing event",
+            vec!["reschedule", &missing, "--at", "2026-12-01T00:00:00Z"],
+            api_answer(
+                &api,
+                Method::POST,
+                leak(format!("/v1/events/{missing}/reschedule")),
+                Some(json!({"at": "2026-12-01T00:00:00Z"})),
+            )
+            .await,
+        ),
+        (
+            "list the newest failures with an error",
+            vec!["failed", "list", "--newest", "--error", "REJECTED", "--limit", "2"],
+            get("/v1/failed?order=newest&error=REJECTED&limit=2".into()).await,
         ),
         (
             "count by route and type",

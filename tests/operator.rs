@@ -750,3 +750,33 @@ async fn sighup_reloads_routes_while_events_flow() {
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     assert!(serve.0.wait().unwrap().success(), "{}", log());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reschedule_defers_a_pending_event_without_counting_an_attempt() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let failed = crate::store::failed_fixture(&db).await;
+    let config = db.dir.path().join("ferry.toml");
+    std::fs::write(&config, format!("[database]\nurl = {:?}\n{ROUTES}", db.url)).unwrap();
+    let (_, out, _) = run_ferry(&config, &["--json", "emit", "a", "x", "{}"]);
+    let id = json(&out)["id"].as_i64().unwrap().to_string();
+
+    let before = chrono::Utc::now();
+    let (code, out, stderr) = run_ferry(&config, &["--json", "reschedule", &id, "--delay", "2h"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let view = json(&out);
+    let due: chrono::DateTime<chrono::Utc> = view["next_attempt_at"].as_str().unwrap().parse().unwrap();
+    let ahead = due - before;
+    assert!(ahead >= chrono::Duration::minutes(119) && ahead <= chrono::Duration::minutes(121), "{view}");
+    assert_eq!((&view["status"], &view["attempts"]), (&json("\"PENDING\""), &json("0")), "no attempt counted");
+    assert!(view["waiting"][0].as_str().is_some_and(|w| w.contains("deferred")), "{view}");
+    let (code, text, _) = run_ferry(&config, &["reschedule", &id, "--at", "2026-01-01T00:00:00Z"]);
+    assert_eq!((code, text.trim()), (Some(0), format!("event {id} is due at 2026-01-01T00:00:00+00:00").as_str()));
+
+    let (code, _, stderr) = run_ferry(&config, &["reschedule", &failed[1].to_string(), "--delay", "1m"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("is FAILED, not PENDING") && stderr.contains("resend it"), "{stderr}");
+    let (code, _, stderr) = run_ferry(&config, &["reschedule", &id]);
+    assert_eq!(code, Some(2), "--at or --delay is required: {stderr}");
+    let (code, _, _) = run_ferry(&config, &["reschedule", &id, "--at", "2026-01-01T00:00:00Z", "--delay", "1m"]);
+    assert_eq!(code, Some(2), "not both");
+}

@@ -354,6 +354,30 @@ impl Ops {
         Ok(())
     }
 
+    /// Defers PENDING event `id` until `at` (which may also be sooner), without counting an
+    /// attempt; returns the event as it is afterwards.
+    pub async fn reschedule(&self, id: i64, at: DateTime<Utc>) -> Result<EventView, OpError> {
+        self.check_id(id)?;
+        let Some(event) = self.store.get(id).await? else {
+            return Err(OpError::NotFound(format!("no event with id {id}")));
+        };
+        let at = crate::clock::truncate_ms(at);
+        if !self.store.reschedule(id, at, self.clock.now()).await? {
+            let instead = match event.status {
+                Status::Failed => "; resend it (it is then due at once) and reschedule it after",
+                Status::Processing => "; it is being delivered now",
+                _ => "",
+            };
+            return Err(OpError::Conflict(format!(
+                "event {id} is {}, not PENDING; only PENDING events can be rescheduled{instead}",
+                event.status
+            )));
+        }
+        tracing::info!(event = id, %at, "event rescheduled by an operator");
+        self.wake();
+        self.show(id).await
+    }
+
     /// Ends PENDING or PROCESSING event `id` by hand: `Cancel` deletes it, `Fail` makes it FAILED
     /// (reason `operator`, `note` as its last error). A delivery in flight loses its claim, so
     /// its outcome is not recorded. Returns the event as it is afterwards (`None`: deleted).

@@ -232,6 +232,32 @@ pub(super) async fn fail(
     Ok(Json(admin.ops.end_event(id, EndEvent::Fail { note: &note }).await?))
 }
 
+/// `POST /v1/events/{id}/reschedule`: when the event becomes due.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RescheduleRequest {
+    /// RFC 3339.
+    at: Option<String>,
+    /// e.g. "2h": this long from now.
+    delay: Option<String>,
+}
+
+pub(super) async fn reschedule(
+    State(admin): State<Admin>,
+    EventId(id): EventId,
+    Body(body): Body<RescheduleRequest>,
+) -> Result<Json<EventView>, ApiError> {
+    let at = match (&body.at, &body.delay) {
+        (Some(text), None) => rfc3339("at", text)?,
+        (None, Some(text)) => {
+            let delay = parse_duration(text).map_err(|e| ApiError::bad_request(format!("delay: {e}")))?;
+            admin.ops.deliver_after(admin.ops.now(), delay)?
+        }
+        _ => return Err(ApiError::bad_request("give either at or delay")),
+    };
+    Ok(Json(admin.ops.reschedule(id, at).await?))
+}
+
 /// Narrows the FAILED events an operation applies to.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

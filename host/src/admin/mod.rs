@@ -95,6 +95,7 @@ impl Admin {
             .route("/v1/events/{id}/resend", post(resend_one))
             .route("/v1/events/{id}/cancel", post(cancel))
             .route("/v1/events/{id}/fail", post(fail))
+            .route("/v1/events/{id}/reschedule", post(reschedule))
             .route("/v1/failed", get(failed_list))
             .route("/v1/failed/count", get(failed_count))
             .route("/v1/failed/summary", get(failed_summary))

@@ -67,6 +67,20 @@ pub enum Command {
         #[arg(required = true)]
         ids: Vec<i64>,
     },
+    /// Make a PENDING event due at another time, without counting an attempt (to hold it back
+    /// while a receiver is down, or to send it sooner).
+    #[command(
+        after_help = "Examples:\n  ferry reschedule 42 --delay 2h\n  ferry reschedule 42 --at 2026-11-27T08:00:00Z"
+    )]
+    Reschedule {
+        id: i64,
+        /// When it becomes due (RFC 3339).
+        #[arg(long, value_parser = parse_time, required_unless_present = "delay", conflicts_with = "delay")]
+        at: Option<chrono::DateTime<chrono::Utc>>,
+        /// How long from now it becomes due, e.g. 30s, 15m or 2h.
+        #[arg(long, value_parser = parse_duration)]
+        delay: Option<std::time::Duration>,
+    },
     /// End an event that is not finished: cancel (delete) it, or fail it by hand.
     #[command(subcommand)]
     Event(EventCommand),

@@ -177,6 +177,15 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             let view = ops(&config).await?.end_event(id, EndEvent::Fail { note: &reason }).await.map_err(failed)?;
             say(json, &view, |_| format!("event {id} failed by hand"))
         }
+        Command::Reschedule { id, at, delay } => {
+            let ops = ops(&config).await?;
+            let at = match (at, delay) {
+                (Some(at), _) => at,
+                (None, delay) => ops.deliver_after(ops.now(), delay.unwrap_or_default()).map_err(failed)?,
+            };
+            let view = ops.reschedule(id, at).await.map_err(failed)?;
+            say(json, &view, |v| format!("event {id} is due at {}", v.event.next_attempt_at.to_rfc3339()))
+        }
         Command::Breaker(command) => breaker(&config, command, json).await,
         Command::Failed(command) => failed_command(&config, command, json).await,
         Command::Show { id, payload } => {

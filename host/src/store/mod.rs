@@ -270,6 +270,10 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// operator's resend). Returns how many were FAILED and are now PENDING.
     async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
 
+    /// Makes PENDING event `id` due at `at` instead, its attempts untouched (the operator's
+    /// reschedule). Returns whether it was PENDING.
+    async fn reschedule(&self, id: i64, at: DateTime<Utc>, now: DateTime<Utc>) -> Result<bool, StoreError>;
+
     /// Ends event `id` by hand if it is PENDING or PROCESSING (see [`EndEvent`]); returns whether it
     /// was. The write is conditional on the status, so it cannot race a claim: a claim in flight
     /// loses its token, and the relay's late outcome is fenced off.

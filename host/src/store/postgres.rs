@@ -351,6 +351,18 @@ impl Store for PostgresStore {
         Ok(done.rows_affected())
     }
 
+    async fn reschedule(&self, id: i64, at: DateTime<Utc>, now: DateTime<Utc>) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE ferry_events SET next_attempt_at = $2, last_status_at = $3 WHERE id = $1 AND status = 'PENDING'",
+        )
+        .bind(id)
+        .bind(at)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
     async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError> {
         let done = match end {
             EndEvent::Cancel => {

@@ -73,6 +73,61 @@ async fn webhooks_carry_the_event_and_standard_signatures() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_go_out_in_binary_or_structured_mode_with_the_trace_context() {
+    let receiver = Receiver::start().await;
+    let binary = ", cloudevents = \"binary\", cloudevents_source = \"https://shop.example/orders\"";
+    let structured = ", cloudevents = \"structured\"";
+    let s = setup(
+        &receiver,
+        "http://127.0.0.1:9",
+        &[("bin", receiver.url("/bin"), binary), ("env", receiver.url("/env"), structured)],
+    )
+    .await;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let time = chrono::DateTime::parse_from_rfc3339("2026-11-27T08:00:00.250Z").unwrap().with_timezone(&chrono::Utc);
+    let big = r#"{"amount": 123456789012345678901234567890}"#;
+    let events = ["bin", "env"].map(|route| NewEvent {
+        event_time: Some(time),
+        ..NewEvent::new(route, "order.paid", big).with_header("traceparent", traceparent)
+    });
+    let rows = s.deliver(&events).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent), "{rows:?}");
+    let got = receiver.requests();
+    let on = |path: &str| got.iter().find(|r| r.path == path).unwrap_or_else(|| panic!("no request to {path}"));
+
+    // Binary: the payload is the body; the attributes are ce- headers; the trace context travels.
+    let r = on("/bin");
+    assert_eq!(r.body, big.as_bytes());
+    let id = rows[0].id.to_string();
+    for (name, value) in [
+        ("ce-specversion", "1.0"),
+        ("ce-id", id.as_str()),
+        ("ce-source", "https://shop.example/orders"),
+        ("ce-type", "order.paid"),
+        ("ce-time", "2026-11-27T08:00:00.250Z"),
+        ("content-type", "application/json"),
+        ("traceparent", traceparent),
+    ] {
+        assert_eq!(r.header(name), Some(value), "{name}");
+    }
+
+    // Structured: one JSON envelope, the payload in it as it was (every digit kept), signed as sent.
+    let r = on("/env");
+    assert_eq!(r.header("content-type"), Some("application/cloudevents+json"));
+    assert_eq!(r.header("traceparent"), Some(traceparent));
+    assert!(r.header("ce-id").is_none(), "attributes are in the body");
+    let body = String::from_utf8(r.body.clone()).unwrap();
+    assert!(body.contains(&format!(r#""data":{big}"#)), "{body}");
+    let envelope: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(envelope["specversion"], "1.0");
+    assert_eq!(envelope["id"], rows[1].id.to_string());
+    assert_eq!(envelope["source"], "/ferry/env", "the default source names the route");
+    assert_eq!(envelope["type"], "order.paid");
+    assert_eq!(envelope["time"], "2026-11-27T08:00:00.250Z");
+    assert_eq!(envelope["datacontenttype"], "application/json");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_answer_maps_to_its_outcome() {
     let receiver = Receiver::start().await;
     // A port with nothing listening: connection refused.

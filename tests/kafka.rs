@@ -155,7 +155,10 @@ async fn records_land_on_the_key_partition_with_headers_and_payload() {
     let broker = broker().await;
     let topic = broker.topic("orders", 3).await;
     let config = format!("brokers = \"localhost:{}\", topic = \"{topic}\"", broker.port);
-    let s = setup(&sandbox_for(broker), &[("orders", config)]).await;
+    let ce_topic = broker.topic("cloudevents", 1).await;
+    let ce_config =
+        format!("brokers = \"localhost:{}\", topic = \"{ce_topic}\", cloudevents = \"binary\"", broker.port);
+    let s = setup(&sandbox_for(broker), &[("orders", config), ("ce", ce_config)]).await;
 
     let event_time = Utc.with_ymd_and_hms(2026, 6, 30, 12, 0, 0).unwrap();
     let mut events = Vec::new();
@@ -208,6 +211,28 @@ async fn records_land_on_the_key_partition_with_headers_and_payload() {
             .map(|(_, r)| String::from_utf8_lossy(&r.headers["ferry-event-id"]).parse().unwrap())
             .collect();
         assert!(order.windows(2).all(|w| w[0] < w[1]), "{key}: {order:?}");
+    }
+
+    // CloudEvents' Kafka binding, binary mode: ce_ headers beside the payload; the W3C trace
+    // context of the event travels as its header.
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut event = NewEvent::new("ce", "order.paid", "{}").with_header("traceparent", traceparent);
+    event.event_time = Some(event_time);
+    let rows = s.deliver(&[event]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+    let records = broker.records(&ce_topic, 1).await;
+    let header = |name: &str| records[0].1.headers.get(name).map(|v| String::from_utf8_lossy(v).into_owned());
+    let id = rows[0].id.to_string();
+    for (name, value) in [
+        ("ce_specversion", "1.0"),
+        ("ce_id", id.as_str()),
+        ("ce_source", "/ferry/ce"),
+        ("ce_type", "order.paid"),
+        ("ce_time", "2026-06-30T12:00:00.000Z"),
+        ("content-type", "application/json"),
+        ("traceparent", traceparent),
+    ] {
+        assert_eq!(header(name).as_deref(), Some(value), "{name}");
     }
 }
 
@@ -330,6 +355,7 @@ async fn bad_route_config_is_refused_naming_the_key() {
             ("noacks", format!("brokers = \"{}\", topic = \"t\", acks = \"most\"", broker.addr())),
             ("notopic", format!("brokers = \"{}\"", broker.addr())),
             ("typo", format!("brokers = \"{}\", topic = \"t\", akcs = \"1\"", broker.addr())),
+            ("envelope", format!("brokers = \"{}\", topic = \"t\", cloudevents = \"structured\"", broker.addr())),
         ],
     )
     .await;
@@ -338,12 +364,14 @@ async fn bad_route_config_is_refused_naming_the_key() {
             NewEvent::new("noacks", "t", "1"),
             NewEvent::new("notopic", "t", "2"),
             NewEvent::new("typo", "t", "3"),
+            NewEvent::new("envelope", "t", "4"),
         ])
         .await;
     let reasons: Vec<String> = rows.iter().map(|r| r.last_error.clone().unwrap_or_default()).collect();
     assert!(reasons[0].contains("acks: expected 0, 1 or all, got \"most\""), "{}", reasons[0]);
     assert!(reasons[1].contains("topic: required"), "{}", reasons[1]);
     assert!(reasons[2].contains("unknown config key \"akcs\""), "{}", reasons[2]);
+    assert!(reasons[3].contains("cloudevents: \"structured\" is not a mode; use binary"), "{}", reasons[3]);
     assert!(rows.iter().all(|r| r.status != Status::Sent));
 }
 

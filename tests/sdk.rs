@@ -1,8 +1,11 @@
 //! The Rust plugin SDK's configuration helper (`plugins/sdk/src/config.rs`), compiled natively:
-//! every error names the key, and keys nobody asked for are refused.
+//! every error names the key, and keys nobody asked for are refused; and its time formatting.
 
 #[path = "../plugins/sdk/src/config.rs"]
 mod config;
+
+#[path = "../plugins/sdk/src/time.rs"]
+mod time;
 
 use config::Config;
 

@@ -462,10 +462,12 @@ impl Ops {
         if unbounded.is_everything() && !all {
             let name = |field| self.front.name(field);
             return Err(OpError::Invalid(format!(
-                "no filter given: this would affect every FAILED event; narrow it with {}, {}, {}, {} or {}, or add {}",
+                "no filter given: this would affect every FAILED event; narrow it with {}, {}, {}, {}, {} or {}, or \
+                 add {}",
                 name("route"),
                 name("type"),
                 name("reason"),
+                name("error"),
                 name("from"),
                 name("before"),
                 self.front.switch("all")

@@ -60,44 +60,49 @@ impl Ferry {
     }
 
     /// Puts `config`'s routes and retry policies in effect while deliveries go on (what SIGHUP
-    /// does). Routes whose settings did not change keep their transport and its warm instances;
-    /// a new or changed route gets a new transport, whose plugin must accept the route's config
-    /// (its `init` runs first); a removed route's events fail with `no_transport` from then on,
-    /// as at start. Batches in flight finish with the table they were claimed under.
+    /// does). A route whose plugin and plugin config did not change keeps its transport and its
+    /// warm instances (a new retry policy needs no new instance); a new one, or one whose plugin
+    /// or config changed, gets a new transport, whose plugin must accept the config (its `init`
+    /// runs first); a removed route's events fail with `no_transport` from then on, as at start.
+    /// Batches in flight finish with the table they were claimed under.
     ///
-    /// Settings a running ferry cannot change (`[database]`, `[relay]`, `[breaker]`, `[admin]`,
-    /// `[plugins]`, `[sandbox.*]`) keep their running values and are named in the answer. When
-    /// anything is wrong nothing changes, and the error says why.
+    /// `[database]`, `[relay]`, `[breaker]` and `[admin]` keep their running values (named in the
+    /// answer); a change to `[plugins]` or `[sandbox.*]`, which routes depend on, needs a restart
+    /// and refuses the reload. When anything is wrong nothing changes, and the error says why.
     pub async fn reload(&self, mut config: Config) -> anyhow::Result<ConfigReload> {
         // No plugin version is swapped in while the route table changes under it.
         let _plugins = self.registry.hold_reloads().await;
         let running = self.settings.get();
         let needs_restart = keep_restart_only(&mut config, &running.config);
+        for (table, changed) in [
+            ("[plugins]", config.plugins != running.config.plugins),
+            ("[sandbox.*]", config.sandbox != running.config.sandbox),
+        ] {
+            if changed {
+                anyhow::bail!(
+                    "{table} differs from the running configuration, and the routes' plugins run under it: \
+                     restart ferry to apply it"
+                );
+            }
+        }
         let settings = Arc::new(config.settings()?);
         if let Some(why) = incomplete(&settings, &self.registry) {
             anyhow::bail!("{why}");
-        }
-        let room = self.registry.runtime().route_slots();
-        if settings.route_instances() > room {
-            anyhow::bail!(
-                "the routes would need {} plugin instances at once, more than the {room} reserved when ferry \
-                 started; restart ferry to apply this configuration",
-                settings.route_instances()
-            );
         }
         let current = self.relay.routes();
         let mut reload = ConfigReload { needs_restart, ..ConfigReload::default() };
         let mut transports = HashMap::new();
         let mut fresh = Vec::new();
         for (name, route) in &settings.routes {
+            match running.routes.get(name) {
+                None => reload.added.push(name.clone()),
+                Some(before) if before != route => reload.changed.push(name.clone()),
+                Some(_) => reload.unchanged.push(name.clone()),
+            }
             let transport = match current.transport(name) {
-                Some(transport) if transport.route() == route.as_ref() => {
-                    reload.unchanged.push(name.clone());
-                    transport.clone()
-                }
-                before => {
-                    let list = if before.is_some() { &mut reload.changed } else { &mut reload.added };
-                    list.push(name.clone());
+                Some(transport) if transport.serves(route) => transport.clone(),
+                _ => {
+                    reload.restarted.push(name.clone());
                     let transport = Arc::new(RouteTransport::new(self.registry.clone(), route.clone()));
                     fresh.push((name.clone(), transport.clone()));
                     transport
@@ -106,6 +111,24 @@ impl Ferry {
             transports.insert(name.clone(), transport);
         }
         reload.removed = running.routes.keys().filter(|name| !settings.routes.contains_key(*name)).cloned().collect();
+        // The transports replaced or removed may still be delivering (their instances in use until
+        // their batches finish) while the new ones start: the pool must hold both.
+        let outgoing: Vec<&Arc<RouteTransport>> = current
+            .transports()
+            .filter(|(name, old)| transports.get(*name).is_none_or(|new| !Arc::ptr_eq(old, new)))
+            .map(|(_, old)| old)
+            .collect();
+        let needed = settings.route_instances() + outgoing.iter().map(|t| t.instance_limit()).sum::<usize>();
+        let room = self.registry.runtime().route_slots();
+        if needed > room {
+            anyhow::bail!(
+                "the routes would need up to {needed} plugin instances at once while the change is made, more \
+                 than the {room} reserved when ferry started; restart ferry to apply this configuration"
+            );
+        }
+        for transport in &outgoing {
+            transport.drain_idle();
+        }
         for (route, transport) in fresh {
             if let Err(why) = transport.warm_up().await {
                 if !settings.config.relay.allow_incomplete {
@@ -138,15 +161,18 @@ impl Ferry {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConfigReload {
     pub added: Vec<String>,
+    /// Routes whose settings changed (plugin, config, ordering or retry policy).
     pub changed: Vec<String>,
     pub removed: Vec<String>,
     pub unchanged: Vec<String>,
+    /// Routes given a new transport (new, or a new plugin or plugin config), whose `init` ran.
+    pub restarted: Vec<String>,
     /// Tables that differ from the running configuration but take effect only after a restart.
     pub needs_restart: Vec<&'static str>,
 }
 
-/// Gives `config` the running values of what a running ferry cannot change, and names the tables
-/// that differed.
+/// Gives `config` the running values of the tables a running ferry does not change, and names
+/// the tables that differed.
 fn keep_restart_only(config: &mut Config, running: &Config) -> Vec<&'static str> {
     let mut differ = Vec::new();
     macro_rules! keep {
@@ -157,8 +183,7 @@ fn keep_restart_only(config: &mut Config, running: &Config) -> Vec<&'static str>
             }
         )*};
     }
-    keep!(database => "[database]", relay => "[relay]", breaker => "[breaker]", admin => "[admin]",
-        plugins => "[plugins]", sandbox => "[sandbox.*]");
+    keep!(database => "[database]", relay => "[relay]", breaker => "[breaker]", admin => "[admin]");
     differ
 }
 
@@ -412,9 +437,16 @@ async fn reload_on_hangup(
         }
         systemd.notify("STATUS=reloading the configuration");
         tracing::info!("SIGHUP: reloading the configuration");
-        let result = match reread() {
-            Ok(config) => ferry.reload(config).await,
-            Err(e) => Err(e),
+        let reload = async {
+            match reread() {
+                Ok(config) => ferry.reload(config).await,
+                Err(e) => Err(e),
+            }
+        };
+        // Nothing changes until a reload's last step, so a stop may cut one short.
+        let result = tokio::select! {
+            result = reload => result,
+            _ = shutdown.cancelled() => return,
         };
         match result {
             Ok(done) => {
@@ -423,6 +455,7 @@ async fn reload_on_hangup(
                     changed = %done.changed.join(","),
                     removed = %done.removed.join(","),
                     unchanged = done.unchanged.len(),
+                    restarted = %done.restarted.join(","),
                     "configuration reloaded; batches in flight finish under the previous one"
                 );
                 for table in done.needs_restart {

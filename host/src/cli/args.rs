@@ -209,13 +209,14 @@ pub enum FailedCommand {
         #[command(flatten)]
         filter: FilterArgs,
     },
-    /// FAILED events in id order (oldest first, or newest first with --newest), a page at a time.
+    /// FAILED events in id order (oldest first, or with --newest the most recently created), a page at
+    /// a time.
     #[command(after_help = "Examples:\n  ferry failed list --newest --limit 20\n  \
         ferry failed list --route orders --error \"timed out\"")]
     List {
         #[command(flatten)]
         filter: FilterArgs,
-        /// The most recent failures first.
+        /// The most recently created events (highest ids) first.
         #[arg(long)]
         newest: bool,
         /// Start after this id in the listing's order (the last id of the previous page).
@@ -395,10 +396,12 @@ impl Cli {
         sources(self.config.as_deref(), self.database_url.clone())
     }
 
-    /// Reads this invocation's configuration again, as `serve` does on SIGHUP.
+    /// Reads this invocation's configuration again, as `serve` does on SIGHUP: from the file
+    /// found now (./ferry.toml included), which must still be there then.
     pub fn reread(&self) -> crate::service::Reread {
-        let (config, database_url) = (self.config.clone(), self.database_url.clone());
-        Box::new(move || Ok(sources(config.as_deref(), database_url.clone())?.load()?))
+        let file = self.config.clone().or_else(|| Some(PathBuf::from("ferry.toml")).filter(|p| p.exists()));
+        let database_url = self.database_url.clone();
+        Box::new(move || Ok(sources(file.as_deref(), database_url.clone())?.load()?))
     }
 
     /// Loads the configuration this invocation names.

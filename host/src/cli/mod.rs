@@ -224,7 +224,7 @@ async fn failed_command(config: &Config, command: FailedCommand, json: bool) -> 
         FailedCommand::List { filter, newest, after, limit } => {
             let page = ops::Page { after, limit, newest_first: newest };
             let page = ops.failed_list(filter.input(), page).await.map_err(failed)?;
-            say(json, &page, render::failed_page)
+            say(json, &page, |page| render::failed_page(page, newest))
         }
         FailedCommand::Resend { filter, all, dry_run } => {
             let filter = filter.input();

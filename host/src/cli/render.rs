@@ -176,7 +176,7 @@ pub fn failed_summary(summary: &FailedSummary) -> String {
 }
 
 /// `ferry failed list`: one line per event, and how to get the next page.
-pub fn failed_page(page: &FailedPage) -> String {
+pub fn failed_page(page: &FailedPage, newest: bool) -> String {
     let columns = [
         ("ID", true),
         ("ROUTE", false),
@@ -202,7 +202,7 @@ pub fn failed_page(page: &FailedPage) -> String {
     }
     let mut out = table.render();
     if let Some(next) = page.next_after {
-        let _ = write!(out, "\nmore: --after {next}");
+        let _ = write!(out, "\nmore: {}--after {next}", if newest { "--newest " } else { "" });
     }
     out
 }

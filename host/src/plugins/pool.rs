@@ -123,9 +123,23 @@ impl RouteTransport {
         }
     }
 
-    /// The route's settings this transport was made for.
-    pub fn route(&self) -> &RouteSettings {
-        &self.route
+    /// Whether this transport can serve `route` as it is: the same plugin with the same config
+    /// (its retry policy and ordering are the relay's business).
+    pub fn serves(&self, route: &RouteSettings) -> bool {
+        self.route.name == route.name
+            && self.route.plugin == route.plugin
+            && self.route.plugin_config == route.plugin_config
+    }
+
+    /// The most instances this transport holds at once.
+    pub fn instance_limit(&self) -> usize {
+        self.limits.instances
+    }
+
+    /// Drops the idle instances (calls in flight keep theirs): for a transport being replaced,
+    /// so its slots in the instance pool are free for the new one.
+    pub fn drain_idle(&self) {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     /// The plugin's name.

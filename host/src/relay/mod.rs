@@ -59,6 +59,11 @@ impl Routes {
     pub fn transport(&self, name: &str) -> Option<&Arc<RouteTransport>> {
         self.transports.get(name)
     }
+
+    /// Every route's transport, by route name.
+    pub fn transports(&self) -> impl Iterator<Item = (&String, &Arc<RouteTransport>)> {
+        self.transports.iter()
+    }
 }
 
 /// The relay loop and its settings.
@@ -274,6 +279,9 @@ impl Relay {
         let probes = self.probes(&claim, &breakers).await?;
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
+        // A reload between the table's first read and the claim may have added routes whose
+        // events were just claimed: they are delivered with the table in effect now.
+        let routes = self.routes.get();
         if events.is_empty() {
             return Ok(CycleStats::default());
         }

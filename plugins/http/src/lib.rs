@@ -9,7 +9,11 @@
 //! - `secret_previous` — a second secret during rotation: both signatures are sent;
 //! - `timeout_ms` — per request (connect, first byte, between bytes), default 10000;
 //! - `concurrency` — requests in flight at once within a batch, default 8;
-//! - `header.NAME` — a static header added to every request.
+//! - `header.NAME` — a static header added to every request;
+//! - `cloudevents` — `binary`: CloudEvents 1.0 attributes as `ce-` headers, the payload as the
+//!   body; `structured`: one `application/cloudevents+json` body holding attributes and payload;
+//!   absent: plain webhooks;
+//! - `cloudevents_source` — the CloudEvents `source`, default `/ferry/ROUTE`.
 //!
 //! Each request carries the payload as its body, the event's content type and headers, and
 //! `webhook-id` (the event id, stable across retries), `webhook-timestamp` and, when a secret is
@@ -17,6 +21,7 @@
 
 pub mod policy;
 
+use ferry_plugin_sdk::cloudevents::CloudEvents;
 use ferry_plugin_sdk::outcome::{permanent, success, transient_after};
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::{Target, Verdict};
@@ -29,6 +34,7 @@ struct Settings {
     timeout_ns: u64,
     concurrency: usize,
     headers: Vec<(String, String)>,
+    cloudevents: Option<CloudEvents>,
 }
 
 impl Transport for Settings {
@@ -51,8 +57,10 @@ impl Transport for Settings {
         let concurrency = usize::try_from(config.positive_or("concurrency", 8)?).unwrap_or(usize::MAX);
         let headers =
             config.prefixed("header.").into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect();
+        let cloudevents = CloudEvents::from_config(config, true)?;
         log::info(&format!("delivering to {}{}", target.authority, target.path_and_query));
-        Ok(Settings { target, method, secrets, timeout_ns: timeout_ms.saturating_mul(1_000_000), concurrency, headers })
+        let timeout_ns = timeout_ms.saturating_mul(1_000_000);
+        Ok(Settings { target, method, secrets, timeout_ns, concurrency, headers, cloudevents })
     }
 
     fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
@@ -73,6 +81,9 @@ ferry_plugin_sdk::transport!(Settings);
 mod send {
     //! The wasi:http side: start every request of a chunk, then wait for all answers.
 
+    use std::borrow::Cow;
+
+    use ferry_plugin_sdk::cloudevents::Mode;
     use wasi::http::outgoing_handler::{self, FutureIncomingResponse};
     use wasi::http::types::{ErrorCode, Fields, Method, OutgoingBody, OutgoingRequest, RequestOptions, Scheme};
     use wasi::io::streams::StreamError;
@@ -85,14 +96,15 @@ mod send {
     /// started first (connections open in parallel), then the bodies are written, then the
     /// answers collected.
     pub fn all(settings: &Settings, events: &[Event]) -> Vec<Verdict> {
+        let bodies: Vec<Cow<'_, [u8]>> = events.iter().map(|e| body_of(settings, e)).collect();
         let started: Vec<Result<(FutureIncomingResponse, OutgoingBody), Verdict>> =
-            events.iter().map(|e| start(settings, e)).collect();
+            events.iter().zip(&bodies).map(|(e, body)| start(settings, e, body)).collect();
         let sent: Vec<Result<FutureIncomingResponse, Verdict>> = started
             .into_iter()
-            .zip(events)
-            .map(|(pending, event)| {
+            .zip(&bodies)
+            .map(|(pending, payload)| {
                 let (response, body) = pending?;
-                match write_body(body, &event.payload) {
+                match write_body(body, payload) {
                     Ok(()) => Ok(response),
                     // The request already failed (refused, denied): its answer says why.
                     Err(_) => Err(finish(&response)),
@@ -107,7 +119,21 @@ mod send {
             .collect()
     }
 
-    fn start(settings: &Settings, event: &Event) -> Result<(FutureIncomingResponse, OutgoingBody), Verdict> {
+    /// What a request carries: the payload, or in CloudEvents structured mode the envelope.
+    fn body_of<'a>(settings: &Settings, event: &'a Event) -> Cow<'a, [u8]> {
+        match &settings.cloudevents {
+            Some(ce) if ce.mode == Mode::Structured => {
+                Cow::Owned(policy::structured(&ce.attributes(event), &event.content_type, &event.payload))
+            }
+            _ => Cow::Borrowed(&event.payload),
+        }
+    }
+
+    fn start(
+        settings: &Settings,
+        event: &Event,
+        body: &[u8],
+    ) -> Result<(FutureIncomingResponse, OutgoingBody), Verdict> {
         let id = event.id.to_string();
         let timestamp = now_seconds();
         let headers = Fields::new();
@@ -116,16 +142,25 @@ mod send {
                 .append(name, value.as_bytes())
                 .map_err(|e| Verdict::Permanent { reason: format!("header {name:?} cannot be sent: {e:?}") })
         };
-        add("content-type", &event.content_type)?;
+        match &settings.cloudevents {
+            Some(ce) if ce.mode == Mode::Structured => add("content-type", "application/cloudevents+json")?,
+            Some(ce) => {
+                add("content-type", &event.content_type)?;
+                for (name, value) in ce.attributes(event) {
+                    add(&format!("ce-{name}"), &value)?;
+                }
+            }
+            None => add("content-type", &event.content_type)?,
+        }
         // A known length lets the body go out in one piece rather than chunked.
-        add("content-length", &event.payload.len().to_string())?;
+        add("content-length", &body.len().to_string())?;
         for (name, value) in event.headers.iter().chain(&settings.headers) {
             add(name, value)?;
         }
         add("webhook-id", &id)?;
         add("webhook-timestamp", &timestamp.to_string())?;
         if !settings.secrets.is_empty() {
-            add("webhook-signature", &policy::signature_header(&settings.secrets, &id, timestamp, &event.payload))?;
+            add("webhook-signature", &policy::signature_header(&settings.secrets, &id, timestamp, body))?;
         }
         let request = OutgoingRequest::new(headers);
         let method = match settings.method.as_str() {

@@ -105,6 +105,44 @@ pub fn parse_url(url: &str) -> Result<Target, String> {
     Ok(Target { https, authority: authority.to_string(), path_and_query: path })
 }
 
+/// Whether `content_type` says JSON: `application/json`, or a `+json` type such as
+/// `application/cloudevents+json`, parameters aside.
+pub fn is_json_type(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// A CloudEvents structured-mode body: one JSON object with the context `attributes`, the
+/// payload's `datacontenttype`, and the payload as `data` — the JSON itself when its content type
+/// is JSON and it parses, a string when it is other text — or base64 in `data_base64`.
+pub fn structured(attributes: &[(&str, String)], content_type: &str, payload: &[u8]) -> Vec<u8> {
+    let mut envelope = serde_json::Map::new();
+    for (name, value) in attributes {
+        envelope.insert((*name).to_string(), serde_json::Value::String(value.clone()));
+    }
+    if !content_type.is_empty() {
+        envelope.insert("datacontenttype".into(), serde_json::Value::String(content_type.to_string()));
+    }
+    let mut out = serde_json::to_vec(&envelope).unwrap_or_default();
+    // The payload goes in as it is (not re-encoded), so large numbers keep every digit.
+    let data = match std::str::from_utf8(payload) {
+        Ok(text)
+            if is_json_type(content_type) && serde_json::from_str::<&serde_json::value::RawValue>(text).is_ok() =>
+        {
+            format!("\"data\":{}", text.trim())
+        }
+        Ok(text) => format!("\"data\":{}", serde_json::Value::String(text.to_string())),
+        Err(_) => format!("\"data_base64\":\"{}\"", STANDARD.encode(payload)),
+    };
+    out.pop(); // the closing brace
+    if out.len() > 1 {
+        out.push(b',');
+    }
+    out.extend_from_slice(data.as_bytes());
+    out.push(b'}');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,5 +204,24 @@ mod tests {
         assert_eq!(parse_url("http://h?q").unwrap().path_and_query, "/?q");
         assert!(parse_url("ftp://h").is_err());
         assert!(parse_url("http:///x").is_err());
+    }
+
+    #[test]
+    fn structured_cloudevents_embed_the_payload_as_it_is() {
+        let attributes = [("specversion", "1.0".to_string()), ("id", "7".to_string())];
+        let big = r#"{"amount": 123456789012345678901234567890}"#;
+        let body = String::from_utf8(structured(&attributes, "application/json", big.as_bytes())).unwrap();
+        assert_eq!(
+            body,
+            format!(r#"{{"datacontenttype":"application/json","id":"7","specversion":"1.0","data":{big}}}"#)
+        );
+        let text = String::from_utf8(structured(&attributes, "text/plain", b"say \"hi\"")).unwrap();
+        assert!(text.ends_with(r#""data":"say \"hi\""}"#), "{text}");
+        let broken = String::from_utf8(structured(&attributes, "application/json", b"{oops")).unwrap();
+        assert!(broken.ends_with(r#""data":"{oops"}"#), "JSON that does not parse is text: {broken}");
+        let binary = String::from_utf8(structured(&attributes, "application/octet-stream", &[0, 255])).unwrap();
+        assert!(binary.ends_with(r#""data_base64":"AP8="}"#), "{binary}");
+        let value: serde_json::Value = serde_json::from_str(&binary).unwrap();
+        assert_eq!(value["id"], "7");
     }
 }

@@ -17,7 +17,10 @@
 //! - `tls`, `tls_server_name` — TLS done by the host (wasi:tls), verified for each broker's name
 //!   or this one;
 //! - `sasl_mechanism` (`PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512`), `sasl_username`, and one of
-//!   `sasl_password`, `sasl_password_env`, `sasl_password_file`.
+//!   `sasl_password`, `sasl_password_env`, `sasl_password_file`;
+//! - `cloudevents` — `binary`: CloudEvents 1.0 attributes as `ce_` headers (the Kafka protocol
+//!   binding's binary mode), the payload as the value; `cloudevents_source` — the `source`
+//!   attribute, default `/ferry/ROUTE`.
 //!
 //! Each event becomes one record: the ordering key is the record key (which picks the partition
 //! with murmur2, as the Java client does; events without a key are spread round-robin), the
@@ -47,6 +50,7 @@ use kafka_protocol::records::{
 };
 
 use client::{Auth, Connection, Connections, NetError};
+use ferry_plugin_sdk::cloudevents::CloudEvents;
 use ferry_plugin_sdk::outcome::{permanent, transient};
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::Class;
@@ -68,6 +72,7 @@ struct Settings {
     idempotence: bool,
     auth: Option<Auth>,
     tls: Option<client::Tls>,
+    cloudevents: Option<CloudEvents>,
 }
 
 /// Where the partitions of the route's topic live, as last read from the cluster.
@@ -136,9 +141,11 @@ fn parse_settings(config: &mut Config) -> Result<Settings, String> {
         (false, None) => None,
         (false, Some(_)) => return Err("tls_server_name: needs tls = true".into()),
     };
+    let cloudevents = CloudEvents::from_config(config, false)?;
     Ok(Settings {
         auth,
         tls,
+        cloudevents,
         brokers,
         topic,
         acks,
@@ -261,7 +268,7 @@ impl State {
             if outcomes[i].is_some() {
                 continue;
             }
-            let size = record_size(event);
+            let size = record_size(event, self.settings.cloudevents.as_ref());
             if size + REQUEST_OVERHEAD > self.settings.max_request_bytes {
                 outcomes[i] = Some(permanent(format!(
                     "MESSAGE_TOO_LARGE: the record is {size} bytes, more than max_request_bytes ({}) allows",
@@ -320,7 +327,12 @@ impl State {
                         *next = sequence_after(base, members.len());
                         ((p.id, p.epoch), base)
                     });
-                    let batch = encode_batch(members.iter().map(|&i| &events[i]), self.settings.compression, identity);
+                    let batch = encode_batch(
+                        members.iter().map(|&i| &events[i]),
+                        self.settings.compression,
+                        identity,
+                        self.settings.cloudevents.as_ref(),
+                    );
                     match batch {
                         Ok(batch) => {
                             batches.insert(partition, (batch, identity.map_or(NO_SEQUENCE, |(_, base)| base)));
@@ -693,8 +705,9 @@ fn split_by_size(members: &[(usize, usize, i32)], max_bytes: usize) -> Vec<&[(us
 }
 
 /// An upper bound on the encoded size of the event's record.
-fn record_size(event: &Event) -> usize {
-    let headers: usize = event.headers.iter().map(|(k, v)| k.len() + v.len() + 10).sum();
+fn record_size(event: &Event, cloudevents: Option<&CloudEvents>) -> usize {
+    let headers: usize = event.headers.iter().map(|(k, v)| k.len() + v.len() + 10).sum::<usize>()
+        + cloudevents.map_or(0, |ce| ce.attributes(event).iter().map(|(k, v)| k.len() + 3 + v.len() + 10).sum());
     let own = "ferry-event-id".len() + 20 + "ferry-event-type".len() + event.event_type.len() + "content-type".len();
     64 + event.payload.len()
         + event.ordering_key.as_ref().map_or(0, String::len)
@@ -710,6 +723,7 @@ fn encode_batch<'a>(
     events: impl Iterator<Item = &'a Event>,
     compression: Compression,
     identity: Option<((i64, i16), i32)>,
+    cloudevents: Option<&CloudEvents>,
 ) -> Result<Bytes, NetError> {
     let ((producer_id, producer_epoch), base_sequence) =
         identity.unwrap_or(((NO_PRODUCER_ID, NO_PRODUCER_EPOCH), NO_SEQUENCE));
@@ -723,6 +737,9 @@ fn encode_batch<'a>(
             headers.insert(StrBytes::from_static_str("ferry-event-id"), Some(Bytes::from(event.id.to_string())));
             headers.insert(StrBytes::from_static_str("ferry-event-type"), Some(Bytes::from(event.event_type.clone())));
             headers.insert(StrBytes::from_static_str("content-type"), Some(Bytes::from(event.content_type.clone())));
+            for (name, value) in cloudevents.map(|ce| ce.attributes(event)).unwrap_or_default() {
+                headers.insert(StrBytes::from_string(format!("ce_{name}")), Some(Bytes::from(value)));
+            }
             Record {
                 transactional: false,
                 control: false,

@@ -45,7 +45,9 @@ pub mod bindings {
     });
 }
 
+pub mod cloudevents;
 mod config;
+pub mod time;
 
 pub use bindings::exports::ferry::transport::transport::{Event, Outcome, PluginInfo};
 pub use bindings::ferry::transport::types::Failure;

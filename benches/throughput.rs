@@ -310,6 +310,7 @@ async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
                 disposition: Disposition::Sent,
                 max_attempts: 6,
                 attempt: AttemptLog { number: e.attempt, call: call.clone() },
+                dead_letter: None,
             })
             .collect();
         store.complete(&token, chrono::Utc::now(), &done).await.expect("complete");

@@ -208,6 +208,7 @@ async fn the_cli_emits_from_files_and_stdin_defers_and_resends() {
         },
         max_attempts: 6,
         attempt: Default::default(),
+        dead_letter: None,
     };
     db.store.complete("tok", SystemClock.now(), &[failed]).await.unwrap();
     let resent = ferry(&["resend", &claimed[0].id.to_string()]).output().unwrap();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use chrono::{TimeZone, Utc};
 use ferry::NewEvent;
 use ferry::clock::{Clock, ManualClock};
-use ferry::event::Status;
+use ferry::event::{FailureReason, Status};
 use ferry::service::Ferry;
 use tokio_util::sync::CancellationToken;
 
@@ -54,6 +54,11 @@ async fn setup_with(db: TestDb, relay: &str) -> Setup {
         plugin = "scripted"
         ordered = true
         ordered_after_failure = "skip"
+        [route.d]
+        plugin = "scripted"
+        dead_letter = "dlq"
+        [route.dlq]
+        plugin = "scripted"
         "#
     ));
     let clock = Arc::new(ManualClock::new(Utc.with_ymd_and_hms(2026, 5, 1, 8, 0, 0).unwrap()));
@@ -168,6 +173,95 @@ async fn permanent_fails_at_once(db: TestDb) {
     assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("permanent"));
     assert!(row.last_error.unwrap().contains("scripted permanent failure"));
     assert_eq!(s.row(ok).await.status, Status::Sent, "one bad event does not fail its batch");
+}
+
+async fn failed_events_go_on_to_the_dead_letter_route(db: TestDb) {
+    let s = setup(db).await;
+    let event = NewEvent::new("d", "permanent", r#"{"n":1}"#).with_header("tenant", "acme").with_key("k1");
+    let bad = s.emit_event(event).await;
+    let tired = s.emit("d", "transient").await;
+    let ok = s.emit("d", "ok").await;
+    let on_s = s.emit("s", "permanent").await;
+    let stats = s.cycle().await;
+    assert_eq!((stats.sent, stats.failed, stats.retried), (1, 2, 1));
+    let copies = |after: i64| {
+        let store = s.db.store.clone();
+        async move {
+            let mut found = Vec::new();
+            for id in after + 1..after + 10 {
+                if let Some(row) = store.get(id).await.unwrap() {
+                    found.push(row);
+                }
+            }
+            found
+        }
+    };
+    let first = copies(on_s).await;
+    assert_eq!(first.len(), 1, "one copy, of the event that failed on the route with a dead letter: {first:?}");
+    let copy = &first[0];
+    assert_eq!((copy.route.as_str(), copy.event_type.as_str(), copy.status), ("dlq", "permanent", Status::Pending));
+    assert_eq!((copy.payload.as_slice(), copy.ordering_key.as_deref()), (&br#"{"n":1}"#[..], Some("k1")));
+    let headers: serde_json::Value = serde_json::from_str(&copy.headers).unwrap();
+    let header = |name: &str| headers[name].as_str().map(str::to_string);
+    assert_eq!(header("tenant").as_deref(), Some("acme"), "the event's own headers are kept");
+    assert_eq!(header("ferry-failed-event-id"), Some(bad.to_string()));
+    assert_eq!(header("ferry-failed-route").as_deref(), Some("d"));
+    assert_eq!(header("ferry-failed-reason").as_deref(), Some("permanent"));
+    assert!(header("ferry-failed-error").is_some_and(|e| e.contains("scripted permanent failure")), "{copy:?}");
+    assert_eq!(header("ferry-failed-attempts").as_deref(), Some("1"));
+    assert_eq!(s.row(bad).await.status, Status::Failed, "the original stays, for inspection and resend");
+    assert_eq!(s.row(ok).await.status, Status::Sent);
+
+    // The copy fails on the dead-letter route too: it stays there (dead letters do not chain).
+    // The transient event goes on once its attempts are spent.
+    for _ in 0..3 {
+        s.clock.advance(std::time::Duration::from_secs(600));
+        let _ = s.cycle().await;
+    }
+    assert_eq!(s.row(copy.id).await.status, Status::Failed);
+    assert_eq!(s.row(tired).await.failure_reason, Some(FailureReason::AttemptsExhausted));
+    let later = copies(copy.id).await;
+    let kinds: Vec<(&str, &str)> = later.iter().map(|r| (r.route.as_str(), r.event_type.as_str())).collect();
+    assert_eq!(kinds, [("dlq", "transient")], "{later:?}");
+    let headers: serde_json::Value = serde_json::from_str(&later[0].headers).unwrap();
+    assert_eq!(headers["ferry-failed-reason"], "attempts_exhausted");
+}
+
+async fn a_dead_letter_that_cannot_be_written_leaves_the_outcomes_and_the_relay_alone(db: TestDb) {
+    let s = setup(db).await;
+    // The database refuses every dead letter, as a constraint an operator added might.
+    match (&s.db.postgres, &s.db.sqlite) {
+        (Some(pg), _) => {
+            for statement in [
+                "CREATE FUNCTION refuse_dead_letters() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN IF NEW.route = 'dlq' THEN RAISE EXCEPTION 'no dead letters today'; END IF; RETURN NEW; END $$",
+                "CREATE TRIGGER refuse_dead_letters BEFORE INSERT ON ferry_events
+                 FOR EACH ROW EXECUTE FUNCTION refuse_dead_letters()",
+            ] {
+                sqlx::query(statement).execute(pg.pool()).await.unwrap();
+            }
+        }
+        (_, Some(lite)) => {
+            sqlx::query(
+                "CREATE TRIGGER refuse_dead_letters BEFORE INSERT ON ferry_events WHEN NEW.route = 'dlq'
+                 BEGIN SELECT RAISE(ABORT, 'no dead letters today'); END",
+            )
+            .execute(lite.pool())
+            .await
+            .unwrap();
+        }
+        _ => unreachable!("a test database has a backend"),
+    }
+    let bad = s.emit("d", "permanent").await;
+    let ok = s.emit("d", "ok").await;
+    let stats = s.cycle().await;
+    assert_eq!((stats.sent, stats.failed), (1, 1), "the batch is recorded");
+    assert_eq!(s.row(bad).await.status, Status::Failed, "kept where it failed, for inspection and resend");
+    assert_eq!(s.row(ok).await.status, Status::Sent);
+    assert!(s.db.store.get(ok + 1).await.unwrap().is_none(), "no dead letter was written");
+    let next = s.emit("s", "ok").await;
+    let _ = s.cycle().await;
+    assert_eq!(s.row(next).await.status, Status::Sent, "the relay goes on");
 }
 
 async fn a_trap_is_transient_and_the_plugin_recovers(db: TestDb) {
@@ -395,6 +489,8 @@ async fn permanent_failures_do_not_trip_the_breaker(db: TestDb) {
 }
 
 crate::both_backends!(
+    failed_events_go_on_to_the_dead_letter_route,
+    a_dead_letter_that_cannot_be_written_leaves_the_outcomes_and_the_relay_alone,
     failed_events_are_logged_at_most_once_a_minute_per_route,
     an_open_breaker_pauses_its_route_until_a_probe_succeeds,
     a_failed_probe_opens_the_breaker_again_at_once,

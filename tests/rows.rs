@@ -169,6 +169,7 @@ async fn operators_cancel_or_fail_an_event_fenced_against_its_claim(db: TestDb) 
         disposition: ferry::event::Disposition::Sent,
         max_attempts: 3,
         attempt: Default::default(),
+        dead_letter: None,
     };
     assert_eq!(s.db.store.complete("theirs", now, &[late]).await.unwrap(), 0, "the late outcome is not written");
     let row = s.db.store.get(claimed).await.unwrap().unwrap();

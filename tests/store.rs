@@ -35,7 +35,7 @@ fn claim(now: DateTime<Utc>, limit: u32, token: &str) -> Claim {
 }
 
 fn done(id: i64, disposition: Disposition) -> Completion {
-    Completion { id, disposition, max_attempts: 6, attempt: Default::default() }
+    Completion { id, disposition, max_attempts: 6, attempt: Default::default(), dead_letter: None }
 }
 
 async fn claim_returns_due_events_in_order(db: TestDb) {
@@ -426,7 +426,13 @@ fn logged(id: i64, number: u32, disposition: Disposition) -> Completion {
         plugin_hash: Some("ab".repeat(32)),
         instance: "relay-1".into(),
     };
-    Completion { id, disposition, max_attempts: 2, attempt: AttemptLog { number, call: call.into() } }
+    Completion {
+        id,
+        disposition,
+        max_attempts: 2,
+        attempt: AttemptLog { number, call: call.into() },
+        dead_letter: None,
+    }
 }
 
 async fn history_is_written_with_outcomes_and_kept_across_resends(db: TestDb) {
@@ -492,7 +498,13 @@ fn call(route: &str, plugin: &str, millis: u64) -> Arc<CallLog> {
 }
 
 fn by(call: &Arc<CallLog>, id: i64, disposition: Disposition) -> Completion {
-    Completion { id, disposition, max_attempts: 4, attempt: AttemptLog { number: 1, call: call.clone() } }
+    Completion {
+        id,
+        disposition,
+        max_attempts: 4,
+        attempt: AttemptLog { number: 1, call: call.clone() },
+        dead_letter: None,
+    }
 }
 
 /// A success is recorded on its event row, not as a history row; `attempts` still lists it, after

@@ -250,6 +250,8 @@ pub struct Completion {
     pub max_attempts: u32,
     /// The attempt that led here, for the event's history.
     pub attempt: AttemptLog,
+    /// Where a copy goes when this completion makes the event FAILED (the route's `dead_letter`).
+    pub dead_letter: Option<String>,
 }
 
 /// How one delivery attempt was made, written to the history with its outcome.

@@ -544,6 +544,7 @@ impl Ops {
                     plugin_hash: plugin.map(|p| p.hash.clone()),
                     ordered,
                     failed_blocks_key,
+                    dead_letter: route.dead_letter.clone(),
                     breaker: BreakerView::new(breaker, now, cooldown),
                     retry: RetryView::from(&route.retry),
                 }

@@ -234,6 +234,8 @@ pub struct RouteView {
     pub plugin_hash: Option<String>,
     pub ordered: bool,
     pub failed_blocks_key: bool,
+    /// The route that gets a copy of each event that ends FAILED here.
+    pub dead_letter: Option<String>,
     pub breaker: BreakerView,
     /// The retry policy in effect for the route.
     pub retry: RetryView,

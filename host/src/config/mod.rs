@@ -301,6 +301,10 @@ pub struct RouteConfig {
     /// What a FAILED event does to the rest of its key on an ordered route.
     #[serde(default)]
     pub ordered_after_failure: AfterFailure,
+    /// A route that gets a copy of each event the relay makes FAILED here, with the failure in
+    /// its headers (a dead-letter topic, an archive).
+    #[serde(default)]
+    pub dead_letter: Option<String>,
 }
 
 /// On an ordered route, what happens to a key whose oldest unfinished event has FAILED.

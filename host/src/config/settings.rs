@@ -38,6 +38,27 @@ pub struct RouteSettings {
     pub plugin_config: Vec<(String, String)>,
     pub retry: RetryPolicy,
     pub ordering: Ordering,
+    /// The route that gets a copy of each event the relay makes FAILED on this one.
+    pub dead_letter: Option<String>,
+}
+
+/// Route `name`'s `dead_letter`, checked: another configured route, which has none of its own (a
+/// dead letter that fails stays FAILED where it is, rather than travelling on).
+fn dead_letter(config: &super::Config, name: &str, target: &str) -> Result<String, String> {
+    let key = format!("route.{name}.dead_letter");
+    let Some(route) = config.route.get(target) else {
+        let known: Vec<&str> = config.route.keys().map(String::as_str).collect();
+        return Err(format!("{key}: no route {target:?} is configured (configured: {})", known.join(", ")));
+    };
+    if target == name {
+        return Err(format!("{key}: a route cannot be its own dead letter"));
+    }
+    if route.dead_letter.is_some() {
+        return Err(format!(
+            "{key}: route {target:?} has a dead_letter of its own; dead letters do not chain, so remove one"
+        ));
+    }
+    Ok(target.to_string())
 }
 
 /// Whether a route delivers the events of one ordering key one at a time.
@@ -128,8 +149,18 @@ impl Settings {
                 (true, after) => Ordering::Ordered { failed_blocks_key: after == AfterFailure::Block },
             };
             let plugin_config = route.config.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
-            let settings =
-                RouteSettings { name: name.clone(), plugin: route.plugin.clone(), plugin_config, retry, ordering };
+            let dead_letter = match &route.dead_letter {
+                None => None,
+                Some(target) => Some(dead_letter(config, name, target)?),
+            };
+            let settings = RouteSettings {
+                name: name.clone(),
+                plugin: route.plugin.clone(),
+                plugin_config,
+                retry,
+                ordering,
+                dead_letter,
+            };
             routes.insert(name.clone(), Arc::new(settings));
         }
         let mut plugins = BTreeMap::new();

@@ -321,3 +321,26 @@ fn grants_are_compared_after_paths_follow_the_config_file() {
     let e = Config::load(&file).unwrap_err().to_string();
     assert!(e.contains("ferry.toml") && e.contains("contains plugins.dir"), "relative paths are resolved first: {e}");
 }
+
+#[test]
+fn dead_letters_name_another_route_and_do_not_chain() {
+    let settings = |routes: &str| {
+        Config::from_toml_str(routes, "test.toml")
+            .map_err(|e| e.to_string())
+            .and_then(|c| c.settings().map_err(|e| e.to_string()))
+    };
+    let ok = settings("[route.a]\nplugin = \"http\"\ndead_letter = \"b\"\n[route.b]\nplugin = \"log\"\n").unwrap();
+    assert_eq!(ok.route("a").unwrap().dead_letter.as_deref(), Some("b"));
+    for (routes, expected) in [
+        ("[route.a]\nplugin = \"http\"\ndead_letter = \"nowhere\"\n", "route.a.dead_letter: no route \"nowhere\""),
+        ("[route.a]\nplugin = \"http\"\ndead_letter = \"a\"\n", "its own dead letter"),
+        (
+            "[route.a]\nplugin = \"http\"\ndead_letter = \"b\"\n[route.b]\nplugin = \"log\"\ndead_letter = \"c\"\n\
+             [route.c]\nplugin = \"log\"\n",
+            "dead letters do not chain",
+        ),
+    ] {
+        let e = settings(routes).unwrap_err();
+        assert!(e.contains(expected), "{e}");
+    }
+}

@@ -202,9 +202,17 @@ impl Relay {
         call: &Arc<CallLog>,
         disposition: Disposition,
     ) -> Completion {
-        let max_attempts = event.max_attempts.unwrap_or(routes.settings.retry(&event.route).max_attempts);
+        let route = routes.settings.route(&event.route);
+        let max_attempts = event.max_attempts.unwrap_or_else(|| routes.settings.retry(&event.route).max_attempts);
+        // A row ferry cannot decode is not copied: it stays, FAILED, where it is.
+        let dead_letter = match &disposition {
+            Disposition::Failed { reason, .. } if *reason != FailureReason::InvalidEvent => {
+                route.and_then(|r| r.dead_letter.clone())
+            }
+            _ => None,
+        };
         let attempt = AttemptLog { number: event.attempt, call: call.clone() };
-        Completion { id: event.id, disposition, max_attempts, attempt }
+        Completion { id: event.id, disposition, max_attempts, attempt, dead_letter }
     }
 }
 

@@ -597,6 +597,27 @@ fn duration_ms(call: &CallLog) -> i64 {
     i64::try_from(call.duration.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// The FAILED outcomes that were written (`written`: not fenced off) and go on to a dead-letter
+/// route: (event id, route).
+fn dead_letters<'a>(parts: &Partitioned<'a>, written: &std::collections::HashSet<i64>) -> Vec<(i64, &'a str)> {
+    parts
+        .failed
+        .iter()
+        .filter(|(c, _, _)| written.contains(&c.id))
+        .filter_map(|(c, _, _)| Some((c.id, c.dead_letter.as_deref()?)))
+        .collect()
+}
+
+/// What is logged when dead letters cannot be written (behind a savepoint, so the outcomes still
+/// are, and the events stay FAILED where they are, kept for inspection and resend).
+fn dead_letters_not_written(letters: &[(i64, &str)], error: &sqlx::Error) {
+    let ids: Vec<i64> = letters.iter().map(|(id, _)| *id).collect();
+    tracing::error!(
+        ?ids,
+        "dead letters not written, the events stay FAILED on their own route (`ferry show ID`): {error}"
+    );
+}
+
 fn partition(items: &[Completion]) -> Partitioned<'_> {
     use crate::event::Disposition;
     let mut p = Partitioned::default();

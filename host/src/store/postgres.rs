@@ -20,7 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
-    complete_batch, counts_by_status, duration_ms, ids_in_order, in_claim_order, stats_from,
+    complete_batch, counts_by_status, dead_letters, dead_letters_not_written, duration_ms, ids_in_order,
+    in_claim_order, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -124,6 +125,23 @@ impl RecordOutcomes for PostgresStore {
         let history: Vec<&Completion> =
             parts.retry.iter().map(|(c, _, _)| *c).chain(parts.failed.iter().map(|(c, _, _)| *c)).collect();
         let history: Vec<&Completion> = history.into_iter().filter(|c| written.contains(&c.id)).collect();
+        let letters = dead_letters(parts, &written);
+        if !letters.is_empty() {
+            let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
+            let copied = sqlx::query(DEAD_LETTER_SQL)
+                .bind(letters.iter().map(|(id, _)| *id).collect::<Vec<i64>>())
+                .bind(letters.iter().map(|(_, route)| *route).collect::<Vec<&str>>())
+                .bind(now)
+                .execute(&mut *savepoint)
+                .await;
+            match copied {
+                Ok(_) => savepoint.commit().await?,
+                Err(e) => {
+                    savepoint.rollback().await?;
+                    dead_letters_not_written(&letters, &e);
+                }
+            }
+        }
         match by_token {
             Some(calls) => {
                 for sent in calls {
@@ -215,6 +233,23 @@ impl RecordOutcomes for PostgresStore {
         Ok(Some(updated.len() as u64))
     }
 }
+
+/// Copies FAILED events ($1) to their dead-letter routes ($2) as new PENDING events at $3, the
+/// failure in their headers. A time a row holds that a new row may not (written before ferry's
+/// checks) becomes $3.
+const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
+         (route, event_type, ordering_key, payload, content_type, headers, created_at, event_time,
+          last_status_at, next_attempt_at)
+     SELECT u.route, e.event_type, e.ordering_key, e.payload, e.content_type,
+            e.headers || jsonb_build_object(
+                'ferry-failed-event-id', e.id::text, 'ferry-failed-route', e.route,
+                'ferry-failed-reason', COALESCE(e.failure_reason, ''), 'ferry-failed-error', COALESCE(e.last_error, ''),
+                'ferry-failed-attempts', e.attempts::text),
+            $3,
+            CASE WHEN e.event_time >= '0001-01-01 00:00:00+00' AND e.event_time < '10000-01-01 00:00:00+00'
+                 THEN e.event_time ELSE $3 END,
+            $3, $3
+     FROM UNNEST($1::bigint[], $2::text[]) AS u(id, route) JOIN ferry_events e ON e.id = u.id";
 
 /// Settings of ferry's own connections, chosen for the claim, the statement that runs most:
 /// - Its filters on ordered, blocking and paused routes are parameters that are nearly always

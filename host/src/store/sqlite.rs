@@ -20,7 +20,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_event, complete_batch,
-    counts_by_status, duration_ms, ids_in_order, in_claim_order, stats_from,
+    counts_by_status, dead_letters, dead_letters_not_written, duration_ms, ids_in_order, in_claim_order, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -152,6 +152,23 @@ impl RecordOutcomes for SqliteStore {
         // The history gets the retries and failures whose outcome was written (not those fenced
         // off); a success is recorded on its event row.
         let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
+        let letters = dead_letters(parts, &written);
+        if !letters.is_empty() {
+            let rows: Vec<Value> = letters.iter().map(|(id, route)| json!({"id": id, "route": route})).collect();
+            let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
+            let copied = sqlx::query(DEAD_LETTER_SQL)
+                .bind(Value::Array(rows).to_string())
+                .bind(now)
+                .execute(&mut *savepoint)
+                .await;
+            match copied {
+                Ok(_) => savepoint.commit().await?,
+                Err(e) => {
+                    savepoint.rollback().await?;
+                    dead_letters_not_written(&letters, &e);
+                }
+            }
+        }
         let history: Vec<Value> = parts
             .retry
             .iter()
@@ -263,6 +280,25 @@ const COMPLETE_RETRY: &str = "UPDATE ferry_events
                   value->>'max' AS max FROM json_each(?1)) AS u
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
+
+/// Copies FAILED events (?1: `[{"id", "route"}]`) to their dead-letter routes as new PENDING
+/// events at ?2, the failure in their headers. Values a new row may not hold (a time or headers
+/// written before ferry's checks) are replaced: the time by ?2, the headers by none.
+const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
+         (route, event_type, ordering_key, payload, content_type, headers, created_at, event_time,
+          last_status_at, next_attempt_at)
+     SELECT json_extract(u.value, '$.route'), e.event_type, e.ordering_key, e.payload, e.content_type,
+            json_set(CASE WHEN json_valid(e.headers) AND json_type(e.headers) = 'object' THEN e.headers ELSE '{}' END,
+                '$.\"ferry-failed-event-id\"', CAST(e.id AS TEXT),
+                '$.\"ferry-failed-route\"', CAST(e.route AS TEXT),
+                '$.\"ferry-failed-reason\"', COALESCE(CAST(e.failure_reason AS TEXT), ''),
+                '$.\"ferry-failed-error\"', COALESCE(CAST(e.last_error AS TEXT), ''),
+                '$.\"ferry-failed-attempts\"', CAST(e.attempts AS TEXT)),
+            ?2,
+            CASE WHEN typeof(e.event_time) = 'integer' AND e.event_time BETWEEN -62135596800000 AND 253402300799999
+                 THEN e.event_time ELSE ?2 END,
+            ?2, ?2
+     FROM json_each(?1) AS u JOIN ferry_events e ON e.id = json_extract(u.value, '$.id')";
 
 const COMPLETE_FAILED: &str = "UPDATE ferry_events
      SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = ?2,

@@ -47,10 +47,12 @@ pub struct Scaffold {
 
 const WIT: &str = include_str!("../../../wit/transport.wit");
 const RUST_LIB: &str = include_str!("../../../plugins/template/src/lib.rs");
-const SDK_FILES: [(&str, &str); 3] = [
+const SDK_FILES: [(&str, &str); 5] = [
     ("Cargo.toml", include_str!("../../../plugins/sdk/Cargo.toml")),
     ("src/lib.rs", include_str!("../../../plugins/sdk/src/lib.rs")),
     ("src/config.rs", include_str!("../../../plugins/sdk/src/config.rs")),
+    ("src/cloudevents.rs", include_str!("../../../plugins/sdk/src/cloudevents.rs")),
+    ("src/time.rs", include_str!("../../../plugins/sdk/src/time.rs")),
 ];
 const JS_SOURCE: &str = include_str!("../../../plugins/template-js/src/transport.js");
 /// The JavaScript transport that ships with ferry, whose componentize-js version the new project

@@ -608,14 +608,26 @@ fn dead_letters<'a>(parts: &Partitioned<'a>, written: &std::collections::HashSet
         .collect()
 }
 
-/// What is logged when dead letters cannot be written (behind a savepoint, so the outcomes still
-/// are, and the events stay FAILED where they are, kept for inspection and resend).
-fn dead_letters_not_written(letters: &[(i64, &str)], error: &sqlx::Error) {
-    let ids: Vec<i64> = letters.iter().map(|(id, _)| *id).collect();
-    tracing::error!(
-        ?ids,
-        "dead letters not written, the events stay FAILED on their own route (`ferry show ID`): {error}"
-    );
+/// Keeps the dead letters `savepoint` wrote or, when writing them failed, rolls it back and logs
+/// why: the outcomes are still written, and the events stay FAILED where they are, kept for
+/// inspection and resend.
+async fn settle_dead_letters<DB: sqlx::Database>(
+    savepoint: sqlx::Transaction<'_, DB>,
+    written: Result<DB::QueryResult, sqlx::Error>,
+    letters: &[(i64, &str)],
+) -> Result<(), StoreError> {
+    match written {
+        Ok(_) => savepoint.commit().await?,
+        Err(error) => {
+            savepoint.rollback().await?;
+            let ids: Vec<i64> = letters.iter().map(|(id, _)| *id).collect();
+            tracing::error!(
+                ?ids,
+                "dead letters not written, the events stay FAILED on their own route (`ferry show ID`): {error}"
+            );
+        }
+    }
+    Ok(())
 }
 
 fn partition(items: &[Completion]) -> Partitioned<'_> {

@@ -20,8 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
-    complete_batch, counts_by_status, dead_letters, dead_letters_not_written, duration_ms, ids_in_order,
-    in_claim_order, stats_from,
+    complete_batch, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, settle_dead_letters,
+    stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -134,13 +134,7 @@ impl RecordOutcomes for PostgresStore {
                 .bind(now)
                 .execute(&mut *savepoint)
                 .await;
-            match copied {
-                Ok(_) => savepoint.commit().await?,
-                Err(e) => {
-                    savepoint.rollback().await?;
-                    dead_letters_not_written(&letters, &e);
-                }
-            }
+            settle_dead_letters(savepoint, copied, &letters).await?;
         }
         match by_token {
             Some(calls) => {

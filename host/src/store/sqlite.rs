@@ -20,7 +20,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_event, complete_batch,
-    counts_by_status, dead_letters, dead_letters_not_written, duration_ms, ids_in_order, in_claim_order, stats_from,
+    counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, settle_dead_letters, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -161,13 +161,7 @@ impl RecordOutcomes for SqliteStore {
                 .bind(now)
                 .execute(&mut *savepoint)
                 .await;
-            match copied {
-                Ok(_) => savepoint.commit().await?,
-                Err(e) => {
-                    savepoint.rollback().await?;
-                    dead_letters_not_written(&letters, &e);
-                }
-            }
+            settle_dead_letters(savepoint, copied, &letters).await?;
         }
         let history: Vec<Value> = parts
             .retry

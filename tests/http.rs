@@ -76,11 +76,11 @@ async fn webhooks_carry_the_event_and_standard_signatures() {
 async fn cloudevents_go_out_in_binary_or_structured_mode_with_the_trace_context() {
     let receiver = Receiver::start().await;
     let binary = ", cloudevents = \"binary\", cloudevents_source = \"https://shop.example/orders\"";
-    let structured = ", cloudevents = \"structured\"";
+    let structured = format!(", cloudevents = \"structured\", secret = \"{SECRET}\"");
     let s = setup(
         &receiver,
         "http://127.0.0.1:9",
-        &[("bin", receiver.url("/bin"), binary), ("env", receiver.url("/env"), structured)],
+        &[("bin", receiver.url("/bin"), binary), ("env", receiver.url("/env"), &structured)],
     )
     .await;
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -125,6 +125,9 @@ async fn cloudevents_go_out_in_binary_or_structured_mode_with_the_trace_context(
     assert_eq!(envelope["type"], "order.paid");
     assert_eq!(envelope["time"], "2026-11-27T08:00:00.250Z");
     assert_eq!(envelope["datacontenttype"], "application/json");
+    let (id, timestamp) = (r.header("webhook-id").unwrap(), r.header("webhook-timestamp").unwrap().parse().unwrap());
+    let expected = policy::sign(&policy::secret_bytes(SECRET).unwrap(), id, timestamp, &r.body);
+    assert_eq!(r.header("webhook-signature"), Some(expected.as_str()), "the envelope, as sent, is signed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

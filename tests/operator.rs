@@ -760,7 +760,7 @@ async fn sighup_reloads_routes_while_events_flow() {
     std::fs::write(&path, reload_config(&db, port, "workers = 1", &retry_only)).unwrap();
     hangup();
     logged("configuration reloaded", 2).await;
-    assert!(log().contains("added= changed=a removed=b unchanged=0 restarted="), "{}", log());
+    assert!(log().contains("added= changed=a removed=b unchanged=0 restarted=\n"), "{}", log());
     assert!(log().contains("[relay] changed, but a running ferry keeps its value"), "{}", log());
     let orphan = db.store.insert(&ferry::NewEvent::new("b", "e", "{}"), chrono::Utc::now()).await.unwrap();
     let kept = db.store.insert(&ferry::NewEvent::new("a", "e", "{}"), chrono::Utc::now()).await.unwrap();

@@ -229,12 +229,14 @@ async fn failed_events_go_on_to_the_dead_letter_route(db: TestDb) {
 
 async fn a_dead_letter_that_cannot_be_written_leaves_the_outcomes_and_the_relay_alone(db: TestDb) {
     let s = setup(db).await;
-    // The database refuses every dead letter, as a constraint an operator added might.
+    // The database refuses one dead letter, as a constraint an operator added might.
     match (&s.db.postgres, &s.db.sqlite) {
         (Some(pg), _) => {
             for statement in [
                 "CREATE FUNCTION refuse_dead_letters() RETURNS trigger LANGUAGE plpgsql AS $$
-                 BEGIN IF NEW.route = 'dlq' THEN RAISE EXCEPTION 'no dead letters today'; END IF; RETURN NEW; END $$",
+                 BEGIN IF NEW.route = 'dlq' AND NEW.ordering_key = 'refuse' THEN
+                     RAISE EXCEPTION 'not this one';
+                 END IF; RETURN NEW; END $$",
                 "CREATE TRIGGER refuse_dead_letters BEFORE INSERT ON ferry_events
                  FOR EACH ROW EXECUTE FUNCTION refuse_dead_letters()",
             ] {
@@ -243,8 +245,9 @@ async fn a_dead_letter_that_cannot_be_written_leaves_the_outcomes_and_the_relay_
         }
         (_, Some(lite)) => {
             sqlx::query(
-                "CREATE TRIGGER refuse_dead_letters BEFORE INSERT ON ferry_events WHEN NEW.route = 'dlq'
-                 BEGIN SELECT RAISE(ABORT, 'no dead letters today'); END",
+                "CREATE TRIGGER refuse_dead_letters BEFORE INSERT ON ferry_events
+                 WHEN NEW.route = 'dlq' AND NEW.ordering_key = 'refuse'
+                 BEGIN SELECT RAISE(ABORT, 'not this one'); END",
             )
             .execute(lite.pool())
             .await
@@ -252,13 +255,22 @@ async fn a_dead_letter_that_cannot_be_written_leaves_the_outcomes_and_the_relay_
         }
         _ => unreachable!("a test database has a backend"),
     }
-    let bad = s.emit("d", "permanent").await;
+    let refused = s.emit_event(NewEvent::new("d", "permanent", "{}").with_key("refuse")).await;
+    let kept = s.emit_event(NewEvent::new("d", "permanent", "{}").with_key("keep")).await;
     let ok = s.emit("d", "ok").await;
     let stats = s.cycle().await;
-    assert_eq!((stats.sent, stats.failed), (1, 1), "the batch is recorded");
-    assert_eq!(s.row(bad).await.status, Status::Failed, "kept where it failed, for inspection and resend");
+    assert_eq!((stats.sent, stats.failed), (1, 2), "the batch is recorded");
+    for id in [refused, kept] {
+        assert_eq!(s.row(id).await.status, Status::Failed, "kept where it failed, for inspection and resend");
+    }
     assert_eq!(s.row(ok).await.status, Status::Sent);
-    assert!(s.db.store.get(ok + 1).await.unwrap().is_none(), "no dead letter was written");
+    let mut copies = Vec::new();
+    for id in ok + 1..ok + 10 {
+        if let Some(row) = s.db.store.get(id).await.unwrap() {
+            copies.push(row.ordering_key);
+        }
+    }
+    assert_eq!(copies, [Some("keep".to_string())], "only the refused copy is lost");
     let next = s.emit("s", "ok").await;
     let _ = s.cycle().await;
     assert_eq!(s.row(next).await.status, Status::Sent, "the relay goes on");

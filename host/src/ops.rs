@@ -357,12 +357,17 @@ impl Ops {
     /// Defers PENDING event `id` until `at` (which may also be sooner), without counting an
     /// attempt; returns the event as it is afterwards.
     pub async fn reschedule(&self, id: i64, at: DateTime<Utc>) -> Result<EventView, OpError> {
+        use chrono::Datelike as _;
         self.check_id(id)?;
-        let Some(event) = self.store.get(id).await? else {
-            return Err(OpError::NotFound(format!("no event with id {id}")));
-        };
+        if !(1..=9999).contains(&at.year()) {
+            return Err(OpError::Invalid(format!("{at} is not a time ferry can store: use a year from 1 to 9999")));
+        }
         let at = crate::clock::truncate_ms(at);
-        if !self.store.reschedule(id, at, self.clock.now()).await? {
+        if !self.store.reschedule(id, at).await? {
+            // As it is now: a claim may have taken it a moment ago.
+            let Some(event) = self.store.get(id).await? else {
+                return Err(OpError::NotFound(format!("no event with id {id}")));
+            };
             let instead = match event.status {
                 Status::Failed => "; resend it (it is then due at once) and reschedule it after",
                 Status::Processing => "; it is being delivered now",

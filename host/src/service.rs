@@ -126,9 +126,6 @@ impl Ferry {
                  than the {room} reserved when ferry started; restart ferry to apply this configuration"
             );
         }
-        for transport in &outgoing {
-            transport.drain_idle();
-        }
         for (route, transport) in fresh {
             if let Err(why) = transport.warm_up().await {
                 if !settings.config.relay.allow_incomplete {
@@ -139,6 +136,11 @@ impl Ferry {
         }
         self.settings.set(settings.clone());
         self.relay.replace_routes(Routes::new(settings, transports));
+        // The outgoing transports' idle instances free their pool slots now; calls in flight
+        // keep theirs until they end.
+        for transport in &outgoing {
+            transport.drain_idle();
+        }
         self.relay.wake();
         Ok(reload)
     }

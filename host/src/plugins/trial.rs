@@ -272,6 +272,8 @@ fn trial_config(config: &Config, setup: &TrialSetup, plugin: &str) -> Config {
     let mut config = config.clone();
     let mut route = config.route.remove(&setup.route).unwrap_or_default();
     route.plugin = plugin.to_string();
+    // Nothing is recorded in a trial, so nothing goes on to a dead letter (whose route is dropped).
+    route.dead_letter = None;
     route.config.extend(setup.route_config.iter().map(|(k, v)| (k.clone(), ConfigValue(v.clone()))));
     config.route = BTreeMap::from([(setup.route.clone(), route)]);
     if let Some(sandbox) = &setup.sandbox {

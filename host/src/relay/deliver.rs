@@ -202,12 +202,11 @@ impl Relay {
         call: &Arc<CallLog>,
         disposition: Disposition,
     ) -> Completion {
-        let route = routes.settings.route(&event.route);
         let max_attempts = event.max_attempts.unwrap_or_else(|| routes.settings.retry(&event.route).max_attempts);
         // A row ferry cannot decode is not copied: it stays, FAILED, where it is.
         let dead_letter = match &disposition {
             Disposition::Failed { reason, .. } if *reason != FailureReason::InvalidEvent => {
-                route.and_then(|r| r.dead_letter.clone())
+                routes.settings.route(&event.route).and_then(|r| r.dead_letter.clone())
             }
             _ => None,
         };

@@ -279,9 +279,20 @@ impl Relay {
         let probes = self.probes(&claim, &breakers).await?;
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
-        // A reload between the table's first read and the claim may have added routes whose
-        // events were just claimed: they are delivered with the table in effect now.
-        let routes = self.routes.get();
+        // A reload between reading the table and claiming may have added routes whose events were
+        // just claimed: they are handed back (no attempt counted) for the next cycle to claim
+        // under the new table. The rest is delivered with the table it was claimed under.
+        let latest = self.routes.get();
+        if !Arc::ptr_eq(&routes, &latest) {
+            let (newer, claimed): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) = events
+                .into_iter()
+                .partition(|e| routes.transport(&e.route).is_none() && latest.transport(&e.route).is_some());
+            if !newer.is_empty() {
+                let ids: Vec<i64> = newer.iter().map(|e| e.id).collect();
+                self.store.release(&token, &ids, self.clock.now()).await?;
+            }
+            events = claimed;
+        }
         if events.is_empty() {
             return Ok(CycleStats::default());
         }

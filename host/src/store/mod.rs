@@ -271,8 +271,9 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
 
     /// Makes PENDING event `id` due at `at` instead, its attempts untouched (the operator's
-    /// reschedule). Returns whether it was PENDING.
-    async fn reschedule(&self, id: i64, at: DateTime<Utc>, now: DateTime<Utc>) -> Result<bool, StoreError>;
+    /// reschedule; its status did not change, so neither does `last_status_at`). Returns whether
+    /// it was PENDING.
+    async fn reschedule(&self, id: i64, at: DateTime<Utc>) -> Result<bool, StoreError>;
 
     /// Ends event `id` by hand if it is PENDING or PROCESSING (see [`EndEvent`]); returns whether it
     /// was. The write is conditional on the status, so it cannot race a claim: a claim in flight
@@ -608,26 +609,32 @@ fn dead_letters<'a>(parts: &Partitioned<'a>, written: &std::collections::HashSet
         .collect()
 }
 
-/// Keeps the dead letters `savepoint` wrote or, when writing them failed, rolls it back and logs
-/// why: the outcomes are still written, and the events stay FAILED where they are, kept for
-/// inspection and resend.
-async fn settle_dead_letters<DB: sqlx::Database>(
+/// Keeps what `savepoint` wrote when `written` succeeded, or rolls it back and hands back the
+/// error: the transaction around it goes on either way.
+async fn settle<DB: sqlx::Database>(
     savepoint: sqlx::Transaction<'_, DB>,
     written: Result<DB::QueryResult, sqlx::Error>,
-    letters: &[(i64, &str)],
-) -> Result<(), StoreError> {
+) -> Result<Result<(), sqlx::Error>, StoreError> {
     match written {
-        Ok(_) => savepoint.commit().await?,
+        Ok(_) => {
+            savepoint.commit().await?;
+            Ok(Ok(()))
+        }
         Err(error) => {
             savepoint.rollback().await?;
-            let ids: Vec<i64> = letters.iter().map(|(id, _)| *id).collect();
-            tracing::error!(
-                ?ids,
-                "dead letters not written, the events stay FAILED on their own route (`ferry show ID`): {error}"
-            );
+            Ok(Err(error))
         }
     }
-    Ok(())
+}
+
+/// Logs a dead letter the database refused: the outcomes are still written, and the event stays
+/// FAILED where it is, kept for inspection and resend.
+fn dead_letter_lost((id, route): (i64, &str), error: &sqlx::Error) {
+    tracing::error!(
+        event = id,
+        dead_letter = route,
+        "dead letter not written, the event stays FAILED on its own route (`ferry show {id}`): {error}"
+    );
 }
 
 fn partition(items: &[Completion]) -> Partitioned<'_> {

@@ -20,8 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
-    complete_batch, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, settle_dead_letters,
-    stats_from,
+    complete_batch, counts_by_status, dead_letter_lost, dead_letters, duration_ms, ids_in_order, in_claim_order,
+    settle, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -125,17 +125,7 @@ impl RecordOutcomes for PostgresStore {
         let history: Vec<&Completion> =
             parts.retry.iter().map(|(c, _, _)| *c).chain(parts.failed.iter().map(|(c, _, _)| *c)).collect();
         let history: Vec<&Completion> = history.into_iter().filter(|c| written.contains(&c.id)).collect();
-        let letters = dead_letters(parts, &written);
-        if !letters.is_empty() {
-            let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
-            let copied = sqlx::query(DEAD_LETTER_SQL)
-                .bind(letters.iter().map(|(id, _)| *id).collect::<Vec<i64>>())
-                .bind(letters.iter().map(|(_, route)| *route).collect::<Vec<&str>>())
-                .bind(now)
-                .execute(&mut *savepoint)
-                .await;
-            settle_dead_letters(savepoint, copied, &letters).await?;
-        }
+        copy_dead_letters(&mut tx, &dead_letters(parts, &written), now).await?;
         match by_token {
             Some(calls) => {
                 for sent in calls {
@@ -228,6 +218,37 @@ impl RecordOutcomes for PostgresStore {
     }
 }
 
+/// Writes `letters` (FAILED event, dead-letter route) in the outcomes' transaction: all at once,
+/// or, should the database refuse one, one at a time, so only the refused ones are lost (logged).
+async fn copy_dead_letters(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    letters: &[(i64, &str)],
+    now: DateTime<Utc>,
+) -> Result<(), StoreError> {
+    let copy = |letters: &[(i64, &str)]| {
+        sqlx::query(DEAD_LETTER_SQL)
+            .bind(letters.iter().map(|(id, _)| *id).collect::<Vec<i64>>())
+            .bind(letters.iter().map(|(_, route)| route.to_string()).collect::<Vec<String>>())
+            .bind(now)
+    };
+    if letters.is_empty() {
+        return Ok(());
+    }
+    let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+    let all = copy(letters).execute(&mut *savepoint).await;
+    if settle(savepoint, all).await?.is_ok() {
+        return Ok(());
+    }
+    for letter in letters {
+        let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+        let one = copy(std::slice::from_ref(letter)).execute(&mut *savepoint).await;
+        if let Err(error) = settle(savepoint, one).await? {
+            dead_letter_lost(*letter, &error);
+        }
+    }
+    Ok(())
+}
+
 /// Copies FAILED events ($1) to their dead-letter routes ($2) as new PENDING events at $3, the
 /// failure in their headers. A time a row holds that a new row may not (written before ferry's
 /// checks) becomes $3.
@@ -243,7 +264,8 @@ const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
             CASE WHEN e.event_time >= '0001-01-01 00:00:00+00' AND e.event_time < '10000-01-01 00:00:00+00'
                  THEN e.event_time ELSE $3 END,
             $3, $3
-     FROM UNNEST($1::bigint[], $2::text[]) AS u(id, route) JOIN ferry_events e ON e.id = u.id";
+     FROM UNNEST($1::bigint[], $2::text[]) AS u(id, route) JOIN ferry_events e ON e.id = u.id
+     ORDER BY e.id";
 
 /// Settings of ferry's own connections, chosen for the claim, the statement that runs most:
 /// - Its filters on ordered, blocking and paused routes are parameters that are nearly always
@@ -380,15 +402,12 @@ impl Store for PostgresStore {
         Ok(done.rows_affected())
     }
 
-    async fn reschedule(&self, id: i64, at: DateTime<Utc>, now: DateTime<Utc>) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE ferry_events SET next_attempt_at = $2, last_status_at = $3 WHERE id = $1 AND status = 'PENDING'",
-        )
-        .bind(id)
-        .bind(at)
-        .bind(now)
-        .execute(&self.pool)
-        .await?;
+    async fn reschedule(&self, id: i64, at: DateTime<Utc>) -> Result<bool, StoreError> {
+        let done = sqlx::query("UPDATE ferry_events SET next_attempt_at = $2 WHERE id = $1 AND status = 'PENDING'")
+            .bind(id)
+            .bind(at)
+            .execute(&self.pool)
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 

@@ -20,7 +20,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_event, complete_batch,
-    counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, settle_dead_letters, stats_from,
+    counts_by_status, dead_letter_lost, dead_letters, duration_ms, ids_in_order, in_claim_order, settle, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -152,17 +152,7 @@ impl RecordOutcomes for SqliteStore {
         // The history gets the retries and failures whose outcome was written (not those fenced
         // off); a success is recorded on its event row.
         let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
-        let letters = dead_letters(parts, &written);
-        if !letters.is_empty() {
-            let rows: Vec<Value> = letters.iter().map(|(id, route)| json!({"id": id, "route": route})).collect();
-            let mut savepoint = sqlx::Connection::begin(&mut *tx).await?;
-            let copied = sqlx::query(DEAD_LETTER_SQL)
-                .bind(Value::Array(rows).to_string())
-                .bind(now)
-                .execute(&mut *savepoint)
-                .await;
-            settle_dead_letters(savepoint, copied, &letters).await?;
-        }
+        copy_dead_letters(&mut tx, &dead_letters(parts, &written), now).await?;
         let history: Vec<Value> = parts
             .retry
             .iter()
@@ -275,6 +265,35 @@ const COMPLETE_RETRY: &str = "UPDATE ferry_events
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
 
+/// Writes `letters` (FAILED event, dead-letter route) in the outcomes' transaction: all at once,
+/// or, should the database refuse one, one at a time, so only the refused ones are lost (logged).
+async fn copy_dead_letters(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    letters: &[(i64, &str)],
+    now: i64,
+) -> Result<(), StoreError> {
+    let copy = |letters: &[(i64, &str)]| {
+        let rows: Vec<Value> = letters.iter().map(|(id, route)| json!({"id": id, "route": route})).collect();
+        sqlx::query(DEAD_LETTER_SQL).bind(Value::Array(rows).to_string()).bind(now)
+    };
+    if letters.is_empty() {
+        return Ok(());
+    }
+    let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+    let all = copy(letters).execute(&mut *savepoint).await;
+    if settle(savepoint, all).await?.is_ok() {
+        return Ok(());
+    }
+    for letter in letters {
+        let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+        let one = copy(std::slice::from_ref(letter)).execute(&mut *savepoint).await;
+        if let Err(error) = settle(savepoint, one).await? {
+            dead_letter_lost(*letter, &error);
+        }
+    }
+    Ok(())
+}
+
 /// Copies FAILED events (?1: `[{"id", "route"}]`) to their dead-letter routes as new PENDING
 /// events at ?2, the failure in their headers. Values a new row may not hold (a time or headers
 /// written before ferry's checks) are replaced: the time by ?2, the headers by none.
@@ -292,7 +311,8 @@ const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
             CASE WHEN typeof(e.event_time) = 'integer' AND e.event_time BETWEEN -62135596800000 AND 253402300799999
                  THEN e.event_time ELSE ?2 END,
             ?2, ?2
-     FROM json_each(?1) AS u JOIN ferry_events e ON e.id = json_extract(u.value, '$.id')";
+     FROM json_each(?1) AS u JOIN ferry_events e ON e.id = json_extract(u.value, '$.id')
+     ORDER BY e.id";
 
 const COMPLETE_FAILED: &str = "UPDATE ferry_events
      SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = ?2,
@@ -423,15 +443,12 @@ impl Store for SqliteStore {
         Ok(done.rows_affected())
     }
 
-    async fn reschedule(&self, id: i64, at: DateTime<Utc>, now: DateTime<Utc>) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE ferry_events SET next_attempt_at = ?2, last_status_at = ?3 WHERE id = ?1 AND status = 'PENDING'",
-        )
-        .bind(id)
-        .bind(ms(at))
-        .bind(ms(now))
-        .execute(&self.pool)
-        .await?;
+    async fn reschedule(&self, id: i64, at: DateTime<Utc>) -> Result<bool, StoreError> {
+        let done = sqlx::query("UPDATE ferry_events SET next_attempt_at = ?2 WHERE id = ?1 AND status = 'PENDING'")
+            .bind(id)
+            .bind(ms(at))
+            .execute(&self.pool)
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 

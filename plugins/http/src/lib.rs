@@ -147,7 +147,7 @@ mod send {
             Some(ce) => {
                 add("content-type", &event.content_type)?;
                 for (name, value) in ce.attributes(event) {
-                    add(&format!("ce-{name}"), &value)?;
+                    add(&format!("ce-{name}"), &policy::header_value(&value))?;
                 }
             }
             None => add("content-type", &event.content_type)?,

@@ -112,9 +112,24 @@ pub fn is_json_type(content_type: &str) -> bool {
     essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
+/// A CloudEvents attribute as an HTTP header value (the HTTP binding's binary mode): space, `"`,
+/// `%` and everything outside printable ASCII percent-encoded, byte by byte of its UTF-8.
+pub fn header_value(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for byte in value.bytes() {
+        match byte {
+            b' ' | b'"' | b'%' => out.push_str(&format!("%{byte:02X}")),
+            0x21..=0x7E => out.push(char::from(byte)),
+            _ => out.push_str(&format!("%{byte:02X}")),
+        }
+    }
+    out
+}
+
 /// A CloudEvents structured-mode body: one JSON object with the context `attributes`, the
 /// payload's `datacontenttype`, and the payload as `data` — the JSON itself when its content type
-/// is JSON and it parses, a string when it is other text — or base64 in `data_base64`.
+/// is JSON and it parses, a string when its content type is `text/*` — or else base64 in
+/// `data_base64` (binary data, and JSON that does not parse, which a string would misstate).
 pub fn structured(attributes: &[(&str, String)], content_type: &str, payload: &[u8]) -> Vec<u8> {
     let mut envelope = serde_json::Map::new();
     for (name, value) in attributes {
@@ -125,14 +140,15 @@ pub fn structured(attributes: &[(&str, String)], content_type: &str, payload: &[
     }
     let mut out = serde_json::to_vec(&envelope).unwrap_or_default();
     // The payload goes in as it is (not re-encoded), so large numbers keep every digit.
+    let is_text = content_type.trim_start().to_ascii_lowercase().starts_with("text/");
     let data = match std::str::from_utf8(payload) {
         Ok(text)
             if is_json_type(content_type) && serde_json::from_str::<&serde_json::value::RawValue>(text).is_ok() =>
         {
             format!("\"data\":{}", text.trim())
         }
-        Ok(text) => format!("\"data\":{}", serde_json::Value::String(text.to_string())),
-        Err(_) => format!("\"data_base64\":\"{}\"", STANDARD.encode(payload)),
+        Ok(text) if is_text => format!("\"data\":{}", serde_json::Value::String(text.to_string())),
+        _ => format!("\"data_base64\":\"{}\"", STANDARD.encode(payload)),
     };
     out.pop(); // the closing brace
     if out.len() > 1 {
@@ -218,9 +234,13 @@ mod tests {
         let text = String::from_utf8(structured(&attributes, "text/plain", b"say \"hi\"")).unwrap();
         assert!(text.ends_with(r#""data":"say \"hi\""}"#), "{text}");
         let broken = String::from_utf8(structured(&attributes, "application/json", b"{oops")).unwrap();
-        assert!(broken.ends_with(r#""data":"{oops"}"#), "JSON that does not parse is text: {broken}");
+        assert!(broken.ends_with(r#""data_base64":"e29vcHM="}"#), "JSON that does not parse is bytes: {broken}");
         let binary = String::from_utf8(structured(&attributes, "application/octet-stream", &[0, 255])).unwrap();
         assert!(binary.ends_with(r#""data_base64":"AP8="}"#), "{binary}");
+        let utf8 = String::from_utf8(structured(&attributes, "application/x-protobuf", b"abc")).unwrap();
+        assert!(utf8.ends_with(r#""data_base64":"YWJj"}"#), "only text/* is a string: {utf8}");
+        assert_eq!(header_value("order.paid"), "order.paid");
+        assert_eq!(header_value("50% off \"now\" – é"), "50%25%20off%20%22now%22%20%E2%80%93%20%C3%A9");
         let value: serde_json::Value = serde_json::from_str(&binary).unwrap();
         assert_eq!(value["id"], "7");
     }

@@ -49,15 +49,17 @@ impl CloudEvents {
     }
 
     /// The event's context attributes, in the spec's order: `specversion`, `id` (the event id,
-    /// the same on every attempt), `source`, `type`, `time`.
+    /// the same on every attempt), `source`, `type`, and `time` (left out, as the spec allows,
+    /// for a time RFC 3339 cannot write).
     pub fn attributes(&self, event: &Event) -> Vec<(&'static str, String)> {
         let source = self.source.clone().unwrap_or_else(|| format!("/ferry/{}", event.route));
-        vec![
+        let mut attributes = vec![
             ("specversion", "1.0".to_string()),
             ("id", event.id.to_string()),
             ("source", source),
             ("type", event.event_type.clone()),
-            ("time", rfc3339_millis(event.event_time)),
-        ]
+        ];
+        attributes.extend(rfc3339_millis(event.event_time).map(|time| ("time", time)));
+        attributes
     }
 }

@@ -609,22 +609,43 @@ fn dead_letters<'a>(parts: &Partitioned<'a>, written: &std::collections::HashSet
         .collect()
 }
 
-/// Keeps what `savepoint` wrote when `written` succeeded, or rolls it back and hands back the
-/// error: the transaction around it goes on either way.
-async fn settle<DB: sqlx::Database>(
-    savepoint: sqlx::Transaction<'_, DB>,
-    written: Result<DB::QueryResult, sqlx::Error>,
-) -> Result<Result<(), sqlx::Error>, StoreError> {
-    match written {
-        Ok(_) => {
-            savepoint.commit().await?;
-            Ok(Ok(()))
-        }
-        Err(error) => {
-            savepoint.rollback().await?;
-            Ok(Err(error))
+/// Writes `letters` (FAILED event, dead-letter route) in the outcomes' transaction with the
+/// statement `copy` makes: all at once or, should the database refuse one, one at a time behind
+/// savepoints, so only the refused ones are lost (logged), and the outcomes are written either way.
+async fn copy_dead_letters<DB, F>(
+    tx: &mut sqlx::Transaction<'_, DB>,
+    letters: &[(i64, &str)],
+    copy: F,
+) -> Result<(), StoreError>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    <DB as sqlx::Database>::Arguments<'static>: sqlx::IntoArguments<'static, DB>,
+    F: Fn(&[(i64, &str)]) -> sqlx::query::Query<'static, DB, <DB as sqlx::Database>::Arguments<'static>>,
+{
+    if letters.is_empty() {
+        return Ok(());
+    }
+    let batches: Vec<&[(i64, &str)]> = std::iter::once(letters).chain(letters.chunks(1)).collect();
+    for (n, batch) in batches.into_iter().enumerate() {
+        let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+        let written = copy(batch).execute(&mut *savepoint).await;
+        match written {
+            Ok(_) => {
+                savepoint.commit().await?;
+                if n == 0 {
+                    return Ok(());
+                }
+            }
+            Err(error) => {
+                savepoint.rollback().await?;
+                if n > 0 {
+                    dead_letter_lost(batch[0], &error);
+                }
+            }
         }
     }
+    Ok(())
 }
 
 /// Logs a dead letter the database refused: the outcomes are still written, and the event stays

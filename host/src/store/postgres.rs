@@ -20,8 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
-    complete_batch, counts_by_status, dead_letter_lost, dead_letters, duration_ms, ids_in_order, in_claim_order,
-    settle, stats_from,
+    complete_batch, copy_dead_letters, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order,
+    stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -125,7 +125,13 @@ impl RecordOutcomes for PostgresStore {
         let history: Vec<&Completion> =
             parts.retry.iter().map(|(c, _, _)| *c).chain(parts.failed.iter().map(|(c, _, _)| *c)).collect();
         let history: Vec<&Completion> = history.into_iter().filter(|c| written.contains(&c.id)).collect();
-        copy_dead_letters(&mut tx, &dead_letters(parts, &written), now).await?;
+        copy_dead_letters(&mut tx, &dead_letters(parts, &written), |letters| {
+            sqlx::query(DEAD_LETTER_SQL)
+                .bind(letters.iter().map(|(id, _)| *id).collect::<Vec<i64>>())
+                .bind(letters.iter().map(|(_, route)| route.to_string()).collect::<Vec<String>>())
+                .bind(now)
+        })
+        .await?;
         match by_token {
             Some(calls) => {
                 for sent in calls {
@@ -216,37 +222,6 @@ impl RecordOutcomes for PostgresStore {
         tx.commit().await?;
         Ok(Some(updated.len() as u64))
     }
-}
-
-/// Writes `letters` (FAILED event, dead-letter route) in the outcomes' transaction: all at once,
-/// or, should the database refuse one, one at a time, so only the refused ones are lost (logged).
-async fn copy_dead_letters(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    letters: &[(i64, &str)],
-    now: DateTime<Utc>,
-) -> Result<(), StoreError> {
-    let copy = |letters: &[(i64, &str)]| {
-        sqlx::query(DEAD_LETTER_SQL)
-            .bind(letters.iter().map(|(id, _)| *id).collect::<Vec<i64>>())
-            .bind(letters.iter().map(|(_, route)| route.to_string()).collect::<Vec<String>>())
-            .bind(now)
-    };
-    if letters.is_empty() {
-        return Ok(());
-    }
-    let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
-    let all = copy(letters).execute(&mut *savepoint).await;
-    if settle(savepoint, all).await?.is_ok() {
-        return Ok(());
-    }
-    for letter in letters {
-        let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
-        let one = copy(std::slice::from_ref(letter)).execute(&mut *savepoint).await;
-        if let Err(error) = settle(savepoint, one).await? {
-            dead_letter_lost(*letter, &error);
-        }
-    }
-    Ok(())
 }
 
 /// Copies FAILED events ($1) to their dead-letter routes ($2) as new PENDING events at $3, the

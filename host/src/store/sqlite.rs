@@ -20,7 +20,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_event, complete_batch,
-    counts_by_status, dead_letter_lost, dead_letters, duration_ms, ids_in_order, in_claim_order, settle, stats_from,
+    copy_dead_letters, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -152,7 +152,11 @@ impl RecordOutcomes for SqliteStore {
         // The history gets the retries and failures whose outcome was written (not those fenced
         // off); a success is recorded on its event row.
         let written: std::collections::HashSet<i64> = updated.iter().copied().collect();
-        copy_dead_letters(&mut tx, &dead_letters(parts, &written), now).await?;
+        copy_dead_letters(&mut tx, &dead_letters(parts, &written), |letters| {
+            let rows: Vec<Value> = letters.iter().map(|(id, route)| json!({"id": id, "route": route})).collect();
+            sqlx::query(DEAD_LETTER_SQL).bind(Value::Array(rows).to_string()).bind(now)
+        })
+        .await?;
         let history: Vec<Value> = parts
             .retry
             .iter()
@@ -264,35 +268,6 @@ const COMPLETE_RETRY: &str = "UPDATE ferry_events
                   value->>'max' AS max FROM json_each(?1)) AS u
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
-
-/// Writes `letters` (FAILED event, dead-letter route) in the outcomes' transaction: all at once,
-/// or, should the database refuse one, one at a time, so only the refused ones are lost (logged).
-async fn copy_dead_letters(
-    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
-    letters: &[(i64, &str)],
-    now: i64,
-) -> Result<(), StoreError> {
-    let copy = |letters: &[(i64, &str)]| {
-        let rows: Vec<Value> = letters.iter().map(|(id, route)| json!({"id": id, "route": route})).collect();
-        sqlx::query(DEAD_LETTER_SQL).bind(Value::Array(rows).to_string()).bind(now)
-    };
-    if letters.is_empty() {
-        return Ok(());
-    }
-    let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
-    let all = copy(letters).execute(&mut *savepoint).await;
-    if settle(savepoint, all).await?.is_ok() {
-        return Ok(());
-    }
-    for letter in letters {
-        let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
-        let one = copy(std::slice::from_ref(letter)).execute(&mut *savepoint).await;
-        if let Err(error) = settle(savepoint, one).await? {
-            dead_letter_lost(*letter, &error);
-        }
-    }
-    Ok(())
-}
 
 /// Copies FAILED events (?1: `[{"id", "route"}]`) to their dead-letter routes as new PENDING
 /// events at ?2, the failure in their headers. Values a new row may not hold (a time or headers

@@ -164,7 +164,8 @@ fn plugins_try_applies_the_sandbox_and_reports_refusals_and_faults() {
     std::fs::create_dir_all(&data).unwrap();
     std::fs::write(data.join("greeting"), "hello").unwrap();
     // Relative to the sandbox file, as in ferry.toml.
-    std::fs::write(dir.path().join("sandbox.toml"), "dirs = { \"/data\" = \"data\" }\ntimeout = \"300ms\"\n").unwrap();
+    // Long enough for five quick events on a loaded machine; the spinning event waits it out.
+    std::fs::write(dir.path().join("sandbox.toml"), "dirs = { \"/data\" = \"data\" }\ntimeout = \"2s\"\n").unwrap();
     let config = cached_config(dir.path());
     let events = [
         r#"{"type": "read", "headers": {"path": "/data/greeting"}}"#,
@@ -212,7 +213,7 @@ fn plugins_try_applies_the_sandbox_and_reports_refusals_and_faults() {
     // The spinning event alone, so the timeout from the sandbox file is what ends the call.
     let args_spin: Vec<&str> = args.iter().copied().filter(|a| *a != "--batch-size" && *a != "5").collect();
     let out = ferry(dir.path(), &args_spin, r#"{"type": "spin"}"#);
-    assert!(text(&out).contains("plugin timed out after 300ms"), "{}", text(&out));
+    assert!(text(&out).contains("plugin timed out after 2s"), "{}", text(&out));
 }
 
 /// A plugin granted an origin reaches it through `try`, and one that is not is refused: the

@@ -201,11 +201,12 @@ fn spawn_serve(config: &Path, log: &Path) -> Child {
 async fn kill_9_mid_batch_loses_nothing(db: TestDb) {
     const EVENTS: usize = 300;
     const BATCH: usize = 20;
-    // Slow deliveries keep a batch in flight most of the time; a short lease lets the restarted
-    // process recover the killed one's claim quickly.
+    // Slow deliveries (half a second a batch) keep batches in flight nearly all the time, so the
+    // kill lands mid-batch even when the machine is busy; a short lease lets the restarted process
+    // recover the killed one's claim quickly.
     let relay = format!("batch_size = {BATCH}\npoll_interval = \"10ms\"\nidle_poll_max = \"50ms\"\nlease = \"2s\"");
     let base = instance_config(&db, 0, &relay, "")
-        .replace("config = { record = \"/out/i0.log\" }", "config = { record = \"/out/i0.log\", delay_ms = \"40\" }");
+        .replace("config = { record = \"/out/i0.log\" }", "config = { record = \"/out/i0.log\", delay_ms = \"500\" }");
     let config_path = db.dir.path().join("ferry.toml");
     std::fs::write(&config_path, format!("[database]\nurl = {:?}\n{base}", db.url)).unwrap();
     for i in 0..EVENTS {

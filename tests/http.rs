@@ -140,6 +140,7 @@ async fn every_kind_of_answer_maps_to_its_outcome() {
         ("ok", receiver.url("/ok"), ""),
         ("fail", receiver.url("/fail"), ""),
         ("busy", receiver.url("/busy"), ""),
+        ("busy-retry", receiver.url("/busy"), ", rate_limited = \"retry\""),
         ("reject", receiver.url("/reject"), ""),
         ("hang", receiver.url("/hang"), ", timeout_ms = \"300\""),
         ("refused", format!("http://{closed}/"), ""),
@@ -154,9 +155,14 @@ async fn every_kind_of_answer_maps_to_its_outcome() {
     assert_eq!(by_route("ok").status, Status::Sent);
     let fail = by_route("fail");
     assert_eq!((fail.status, fail.last_error.as_deref()), (Status::Pending, Some("HTTP 500")));
+    // 429: deferred by default (no attempt counted), retried with `rate_limited = "retry"`; both
+    // wait as long as Retry-After says.
     let busy = by_route("busy");
-    assert_eq!((busy.status, busy.last_error.as_deref()), (Status::Pending, Some("HTTP 429")));
+    assert_eq!((busy.status, busy.attempts, busy.last_error.as_deref()), (Status::Pending, 0, Some("HTTP 429")));
     assert_eq!(busy.next_attempt_at, now + chrono::Duration::seconds(7), "Retry-After is honoured");
+    let busy_retry = by_route("busy-retry");
+    assert_eq!((busy_retry.status, busy_retry.attempts), (Status::Pending, 1));
+    assert_eq!(busy_retry.next_attempt_at, now + chrono::Duration::seconds(7));
     let reject = by_route("reject");
     assert_eq!((reject.status, reject.failure_reason.map(|r| r.as_str())), (Status::Failed, Some("permanent")));
     assert_eq!(reject.last_error.as_deref(), Some("HTTP 400: missing field: total"));
@@ -354,12 +360,15 @@ async fn bad_route_config_is_refused_by_init() {
         ("nourl", String::new(), ""),
         ("badurl", "ftp://x".to_string(), ""),
         ("typo", receiver.url("/ok"), ", secrett = \"x\""),
+        ("limits", receiver.url("/ok"), ", rate_limited = \"wait\""),
     ];
     let text_routes: Vec<(&str, String, &str)> = routes.to_vec();
     let s = setup(&receiver, "http://127.0.0.1:9", &text_routes).await;
     let events: Vec<NewEvent> = routes.iter().map(|(r, _, _)| NewEvent::new(*r, "t", "{}")).collect();
     let rows = s.deliver(&events).await;
-    for (row, needle) in rows.iter().zip(["url:", "url:", "unknown config key \"secrett\""]) {
+    let needles = ["url:", "url:", "unknown config key \"secrett\"", "rate_limited: \"wait\" is neither"];
+    assert_eq!(rows.len(), needles.len());
+    for (row, needle) in rows.iter().zip(needles) {
         assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("no_transport"));
         assert!(row.last_error.as_deref().unwrap().contains(needle), "{:?}", row.last_error);
     }

@@ -21,6 +21,7 @@ mod rows;
 mod sandbox;
 mod sdk;
 mod store;
+mod telemetry;
 
 /// The fixtures, shared with the benchmarks as the `ferry-testkit` crate.
 use ferry_testkit as common;

@@ -496,9 +496,10 @@ fn version_completions_manual_and_help_fit_the_usual_tools() {
     assert_eq!(
         version.trim(),
         format!(
-            "ferry {} (commit {commit}, transport contract ferry:transport@{})",
+            "ferry {} (commit {commit}, transport contract ferry:transport@{}, also loads @{})",
             env!("CARGO_PKG_VERSION"),
-            ferry::plugins::WIT_VERSION
+            ferry::plugins::WIT_VERSION,
+            ferry::plugins::OLDER_WIT_VERSIONS.join(", @")
         )
     );
 

@@ -500,7 +500,127 @@ async fn permanent_failures_do_not_trip_the_breaker(db: TestDb) {
     assert!(s.db.store.breakers().await.unwrap().is_empty(), "the endpoint answered; the events were bad");
 }
 
+/// A deferral (contract 0.2) puts the event back at the plugin's delay, at least a second, without
+/// counting an attempt; the history keeps a `deferred` row per deferral and `ferry show` says
+/// until when and why; the next answer is recorded as usual.
+async fn a_deferral_waits_without_counting_an_attempt(db: TestDb) {
+    use ferry::event::AttemptOutcome;
+    let s = setup(db).await;
+    let t0 = s.clock.now();
+    let defer = |delay: &str, times: &str| {
+        NewEvent::new("s", "defer", "{}").with_header("delay-ms", delay).with_header("times", times)
+    };
+    let twice = s.emit_event(defer("3000", "2")).await;
+    let short = s.emit_event(defer("10", "1")).await;
+    let stats = s.cycle().await;
+    assert_eq!((stats.claimed, stats.deferred, stats.retried, stats.sent), (2, 2, 0, 0));
+    let row = s.row(twice).await;
+    assert_eq!((row.status, row.attempts), (Status::Pending, 0), "no attempt counted");
+    assert_eq!(row.next_attempt_at, t0 + chrono::Duration::seconds(3));
+    assert_eq!(row.last_error.as_deref(), Some("defer 1"));
+    assert_eq!(s.row(short).await.next_attempt_at, t0 + chrono::Duration::seconds(1), "10 ms is raised to 1 s");
+    let history = s.db.store.attempts(twice).await.unwrap();
+    assert_eq!(history.len(), 1);
+    assert_eq!((history[0].outcome, history[0].attempt), (AttemptOutcome::Deferred, 1));
+    assert_eq!((history[0].plugin.as_deref(), history[0].error.as_deref()), (Some("scripted"), Some("defer 1")));
+    let ops =
+        ferry::ops::Ops::new(s.ferry.settings.get(), s.db.store.clone(), s.clock.clone(), ferry::ops::FrontEnd::Cli);
+    let waiting = ops.show(twice).await.unwrap().waiting.unwrap();
+    assert!(
+        waiting[0].starts_with("deferred by plugin scripted until ")
+            && waiting[0].contains("(defer 1); no attempt was counted"),
+        "{waiting:?}"
+    );
+
+    s.clock.advance(Duration::from_secs(1));
+    assert_eq!(s.cycle().await.sent, 1, "the short deferral is over");
+    let row = s.row(short).await;
+    assert_eq!((row.status, row.attempts), (Status::Sent, 1));
+    s.clock.advance(Duration::from_secs(2));
+    assert_eq!(s.cycle().await.deferred, 1, "deferred a second time");
+    assert_eq!(s.row(twice).await.attempts, 0);
+    s.clock.advance(Duration::from_secs(3));
+    assert_eq!(s.cycle().await.sent, 1);
+    let row = s.row(twice).await;
+    assert_eq!((row.status, row.attempts), (Status::Sent, 1), "delivered on its first counted attempt");
+    let outcomes: Vec<_> = s.db.store.attempts(twice).await.unwrap().iter().map(|a| (a.outcome, a.attempt)).collect();
+    assert_eq!(outcomes[..2], [(AttemptOutcome::Deferred, 1), (AttemptOutcome::Deferred, 1)], "{outcomes:?}");
+}
+
+/// The receiver that defers is healthy: a deferral neither counts towards opening the route's
+/// breaker nor resets the failures counted so far.
+async fn a_deferral_neither_counts_nor_resets_the_breaker(db: TestDb) {
+    let s = setup_breaker(db).await;
+    s.emit("s", "transient").await;
+    assert_eq!(s.cycle().await.retried, 1);
+    assert_eq!(breaker_of(&s, "s").await.consecutive_failures, 1);
+    s.emit_event(NewEvent::new("s", "defer", "{}").with_header("delay-ms", "10").with_header("times", "9")).await;
+    assert_eq!(s.cycle().await.deferred, 1);
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.consecutive_failures, b.opened_at), (1, None), "not reset by the deferral");
+    // Both due: the retry fails again and the event is deferred again. Counting the deferral
+    // would make 3.
+    s.clock.advance(Duration::from_secs(1));
+    let stats = s.cycle().await;
+    assert_eq!((stats.retried, stats.deferred), (1, 1));
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.consecutive_failures, b.opened_at), (2, Some(s.clock.now())));
+}
+
+/// A plugin built for ferry:transport@0.1 (`tests/plugins/legacy`, built against `wit/v0.1`)
+/// loads with that version's bindings beside a current one and runs as it did: its answers, its
+/// retry-after hint and its log lines arrive as a current plugin's would.
+async fn a_plugin_built_for_contract_0_1_still_delivers(db: TestDb) {
+    use tracing::instrument::WithSubscriber as _;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_test_legacy"]);
+    let config = db.config(&format!(
+        r#"
+        [plugins]
+        dir = {plugins:?}
+        [retry]
+        jitter = "none"
+        [route.old]
+        plugin = "legacy"
+        [route.new]
+        plugin = "scripted"
+        "#
+    ));
+    let clock = Arc::new(ManualClock::new(Utc.with_ymd_and_hms(2026, 5, 1, 8, 0, 0).unwrap()));
+    let ferry = Ferry::start(&config, clock.clone()).await.expect("ferry starts");
+    let (plugins, errors) = ferry.registry.status();
+    assert!(errors.is_empty(), "{errors:?}");
+    let wit: Vec<(&str, &str)> = plugins.iter().map(|p| (p.name.as_str(), p.wit.as_str())).collect();
+    assert_eq!(wit, [("legacy", "0.1.0"), ("scripted", ferry::plugins::WIT_VERSION)]);
+
+    let mut ids = Vec::new();
+    for event in [
+        NewEvent::new("old", "ok", "{}"),
+        NewEvent::new("old", "transient", "{}").with_header("retry-after-ms", "7000"),
+        NewEvent::new("old", "permanent", "{}"),
+        NewEvent::new("new", "ok", "{}"),
+    ] {
+        ids.push(db.store.insert(&event, clock.now()).await.unwrap());
+    }
+    let log = crate::common::Captured::default();
+    let stats = ferry.relay.cycle(&CancellationToken::new()).with_subscriber(log.subscriber()).await.unwrap();
+    assert_eq!((stats.sent, stats.retried, stats.failed), (2, 1, 1));
+    let mut rows = Vec::new();
+    for id in ids {
+        rows.push(db.store.get(id).await.unwrap().unwrap());
+    }
+    assert_eq!((rows[0].status, rows[3].status), (Status::Sent, Status::Sent));
+    let retry = &rows[1];
+    assert_eq!((retry.status, retry.next_attempt_at), (Status::Pending, clock.now() + chrono::Duration::seconds(7)));
+    assert_eq!(retry.last_error.as_deref(), Some("legacy transient"));
+    assert_eq!((rows[2].status, rows[2].last_error.as_deref()), (Status::Failed, Some("legacy permanent")));
+    let text = log.text();
+    assert!(text.contains("legacy: 3 events"), "the 0.1 logging import works: {text}");
+}
+
 crate::both_backends!(
+    a_plugin_built_for_contract_0_1_still_delivers,
+    a_deferral_waits_without_counting_an_attempt,
+    a_deferral_neither_counts_nor_resets_the_breaker,
     failed_events_go_on_to_the_dead_letter_route,
     a_dead_letter_that_cannot_be_written_leaves_the_outcomes_and_the_relay_alone,
     failed_events_are_logged_at_most_once_a_minute_per_route,

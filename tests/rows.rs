@@ -310,3 +310,57 @@ async fn the_readme_insert_works_with_the_system_sqlite3() {
     let now = chrono::Utc::now().timestamp_millis();
     assert!((now - stored.0).abs() < 60_000 && stored.0 == stored.1, "defaults are now, in milliseconds: {stored:?}");
 }
+
+/// Upgrading a SQLite database that has history: migration 0006 rebuilds `ferry_attempts` so it
+/// admits outcome `deferred`, keeping every row, its id, and the id sequence (ids are never
+/// reused).
+#[tokio::test]
+async fn the_deferred_migration_keeps_the_history_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("old.db").display());
+    let options: sqlx::sqlite::SqliteConnectOptions = url.parse().unwrap();
+    let open = || sqlx::SqlitePool::connect_with(options.clone().create_if_missing(true).foreign_keys(true));
+    let pool = open().await.unwrap();
+    let mut before = sqlx::migrate!("../migrations/sqlite");
+    before.migrations = std::borrow::Cow::Owned(before.migrations.iter().filter(|m| m.version <= 5).cloned().collect());
+    before.run(&pool).await.unwrap();
+    let event: i64 = sqlx::query_scalar(
+        "INSERT INTO ferry_events (route, event_type, payload) VALUES ('s', 't', x'7b7d') RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let history = "INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome, error, plugin)
+                   VALUES (?1, ?2, 1800000000000, 5, ?3, ?4, 'p') RETURNING id";
+    let insert = |attempt: i64, outcome: &'static str, error: &'static str| {
+        sqlx::query_scalar::<_, i64>(history).bind(event).bind(attempt).bind(outcome).bind(error)
+    };
+    assert_eq!(insert(1, "retry", "HTTP 503").fetch_one(&pool).await.unwrap(), 1);
+    assert_eq!(insert(2, "retry", "HTTP 503").fetch_one(&pool).await.unwrap(), 2);
+    // Id 2 was handed out: after the rebuild it must not be handed out again.
+    sqlx::query("DELETE FROM ferry_attempts WHERE id = 2").execute(&pool).await.unwrap();
+    assert!(insert(2, "deferred", "later").fetch_one(&pool).await.is_err(), "0005's CHECK refuses 'deferred'");
+    pool.close().await;
+
+    let store = ferry::store::connect(&url, 1, false).await.unwrap();
+    store.migrate().await.unwrap();
+    let rows = store.attempts(event).await.unwrap();
+    let kept: Vec<(u32, &str, Option<&str>)> =
+        rows.iter().map(|a| (a.attempt, a.outcome.as_str(), a.error.as_deref())).collect();
+    assert_eq!(kept, [(1, "retry", Some("HTTP 503"))]);
+    let pool = open().await.unwrap();
+    assert_eq!(
+        insert(2, "deferred", "later").fetch_one(&pool).await.unwrap(),
+        3,
+        "'deferred' admitted, ids not reused"
+    );
+    let index: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE name = 'ferry_attempts_event'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(index, 1, "the history's index is back");
+    // Deleting the event still takes its history with it (the foreign key names the new table).
+    sqlx::query("DELETE FROM ferry_events WHERE id = ?1").bind(event).execute(&pool).await.unwrap();
+    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM ferry_attempts").fetch_one(&pool).await.unwrap();
+    assert_eq!(left, 0);
+}

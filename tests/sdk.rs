@@ -77,7 +77,7 @@ async fn the_template_transport_delivers_through_ferry() {
 }
 
 /// A copy of the template plugin that claims another version of the `ferry:transport` package:
-/// every `ferry:transport/…@0.1.0` name in the component is rewritten to `@{version}` (same
+/// every `ferry:transport/…@0.2.0` name in the component is rewritten to `@{version}` (same
 /// length, so the binary stays well-formed).
 fn template_built_for(version: &str) -> Vec<u8> {
     assert_eq!(version.len(), ferry::plugins::WIT_VERSION.len());
@@ -105,19 +105,28 @@ fn plugins_of_an_incompatible_contract_version_are_refused_naming_both() {
         std::fs::write(&file, template_built_for(version)).unwrap();
         std::process::Command::new(crate::common::ferry_bin()).args(["plugins", "check"]).arg(&file).output().unwrap()
     };
-    let newer_major = check("0.2.0");
+    let newer_major = check("0.3.0");
     assert_eq!(newer_major.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&newer_major.stderr);
     assert!(
-        stderr.contains("is built for ferry:transport@0.2.0, but this ferry implements ferry:transport@0.1.0"),
+        stderr.contains(
+            "is built for ferry:transport@0.3.0, but this ferry implements ferry:transport@0.2.0 (and still loads \
+             plugins built for @0.1.0)"
+        ),
         "{stderr}"
     );
-    let compatible = check("0.1.9");
+    // A 0.2 component that claims to be 0.1 is held to 0.1's types, whose outcome has no
+    // `deferred`: refused, the mismatch named.
+    let relabelled = check("0.1.0");
+    assert_eq!(relabelled.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&relabelled.stderr);
+    assert!(stderr.contains("cannot be instantiated") && stderr.contains("variant of 3 cases, found 4"), "{stderr}");
+    let compatible = check("0.2.9");
     assert!(compatible.status.success(), "a compatible version loads: {}", String::from_utf8_lossy(&compatible.stderr));
     assert!(String::from_utf8_lossy(&compatible.stdout).contains("\"template\""));
 }
 
-/// The SDK builds from its own copy of the WIT package, so a transport crate outside this
+/// The SDK builds from its own copy of the WIT package (the current version), so a transport crate outside this
 /// repository needs only the SDK; the copy must be the contract itself, file for file.
 #[test]
 fn the_sdk_carries_the_wit_package_unchanged() {
@@ -125,8 +134,10 @@ fn the_sdk_carries_the_wit_package_unchanged() {
     let files = |dir: &str| -> Vec<(String, String)> {
         let mut files: Vec<(String, String)> = std::fs::read_dir(root.join(dir))
             .unwrap_or_else(|e| panic!("{dir}: {e}"))
-            .map(|entry| {
-                let path = entry.unwrap().path();
+            .map(|entry| entry.unwrap().path())
+            // wit/v0.1 is the previous version, which only the host carries.
+            .filter(|path| path.is_file())
+            .map(|path| {
                 let name = path.file_name().unwrap().to_string_lossy().into_owned();
                 (name, std::fs::read_to_string(&path).unwrap())
             })

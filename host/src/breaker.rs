@@ -121,7 +121,8 @@ pub struct Tally {
 
 impl Tally {
     /// Counts one outcome. Permanent failures (and events that never reached a plugin) say
-    /// nothing about the endpoint and are left out.
+    /// nothing about the endpoint and are left out; so are deferrals (the receiver is up and
+    /// asked to wait), which neither count as failures nor reset the count.
     pub fn add(&mut self, disposition: &Disposition) {
         match disposition {
             Disposition::Sent => self.successes += 1,
@@ -130,7 +131,7 @@ impl Tally {
                 self.failures += 1;
                 self.last_error.clone_from(error);
             }
-            Disposition::Failed { .. } => {}
+            Disposition::Failed { .. } | Disposition::Deferred { .. } => {}
         }
     }
 }

@@ -123,6 +123,8 @@ pub enum AttemptOutcome {
     Retry,
     /// The event became FAILED.
     Failed,
+    /// The plugin said the receiver asked to wait: the event waits without an attempt counted.
+    Deferred,
 }
 
 impl AttemptOutcome {
@@ -132,6 +134,7 @@ impl AttemptOutcome {
             AttemptOutcome::Sent => "sent",
             AttemptOutcome::Retry => "retry",
             AttemptOutcome::Failed => "failed",
+            AttemptOutcome::Deferred => "deferred",
         }
     }
 }
@@ -145,7 +148,7 @@ impl fmt::Display for AttemptOutcome {
 impl FromStr for AttemptOutcome {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        [AttemptOutcome::Sent, AttemptOutcome::Retry, AttemptOutcome::Failed]
+        [AttemptOutcome::Sent, AttemptOutcome::Retry, AttemptOutcome::Failed, AttemptOutcome::Deferred]
             .into_iter()
             .find(|outcome| outcome.as_str() == s)
             .ok_or_else(|| format!("unknown attempt outcome {s:?}"))
@@ -237,6 +240,8 @@ pub enum Disposition {
     Sent,
     /// Try again at `at`.
     Retry { at: DateTime<Utc>, error: String },
+    /// Deliver again at `at`, as the plugin asked, without counting this attempt.
+    Deferred { at: DateTime<Utc>, error: String },
     /// Give up.
     Failed { reason: FailureReason, error: String },
 }
@@ -285,6 +290,7 @@ impl Disposition {
             Disposition::Sent => AttemptOutcome::Sent,
             Disposition::Retry { .. } => AttemptOutcome::Retry,
             Disposition::Failed { .. } => AttemptOutcome::Failed,
+            Disposition::Deferred { .. } => AttemptOutcome::Deferred,
         }
     }
 
@@ -296,11 +302,13 @@ impl Disposition {
         }
     }
 
-    /// The error text, for `retry` and `failed`.
+    /// The error text, for `retry`, `failed` and `deferred`.
     pub fn error(&self) -> Option<&str> {
         match self {
             Disposition::Sent => None,
-            Disposition::Retry { error, .. } | Disposition::Failed { error, .. } => Some(error),
+            Disposition::Retry { error, .. }
+            | Disposition::Failed { error, .. }
+            | Disposition::Deferred { error, .. } => Some(error),
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod report;
 pub mod service;
 pub mod store;
 pub mod systemd;
+pub mod telemetry;
 pub mod untrusted;
 pub mod watch;
 

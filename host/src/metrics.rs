@@ -82,12 +82,15 @@ pub struct Metrics {
     registry: Registry,
     pub delivered: Family<RouteLabels, Counter>,
     pub retried: Family<RouteLabels, Counter>,
+    pub deferred: Family<RouteLabels, Counter>,
     pub failed: Family<FailedLabels, Counter>,
     pub delivery_latency: Histograms<RouteOnly>,
     pub batch_size: Histogram,
     pub claim_duration: Histogram,
     pub plugin_call_duration: Histograms<PluginLabels>,
     pub plugin_faults: Family<FaultLabels, Counter>,
+    /// Trace spans dropped because the exporter's queue was full.
+    pub trace_spans_dropped: Counter,
     pub plugin_reloads: Family<ReloadLabels, Counter>,
     events: Family<StatusLabels, Gauge>,
     oldest_pending_age: FloatGauge,
@@ -112,6 +115,12 @@ impl Metrics {
         registry.register("ferry_events_delivered", "Events delivered (SENT), by route and plugin", delivered.clone());
         let retried = Family::<RouteLabels, Counter>::default();
         registry.register("ferry_events_retried", "Transient failures scheduled for a retry", retried.clone());
+        let deferred = Family::<RouteLabels, Counter>::default();
+        registry.register(
+            "ferry_events_deferred",
+            "Deliveries a plugin deferred (the receiver asked to wait), no attempt counted",
+            deferred.clone(),
+        );
         let failed = Family::<FailedLabels, Counter>::default();
         registry.register("ferry_events_failed", "Events that became FAILED, by failure reason", failed.clone());
         let delivery_latency: Histograms<RouteOnly> = Family::new_with_constructor(latency_buckets);
@@ -129,6 +138,12 @@ impl Metrics {
             "ferry_plugin_call_duration_seconds",
             "Time taken by one deliver-batch call into a plugin",
             plugin_call_duration.clone(),
+        );
+        let trace_spans_dropped = Counter::default();
+        registry.register(
+            "ferry_trace_spans_dropped",
+            "Trace spans dropped because the OTLP exporter fell behind",
+            trace_spans_dropped.clone(),
         );
         let plugin_faults = Family::<FaultLabels, Counter>::default();
         registry.register(
@@ -170,12 +185,14 @@ impl Metrics {
             registry,
             delivered,
             retried,
+            deferred,
             failed,
             delivery_latency,
             batch_size,
             claim_duration,
             plugin_call_duration,
             plugin_faults,
+            trace_spans_dropped,
             plugin_reloads,
             events,
             oldest_pending_age,

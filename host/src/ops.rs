@@ -269,7 +269,7 @@ impl Ops {
         let event = self.store.get(id).await?.ok_or_else(|| OpError::NotFound(format!("no event with id {id}")))?;
         let attempts = self.store.attempts(id).await?;
         let waiting = match event.status {
-            Status::Pending => Some(self.why_waiting(&event).await?),
+            Status::Pending => Some(self.why_waiting(&event, attempts.last()).await?),
             _ => None,
         };
         let mut view = EventView::showing(event, Some(attempts), json);
@@ -281,7 +281,12 @@ impl Ops {
     /// off, its route's breaker, an earlier event of its ordering key; "due now" when nothing
     /// holds it back. (Whether the route's plugin is loaded only the running ferry knows: its
     /// readiness check and `ferry config check` say.)
-    async fn why_waiting(&self, event: &crate::event::EventRecord) -> Result<Vec<String>, OpError> {
+    /// `last` is the latest row of its history, if any.
+    async fn why_waiting(
+        &self,
+        event: &crate::event::EventRecord,
+        last: Option<&crate::event::AttemptRecord>,
+    ) -> Result<Vec<String>, OpError> {
         let now = self.clock.now();
         let settings = self.settings();
         let Some(route) = settings.route(&event.route) else {
@@ -293,9 +298,15 @@ impl Ops {
         let mut why = Vec::new();
         if event.next_attempt_at > now {
             let when = event.next_attempt_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-            why.push(match event.attempts {
-                0 => format!("deferred until {when}"),
-                n => format!("attempt {} is due at {when}, after a transient failure", n + 1),
+            let deferred_by_plugin = last.filter(|a| a.outcome == crate::event::AttemptOutcome::Deferred);
+            why.push(match (deferred_by_plugin, event.attempts) {
+                (Some(a), _) => format!(
+                    "deferred by plugin {} until {when}, as the receiver asked ({}); no attempt was counted",
+                    a.plugin.as_deref().unwrap_or("?"),
+                    a.error.as_deref().unwrap_or("no reason given")
+                ),
+                (None, 0) => format!("deferred until {when}"),
+                (None, n) => format!("attempt {} is due at {when}, after a transient failure", n + 1),
             });
         }
         let cooldown = self.settings().breaker_cooldown();

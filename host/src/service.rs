@@ -29,6 +29,9 @@ pub struct Ferry {
     pub registry: Arc<Registry>,
     pub metrics: Arc<Metrics>,
     pub clock: Arc<dyn Clock>,
+    /// The trace exporter, when `telemetry.otlp_endpoint` is set: stopped (and flushed) by
+    /// [`Ferry::flush_traces`].
+    traces: Option<(CancellationToken, tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>)>,
 }
 
 impl Ferry {
@@ -55,8 +58,31 @@ impl Ferry {
             tracing::warn!("{warning}");
         }
         let routes = Routes::new(settings.clone(), transports);
-        let relay = Relay::new(store.clone(), clock.clone(), routes, metrics.clone());
-        Ok(Ferry { settings: live, store, relay, registry, metrics, clock })
+        let stop_traces = CancellationToken::new();
+        let tracer = crate::telemetry::Tracer::start(
+            &config.telemetry,
+            &config.instance_id(),
+            metrics.trace_spans_dropped.clone(),
+            stop_traces.clone(),
+        )?;
+        let (tracer, traces) = match tracer {
+            Some((tracer, task)) => (Some(tracer), Some((stop_traces, tokio::sync::Mutex::new(Some(task))))),
+            None => (None, None),
+        };
+        let relay = Relay::new(store.clone(), clock.clone(), routes, metrics.clone()).with_tracer(tracer);
+        Ok(Ferry { settings: live, store, relay, registry, metrics, clock, traces })
+    }
+
+    /// Sends the traces still queued and stops the exporter (waiting at most a few seconds for the
+    /// collector). Nothing to do without `telemetry.otlp_endpoint`.
+    pub async fn flush_traces(&self) {
+        let Some((stop, task)) = &self.traces else { return };
+        stop.cancel();
+        if let Some(task) = task.lock().await.take()
+            && tokio::time::timeout(std::time::Duration::from_secs(5), task).await.is_err()
+        {
+            tracing::warn!("the trace exporter did not finish within 5 s; the last spans are lost");
+        }
     }
 
     /// Puts `config`'s routes and retry policies in effect while deliveries go on (what SIGHUP
@@ -66,7 +92,7 @@ impl Ferry {
     /// runs first); a removed route's events fail with `no_transport` from then on, as at start.
     /// Batches in flight finish with the table they were claimed under.
     ///
-    /// `[database]`, `[relay]`, `[breaker]` and `[admin]` keep their running values (named in the
+    /// `[database]`, `[relay]`, `[breaker]`, `[admin]` and `[telemetry]` keep their running values (named in the
     /// answer); a change to `[plugins]` or `[sandbox.*]`, which routes depend on, needs a restart
     /// and refuses the reload. When anything is wrong nothing changes, and the error says why.
     pub async fn reload(&self, mut config: Config) -> anyhow::Result<ConfigReload> {
@@ -185,7 +211,13 @@ fn keep_restart_only(config: &mut Config, running: &Config) -> Vec<&'static str>
             }
         )*};
     }
-    keep!(database => "[database]", relay => "[relay]", breaker => "[breaker]", admin => "[admin]");
+    keep!(
+        database => "[database]",
+        relay => "[relay]",
+        breaker => "[breaker]",
+        admin => "[admin]",
+        telemetry => "[telemetry]"
+    );
     differ
 }
 
@@ -408,6 +440,7 @@ pub async fn serve(config: &Config, shutdown: CancellationToken, reread: Option<
         }
     };
     tokio::join!(ferry.relay.run(shutdown.clone()), stopping, reloads);
+    ferry.flush_traces().await;
     if let Some((_, admin)) = admin {
         let _ = admin.await;
     }

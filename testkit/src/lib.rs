@@ -224,6 +224,7 @@ pub fn plugin_name(crate_name: &str) -> &str {
         "ferry_transport_webhook_js" => "webhook-js",
         "ferry_transport_spool_py" => "spool-py",
         "ferry_test_scripted" => "scripted",
+        "ferry_test_legacy" => "legacy",
         other => other,
     }
 }

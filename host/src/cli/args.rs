@@ -9,12 +9,15 @@ use crate::config::{Config, Sources, parse_duration};
 use crate::ops::{self, FilterInput};
 
 /// What `ferry --version` prints: the release, the commit it was built from and the transport
-/// contract it implements.
+/// contract it implements (and the older one it still loads plugins of; both as in
+/// `plugins::WIT_VERSION` and `plugins::OLDER_WIT_VERSIONS`, which a test compares).
 pub const VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
     " (commit ",
     env!("BUILT_FROM_COMMIT"),
     ", transport contract ferry:transport@",
+    "0.2.0",
+    ", also loads @",
     "0.1.0",
     ")"
 );

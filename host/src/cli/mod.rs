@@ -352,14 +352,16 @@ async fn plugins_check(config: &Config, file: &std::path::Path, json: bool) -> a
         "file": file.display().to_string(),
         "name": plugin.info.name,
         "version": plugin.info.version,
+        "wit": plugin.contract.version(),
         "hash": plugin.hash,
     });
     say(json, &value, |_| {
         format!(
-            "ok: {} is the transport plugin {:?}, version {}, for ferry:transport (sha256 {})",
+            "ok: {} is the transport plugin {:?}, version {}, for ferry:transport@{} (sha256 {})",
             file.display(),
             plugin.info.name,
             plugin.info.version,
+            plugin.contract.version(),
             &plugin.hash[..12]
         )
     })

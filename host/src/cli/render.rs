@@ -230,13 +230,20 @@ pub fn breakers(breakers: &[BreakerView]) -> String {
 
 /// `ferry plugins list`.
 pub fn plugins(view: &PluginsView) -> String {
-    let mut table =
-        Table::new(&[("NAME", false), ("VERSION", false), ("HASH", false), ("ROUTES", false), ("FILE", false)]);
+    let mut table = Table::new(&[
+        ("NAME", false),
+        ("VERSION", false),
+        ("WIT", false),
+        ("HASH", false),
+        ("ROUTES", false),
+        ("FILE", false),
+    ]);
     for p in &view.plugins {
         let routes = if p.routes.is_empty() { "-".to_string() } else { p.routes.join(",") };
         table.row(vec![
             untrusted(&p.name),
             untrusted(&p.version),
+            p.wit.clone(),
             p.hash[..p.hash.len().min(12)].to_string(),
             routes,
             p.file.display().to_string(),

@@ -49,6 +49,7 @@ pub struct Config {
     pub retry: RetryConfig,
     pub breaker: BreakerConfig,
     pub admin: AdminConfig,
+    pub telemetry: TelemetryConfig,
     pub plugins: PluginsConfig,
     /// Per-plugin sandbox grants, keyed by plugin name.
     #[serde(default)]
@@ -99,6 +100,16 @@ impl fmt::Debug for AdminConfig {
             .field("metrics_public", &self.metrics_public)
             .finish()
     }
+}
+
+/// OpenTelemetry trace export.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    /// The base URL of an OTLP/HTTP receiver (`http://HOST:PORT`); empty: no traces.
+    pub otlp_endpoint: String,
+    /// The spans' `service.name`.
+    pub service_name: String,
 }
 
 /// Shortest admin token accepted.
@@ -344,8 +355,8 @@ impl Config {
     }
 
     /// Parses `text` over the defaults, then applies environment overrides: `FERRY_RELAY_BATCH_SIZE=500`
-    /// sets `relay.batch_size`, for every key of the `database`, `relay`, `retry`, `breaker`, `admin` and `plugins`
-    /// tables. A value is read as TOML when it parses as such (`500`, `true`, `["a"]`) and as a
+    /// sets `relay.batch_size`, for every key of the `database`, `relay`, `retry`, `breaker`, `admin`, `telemetry` and
+    /// `plugins` tables. A value is read as TOML when it parses as such (`500`, `true`, `["a"]`) and as a
     /// string otherwise (`5m`, `unlimited`). A bad value, or an unknown key of one of ferry's
     /// tables, is an error naming the variable; a `FERRY_` variable that names no table of ferry's
     /// is some other program's, ignored with a warning. Variables read elsewhere (`FERRY_CONFIG`, `FERRY_LOG`,
@@ -451,6 +462,13 @@ impl Config {
             if limits.max_calls == 0 {
                 return Err(format!("{table}.max_calls must be at least 1"));
             }
+        }
+        if !self.telemetry.otlp_endpoint.is_empty() {
+            crate::telemetry::traces_uri(&self.telemetry.otlp_endpoint)
+                .map_err(|why| format!("telemetry.otlp_endpoint: {why}"))?;
+        }
+        if self.telemetry.service_name.trim().is_empty() {
+            return Err("telemetry.service_name must not be empty".into());
         }
         if !self.admin.listen.is_empty() {
             if self.admin.address().is_none() {

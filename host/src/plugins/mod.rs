@@ -6,7 +6,8 @@
 //! back as a [`PluginFault`] for the relay to record, the broken instance is discarded, and the
 //! next call gets a fresh one. Nothing a plugin does can stop the host.
 //!
-//! One concern per file: `runtime.rs` (the engine: pooling with fallback, code cache, epoch
+//! One concern per file: `contract.rs` (the versions of the WIT contract and their bindings),
+//! `runtime.rs` (the engine: pooling with fallback, code cache, epoch
 //! ticker, linkers), `sandbox.rs` (what an instance's store carries and enforces: memory, tables,
 //! instances, host resources, files, sockets, HTTP, logging), `imports.rs` (what the linker
 //! shadows or withholds: file-access guards, wasi:http for plugins without an `http` grant),
@@ -14,6 +15,7 @@
 //! wasi:tls and wasi:http: roots, a private CA, client certificates), `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
 //! instance pools, delivery calls, conversion to and from the WIT types).
 
+mod contract;
 mod http_pool;
 mod imports;
 mod pool;
@@ -25,26 +27,17 @@ pub mod trial;
 
 use std::time::Duration;
 
+pub use self::contract::{Contract, OLDER_WIT_VERSIONS, WIT_VERSION};
 pub use self::http_pool::DEFAULT_CONNECTIONS as DEFAULT_HTTP_CONNECTIONS;
 pub use self::pool::{Delivery, RouteTransport, route_transports};
-pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, check_wit_version, is_plugin_file, wasm_files};
+pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, is_plugin_file, wasm_files};
 pub use self::runtime::Runtime;
 pub use self::sandbox::HostState;
 
-mod bindings {
-    //! Host-side bindings for the `ferry:transport` world in `wit/`.
-    wasmtime::component::bindgen!({
-        path: "../wit",
-        world: "transport-plugin",
-        exports: { default: async },
-    });
-}
+use self::contract::current as bindings;
 
 pub use bindings::exports::ferry::transport::transport::{Outcome, PluginInfo};
 pub use bindings::ferry::transport::types::Failure;
-
-/// The version of the `ferry:transport` WIT package this host implements (`wit/transport.wit`).
-pub const WIT_VERSION: &str = "0.1.0";
 
 /// How often the epoch ticker advances; the granularity of plugin timeouts.
 pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(10);

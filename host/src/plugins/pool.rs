@@ -8,8 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use wasmtime::Store as WasmStore;
 
-use super::bindings::TransportPlugin;
-use super::bindings::ferry::transport::types;
+use super::contract::Bindings;
 use super::registry::{Plugin, Registry};
 use super::runtime::Runtime;
 use super::sandbox::{HostState, resolve_allowlist};
@@ -21,7 +20,7 @@ use crate::metrics::{FaultLabels, PluginLabels};
 /// A live instance of a plugin version, configured for one route.
 pub(super) struct Instance {
     store: WasmStore<HostState>,
-    bindings: TransportPlugin,
+    bindings: Bindings,
     /// The version it was made from; an instance of a replaced version is not reused.
     hash: String,
     calls: u64,
@@ -58,8 +57,8 @@ impl Instance {
         // The epoch deadline (set on the store) stops wasm code; this timeout also covers a guest
         // parked in the host, so `init` can stall neither start-up nor a reload.
         let start = async {
-            let bindings = plugin.pre.instantiate_async(&mut store).await?;
-            let init = bindings.ferry_transport_transport().call_init(&mut store, &route.plugin_config).await;
+            let bindings = plugin.pre.instantiate(&mut store).await?;
+            let init = bindings.init(&mut store, &route.plugin_config).await;
             wasmtime::Result::Ok((bindings, init))
         };
         let stalled =
@@ -220,9 +219,8 @@ impl RouteTransport {
     }
 
     async fn call(&self, mut instance: Instance, events: &[&ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
-        let wit_events: Vec<types::Event> = events.iter().map(|e| to_wit(e)).collect();
         instance.store.set_epoch_deadline(ticks(self.limits.timeout));
-        let call = instance.bindings.ferry_transport_transport().call_deliver_batch(&mut instance.store, &wit_events);
+        let call = instance.bindings.deliver(&mut instance.store, events);
         // The epoch deadline stops wasm code; this timeout also covers a call parked in the host.
         let result = tokio::time::timeout(self.limits.timeout + EPOCH_TICK * 5, call).await;
         let fault = match result {
@@ -264,18 +262,4 @@ pub fn route_transports(registry: &Arc<Registry>, settings: &Settings) -> HashMa
         .iter()
         .map(|(name, route)| (name.clone(), Arc::new(RouteTransport::new(registry.clone(), route.clone()))))
         .collect()
-}
-
-fn to_wit(event: &ClaimedEvent) -> types::Event {
-    types::Event {
-        id: u64::try_from(event.id).unwrap_or_default(),
-        event_type: event.event_type.clone(),
-        route: event.route.clone(),
-        ordering_key: event.ordering_key.clone(),
-        payload: event.payload.clone(),
-        content_type: event.content_type.clone(),
-        headers: event.headers.clone(),
-        attempt: event.attempt,
-        event_time: event.event_time.timestamp_millis(),
-    }
 }

@@ -11,12 +11,12 @@ use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
 use wasmtime::component::{Component, Linker};
 
-use super::bindings::TransportPluginPre;
+use super::contract::{Contract, Pre};
 use super::imports::{deny_http, imports_http};
 use super::pool::Instance;
 use super::runtime::Runtime;
 use super::sandbox::HostState;
-use super::{EPOCH_TICK, PluginInfo, WIT_VERSION, root_cause};
+use super::{EPOCH_TICK, PluginInfo, root_cause};
 use crate::config::{PluginLimits, Sandbox, Settings};
 use crate::live::Live;
 use crate::metrics::{Metrics, ReloadLabels};
@@ -28,7 +28,9 @@ pub struct Plugin {
     /// SHA-256 of the file: identifies the loaded version.
     pub hash: String,
     pub loaded_at: DateTime<Utc>,
-    pub(super) pre: TransportPluginPre<HostState>,
+    /// The version of the transport contract the plugin was built for.
+    pub contract: Contract,
+    pub(super) pre: Pre,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -37,6 +39,7 @@ impl std::fmt::Debug for Plugin {
             .field("info", &self.info)
             .field("path", &self.path)
             .field("hash", &self.hash)
+            .field("contract", &self.contract)
             .finish_non_exhaustive()
     }
 }
@@ -49,6 +52,8 @@ pub struct PluginStatus {
     pub file: PathBuf,
     pub hash: String,
     pub loaded_at: DateTime<Utc>,
+    /// The version of the `ferry:transport` contract the plugin was built for, e.g. `0.2.0`.
+    pub wit: String,
     pub routes: Vec<String>,
     /// The last failed attempt to (re)load this plugin's file, if the active version is older.
     pub last_error: Option<String>,
@@ -176,6 +181,7 @@ impl Registry {
                 file: p.path.clone(),
                 hash: p.hash.clone(),
                 loaded_at: p.loaded_at,
+                wit: p.contract.version().to_string(),
                 routes: self.routes_of(&p.info.name),
                 last_error: errors.get(&p.path).cloned(),
             })
@@ -331,20 +337,22 @@ impl Runtime {
             .await?
             .map_err(|e| anyhow::anyhow!("{} is not a valid wasm component: {}", path.display(), root_cause(&e)))?;
         let exports = component.component_type();
-        check_wit_version(exports.exports(&self.engine).map(|(name, _)| name))
-            .map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?;
+        let contract = Contract::of(exports.exports(&self.engine).map(|(name, _)| name))
+            .map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?
+            // Without a transport export the world check below says what is missing.
+            .unwrap_or(Contract::Current);
         let wants_http = imports_http(&component, &self.engine);
         let mut without_http = self.linker_without_http.clone();
         if wants_http {
             deny_http(&mut without_http, &component, &self.engine).with_context(|| path.display().to_string())?;
         }
-        let pre = self.pre_instantiate(&without_http, &component, path)?;
+        let pre = self.pre_instantiate(&without_http, &component, contract, path)?;
         let label: Arc<str> = Arc::from(path.file_name().and_then(|n| n.to_str()).unwrap_or("plugin"));
         let probe_limits = PluginLimits { timeout: self.load_timeout, memory, instances: 1, max_calls: 1 };
         let mut store = self.store(label, &Sandbox::default(), &probe_limits, &[])?;
         // The epoch deadline stops wasm code; this timeout also covers a guest parked in the host.
         let metadata = async {
-            let instance = pre.instantiate_async(&mut store).await.map_err(|e| {
+            let instance = pre.instantiate(&mut store).await.map_err(|e| {
                 if store.data().limiter.hit {
                     anyhow::anyhow!(
                         "{} cannot be instantiated: it exceeded the {} MiB memory limit",
@@ -356,8 +364,7 @@ impl Runtime {
                 }
             })?;
             instance
-                .ferry_transport_transport()
-                .call_metadata(&mut store)
+                .metadata(&mut store)
                 .await
                 .map_err(|e| anyhow::anyhow!("metadata() of {} failed: {}", path.display(), root_cause(&e)))
         };
@@ -375,11 +382,11 @@ impl Runtime {
             );
         }
         let pre = if wants_http && grants_http(&info.name) {
-            self.pre_instantiate(&self.linker, &component, path)?
+            self.pre_instantiate(&self.linker, &component, contract, path)?
         } else {
             pre
         };
-        Ok(Plugin { info, path: path.to_path_buf(), hash, loaded_at: Utc::now(), pre })
+        Ok(Plugin { info, path: path.to_path_buf(), hash, loaded_at: Utc::now(), contract, pre })
     }
 
     /// `component` linked by `linker`, checked to export the transport world.
@@ -387,12 +394,13 @@ impl Runtime {
         &self,
         linker: &Linker<HostState>,
         component: &Component,
+        contract: Contract,
         path: &Path,
-    ) -> anyhow::Result<TransportPluginPre<HostState>> {
+    ) -> anyhow::Result<Pre> {
         let pre = linker.instantiate_pre(component).map_err(|e| {
             anyhow::anyhow!("{} needs imports ferry does not provide: {}", path.display(), root_cause(&e))
         })?;
-        TransportPluginPre::new(pre).map_err(|e| {
+        Pre::new(contract, pre).map_err(|e| {
             anyhow::anyhow!(
                 "{} does not export the ferry:transport world (wit/transport.wit): {}",
                 path.display(),
@@ -423,47 +431,4 @@ fn read_plugin_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
         return Err(refuse(format!("grew past plugins.max_file_size ({max} bytes) while being read")));
     }
     Ok(bytes)
-}
-
-/// Refuses a component whose `ferry:transport/transport` export is of a semver-incompatible
-/// version (another major version; for 0.x, another minor). A component without that export is
-/// left to the world check, which says so.
-pub fn check_wit_version<'a>(exports: impl IntoIterator<Item = &'a str>) -> Result<(), String> {
-    let Some(theirs) = exports.into_iter().find_map(|name| name.strip_prefix("ferry:transport/transport@")) else {
-        return Ok(());
-    };
-    let series = |version: &str| -> Option<(u64, u64)> {
-        let mut parts = version.split(['.', '-', '+']);
-        let major = parts.next()?.parse().ok()?;
-        let minor = parts.next()?.parse().ok()?;
-        // Semver: below 1.0 every minor release may break, above it every major one.
-        Some(if major == 0 { (0, minor) } else { (major, 0) })
-    };
-    match (series(theirs), series(WIT_VERSION)) {
-        (Some(a), Some(b)) if a == b => Ok(()),
-        _ => Err(format!(
-            "is built for ferry:transport@{theirs}, but this ferry implements ferry:transport@{WIT_VERSION}, \
-             an incompatible version; rebuild the plugin against this ferry's wit/ directory"
-        )),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn wit_versions_are_checked_by_semver() {
-        let ok = |v: &str| check_wit_version([format!("ferry:transport/transport@{v}").as_str()]);
-        assert!(ok("0.1.0").is_ok());
-        assert!(ok("0.1.7").is_ok(), "a compatible patch release");
-        let err = ok("0.2.0").unwrap_err();
-        assert!(
-            err.contains("ferry:transport@0.2.0") && err.contains(&format!("ferry:transport@{WIT_VERSION}")),
-            "{err}"
-        );
-        assert!(ok("1.0.0").is_err());
-        assert!(ok("garbage").is_err());
-        assert!(check_wit_version(["wasi:cli/run@0.2.0"]).is_ok(), "no transport export: left to the world check");
-    }
 }

@@ -8,13 +8,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
-use wasmtime::component::{HasSelf, Linker};
+use wasmtime::component::Linker;
 use wasmtime::{
     Cache, CacheConfig, Config as EngineConfig, Engine, InstanceAllocationStrategy, PoolingAllocationConfig,
 };
 
 use super::EPOCH_TICK;
-use super::bindings::TransportPlugin;
 use super::imports::{free_request_options, guard_file_access};
 use super::sandbox::{HostState, MAX_CORE_INSTANCES, MAX_MEMORIES, MAX_TABLES};
 use crate::config::Settings;
@@ -130,7 +129,7 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         guard_file_access(&mut linker)?;
-        TransportPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state).map_err(anyhow::Error::from)?;
+        super::contract::add_to_linker(&mut linker)?;
         // wasi:tls (a draft interface, switched on here): the host does the TLS of a plugin's TCP
         // connection, with the roots and client certificate its sandbox grants.
         let mut tls = wasmtime_wasi_tls::p2::LinkOptions::default();

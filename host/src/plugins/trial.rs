@@ -293,6 +293,8 @@ fn outcome_of(event: &ClaimedEvent, outcome: Outcome) -> TrialOutcome {
         },
         Outcome::Transient(f) => failure(event, "transient", clean(&f.reason), f.retry_after_ms),
         Outcome::Permanent(f) => failure(event, "permanent", clean(&f.reason), None),
+        // The delay is what `retry_after_ms` reports for a deferral.
+        Outcome::Deferred(d) => failure(event, "deferred", clean(&d.reason), Some(d.delay_ms)),
     }
 }
 

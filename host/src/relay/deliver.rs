@@ -1,7 +1,7 @@
 //! Delivering a claimed batch and judging the answers: each route's share goes to its transport
 //! (routes concurrently), a call that fails as a whole is bisected until the event at fault is
-//! alone, and every answer becomes a completion (SENT, a retry at a backoff, or FAILED) with its
-//! attempt in the history.
+//! alone, and every answer becomes a completion (SENT, a retry at a backoff, a deferral the
+//! plugin asked for, or FAILED) with its attempt in the history.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,6 +14,10 @@ use super::{Relay, Routes};
 use crate::backoff::RetryDecision;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::plugins::{DeliverError, Outcome, RouteTransport};
+
+/// The shortest wait a plugin's deferral gets, so an event deferred again and again cannot keep
+/// the relay claiming it in a loop.
+const MIN_DEFERRAL: Duration = Duration::from_secs(1);
 
 impl Relay {
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion
@@ -140,6 +144,13 @@ impl Relay {
                         let hint = f.retry_after_ms.map(Duration::from_millis);
                         let why = reason(&f.reason);
                         self.retry_or_fail(routes, event, call, now, why, hint, FailureReason::AttemptsExhausted)
+                    }
+                    Outcome::Deferred(d) => {
+                        let policy = routes.settings.retry(&event.route);
+                        let delay = Duration::from_millis(d.delay_ms)
+                            .clamp(MIN_DEFERRAL, policy.retry_after_max.max(MIN_DEFERRAL));
+                        let at = crate::clock::truncate_ms(crate::clock::later(now, delay));
+                        self.complete(routes, event, call, Disposition::Deferred { at, error: reason(&d.reason) })
                     }
                 })
                 .collect(),

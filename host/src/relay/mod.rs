@@ -15,9 +15,10 @@ use tokio_util::sync::CancellationToken;
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
 use crate::config::Settings;
-use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
+use crate::event::{CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::live::Live;
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
+use crate::telemetry::{Attr, Span, SpanContext, SpanKind, Tracer};
 
 mod deliver;
 mod health;
@@ -32,6 +33,8 @@ pub struct CycleStats {
     pub claimed: usize,
     pub sent: usize,
     pub retried: usize,
+    /// Deliveries the plugin deferred (no attempt counted).
+    pub deferred: usize,
     pub failed: usize,
     /// Outcomes not written because the claim had been recovered in the meantime.
     pub fenced_off: usize,
@@ -95,6 +98,8 @@ pub struct Relay {
     health: Arc<RelayHealth>,
     /// Per route, when events ending FAILED were last logged and how many ended so since.
     failed_notices: std::sync::Mutex<HashMap<String, FailedNotice>>,
+    /// Where each batch's trace goes, when `telemetry.otlp_endpoint` is set.
+    tracer: Option<Arc<Tracer>>,
 }
 
 /// How often, at most, the log says per route that events ended FAILED.
@@ -133,7 +138,14 @@ impl Relay {
             metrics,
             health: Arc::new(RelayHealth::new(config.relay.workers, config.relay.lease.0)),
             failed_notices: std::sync::Mutex::default(),
+            tracer: None,
         }
+    }
+
+    /// Sends a trace of each batch to `tracer`.
+    pub fn with_tracer(mut self, tracer: Option<Arc<Tracer>>) -> Self {
+        self.tracer = tracer;
+        self
     }
 
     /// The route table in effect.
@@ -296,6 +308,7 @@ impl Relay {
         if events.is_empty() {
             return Ok(CycleStats::default());
         }
+        let claimed_at = self.clock.now();
         self.metrics.batch_size.observe(events.len() as f64);
         let delivery = self.deliver_all(&routes, &events);
         tokio::pin!(delivery);
@@ -318,11 +331,16 @@ impl Relay {
             match c.disposition {
                 Disposition::Sent => stats.sent += 1,
                 Disposition::Retry { .. } => stats.retried += 1,
+                Disposition::Deferred { .. } => stats.deferred += 1,
                 Disposition::Failed { .. } => stats.failed += 1,
             }
         }
         let done_at = self.clock.now();
         let written = self.store.complete(&token, done_at, &completions).await?;
+        if let Some(tracer) = &self.tracer {
+            let times = BatchTimes { claim: (now, claimed_at), record: (done_at, self.clock.now()) };
+            self.trace(tracer, &events, &completions, &times, written);
+        }
         self.count(&events, &completions, done_at);
         self.log_failed(&completions, done_at);
         self.record_breakers(&events, &completions, &breakers, &probed).await?;
@@ -411,6 +429,102 @@ impl Relay {
         Ok(())
     }
 
+    /// Sends the trace of one batch: the batch, its claim, each plugin call, the write of its
+    /// outcomes.
+    fn trace(
+        &self,
+        tracer: &Tracer,
+        events: &[ClaimedEvent],
+        completions: &[Completion],
+        times: &BatchTimes,
+        written: u64,
+    ) {
+        let root = SpanContext::root();
+        // The OpenTelemetry name of the database system.
+        let db = match self.store.backend() {
+            "postgres" => "postgresql",
+            other => other,
+        };
+        let span = |name, kind, (start, end): (DateTime<Utc>, DateTime<Utc>), attributes, links, error| Span {
+            context: root.child(),
+            parent: Some(root.span_id),
+            name,
+            kind,
+            start,
+            end,
+            attributes,
+            links,
+            error,
+        };
+        tracer.record(span(
+            "ferry.claim",
+            SpanKind::Client,
+            times.claim,
+            vec![("db.system", db.into()), ("ferry.claimed", events.len().into())],
+            Vec::new(),
+            None,
+        ));
+        let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
+        let mut calls: Vec<(&CallLog, Vec<&Completion>)> = Vec::new();
+        for completion in completions {
+            let call: &CallLog = &completion.attempt.call;
+            match calls.iter_mut().find(|(c, _)| std::ptr::eq(*c, call)) {
+                Some((_, items)) => items.push(completion),
+                None => calls.push((call, vec![completion])),
+            }
+        }
+        let mut totals = Outcomes::default();
+        for (call, items) in calls {
+            let outcomes = Outcomes::of(&items);
+            totals.add(&outcomes);
+            // Events that never reached a plugin (undecodable rows) have no call to show.
+            let Some(plugin) = &call.plugin else { continue };
+            let links = crate::telemetry::event_links(
+                items.iter().filter_map(|c| by_id.get(&c.id)).map(|e| e.headers.as_slice()),
+            );
+            let error = items.iter().find_map(|c| match &c.disposition {
+                Disposition::Retry { error, .. } | Disposition::Failed { error, .. } => Some(error.clone()),
+                _ => None,
+            });
+            let end = crate::clock::later(call.started_at, call.duration);
+            let mut attributes = vec![
+                ("ferry.route", Attr::from(call.route.as_str())),
+                ("ferry.plugin", plugin.as_str().into()),
+                ("ferry.plugin.hash", call.plugin_hash.as_deref().unwrap_or_default().into()),
+                ("messaging.batch.message_count", items.len().into()),
+            ];
+            attributes.extend(outcomes.attributes());
+            tracer.record(span("ferry.deliver", SpanKind::Producer, (call.started_at, end), attributes, links, error));
+        }
+        let fenced_off = completions.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX));
+        tracer.record(span(
+            "ferry.record",
+            SpanKind::Client,
+            times.record,
+            vec![
+                ("db.system", db.into()),
+                ("ferry.written", usize::try_from(written).unwrap_or(usize::MAX).into()),
+                ("ferry.fenced_off", fenced_off.into()),
+            ],
+            Vec::new(),
+            None,
+        ));
+        let mut attributes =
+            vec![("ferry.instance", Attr::from(self.instance.as_str())), ("ferry.claimed", events.len().into())];
+        attributes.extend(totals.attributes());
+        tracer.record(Span {
+            context: root,
+            parent: None,
+            name: "ferry.batch",
+            kind: SpanKind::Internal,
+            start: times.claim.0,
+            end: times.record.1,
+            attributes,
+            links: Vec::new(),
+            error: None,
+        });
+    }
+
     /// Says in the log, at most once a minute per route, that events ended FAILED: how many since
     /// the last line, why the last one failed, and the command that lists them.
     fn log_failed(&self, completions: &[Completion], now: DateTime<Utc>) {
@@ -448,49 +562,92 @@ impl Relay {
     fn count(&self, events: &[ClaimedEvent], completions: &[Completion], done_at: DateTime<Utc>) {
         // Tallied first, so each label set is looked up once per batch, not once per event.
         let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
-        let mut tally: HashMap<(&str, &str, Option<FailureReason>), (u64, u64)> = HashMap::new();
+        // By route, plugin and (for failures) failure reason.
+        let mut tally: HashMap<(&str, &str, Option<FailureReason>), Outcomes> = HashMap::new();
         let mut latencies: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-        let (mut delivered, mut retried, mut failed) = (0, 0, 0);
         for completion in completions {
             let Some(event) = by_id.get(&completion.id) else { continue };
             let plugin = completion.attempt.call.plugin.as_deref().unwrap_or_default();
-            match &completion.disposition {
-                Disposition::Sent => {
-                    delivered += 1;
-                    tally.entry((&event.route, plugin, None)).or_default().0 += 1;
-                    let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
-                    latencies.entry(&event.route).or_default().push(latency);
-                }
-                Disposition::Retry { .. } => {
-                    retried += 1;
-                    tally.entry((&event.route, plugin, None)).or_default().1 += 1
-                }
-                Disposition::Failed { reason, .. } => {
-                    failed += 1;
-                    tally.entry((&event.route, plugin, Some(*reason))).or_default().0 += 1
-                }
+            let reason = completion.disposition.reason();
+            tally.entry((&event.route, plugin, reason)).or_default().count(&completion.disposition);
+            if completion.disposition == Disposition::Sent {
+                let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
+                latencies.entry(&event.route).or_default().push(latency);
             }
         }
-        for ((route, plugin, reason), (done, retried)) in tally {
+        let mut totals = Outcomes::default();
+        for ((route, plugin, reason), outcomes) in tally {
+            totals.add(&outcomes);
             let labels = RouteLabels { route: route.to_string(), plugin: plugin.to_string() };
+            let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
             match reason {
                 None => {
-                    self.metrics.delivered.get_or_create(&labels).inc_by(done);
-                    self.metrics.retried.get_or_create(&labels).inc_by(retried);
+                    self.metrics.delivered.get_or_create(&labels).inc_by(count(outcomes.sent));
+                    self.metrics.retried.get_or_create(&labels).inc_by(count(outcomes.retried));
+                    self.metrics.deferred.get_or_create(&labels).inc_by(count(outcomes.deferred));
                 }
                 Some(reason) => {
                     let labels =
                         FailedLabels { route: labels.route, plugin: labels.plugin, reason: reason.to_string() };
-                    self.metrics.failed.get_or_create(&labels).inc_by(done);
+                    self.metrics.failed.get_or_create(&labels).inc_by(count(outcomes.failed));
                 }
             }
         }
         let all: Vec<f64> = latencies.values().flatten().map(|seconds| seconds * 1000.0).collect();
-        self.metrics.activity.record(done_at, delivered, retried, failed, &all);
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        self.metrics.activity.record(done_at, count(totals.sent), count(totals.retried), count(totals.failed), &all);
         for (route, values) in latencies {
             let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: route.to_string() });
             values.into_iter().for_each(|v| histogram.observe(v));
         }
+    }
+}
+
+/// When a batch's claim and the write of its outcomes started and ended.
+struct BatchTimes {
+    claim: (DateTime<Utc>, DateTime<Utc>),
+    record: (DateTime<Utc>, DateTime<Utc>),
+}
+
+/// How many events of a call or batch ended each way.
+#[derive(Debug, Default)]
+struct Outcomes {
+    sent: usize,
+    retried: usize,
+    deferred: usize,
+    failed: usize,
+}
+
+impl Outcomes {
+    fn of(items: &[&Completion]) -> Outcomes {
+        let mut outcomes = Outcomes::default();
+        items.iter().for_each(|item| outcomes.count(&item.disposition));
+        outcomes
+    }
+
+    fn count(&mut self, disposition: &Disposition) {
+        match disposition {
+            Disposition::Sent => self.sent += 1,
+            Disposition::Retry { .. } => self.retried += 1,
+            Disposition::Deferred { .. } => self.deferred += 1,
+            Disposition::Failed { .. } => self.failed += 1,
+        }
+    }
+
+    fn add(&mut self, other: &Outcomes) {
+        self.sent += other.sent;
+        self.retried += other.retried;
+        self.deferred += other.deferred;
+        self.failed += other.failed;
+    }
+
+    fn attributes(&self) -> [(&'static str, Attr); 4] {
+        [
+            ("ferry.sent", self.sent.into()),
+            ("ferry.retried", self.retried.into()),
+            ("ferry.deferred", self.deferred.into()),
+            ("ferry.failed", self.failed.into()),
+        ]
     }
 }
 

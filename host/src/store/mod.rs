@@ -498,6 +498,7 @@ fn in_claim_order(mut claimed: Vec<(DateTime<Utc>, ClaimedEvent)>) -> Vec<Claime
 #[derive(Debug, Default)]
 struct Partitioned<'a> {
     sent: Vec<&'a Completion>,
+    /// Retries and deferrals (see [`refund`]): PENDING again at a time.
     retry: Vec<(&'a Completion, DateTime<Utc>, &'a str)>,
     failed: Vec<(&'a Completion, &'static str, &'a str)>,
 }
@@ -658,13 +659,20 @@ fn dead_letter_lost((id, route): (i64, &str), error: &sqlx::Error) {
     );
 }
 
+/// How many attempts writing `completion` gives back: the claim counted one, and a deferral is
+/// not an attempt.
+fn refund(completion: &Completion) -> i32 {
+    i32::from(matches!(completion.disposition, crate::event::Disposition::Deferred { .. }))
+}
+
 fn partition(items: &[Completion]) -> Partitioned<'_> {
     use crate::event::Disposition;
     let mut p = Partitioned::default();
     for item in items {
         match &item.disposition {
             Disposition::Sent => p.sent.push(item),
-            Disposition::Retry { at, error } => p.retry.push((item, *at, error)),
+            // A deferral is written like a retry, with the claim's attempt given back.
+            Disposition::Retry { at, error } | Disposition::Deferred { at, error } => p.retry.push((item, *at, error)),
             Disposition::Failed { reason, error } => p.failed.push((item, reason.as_str(), error)),
         }
     }

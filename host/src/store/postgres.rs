@@ -21,7 +21,7 @@ use super::{
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
     complete_batch, copy_dead_letters, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order,
-    stats_from,
+    refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -75,12 +75,15 @@ impl RecordOutcomes for PostgresStore {
             let at: Vec<DateTime<Utc>> = parts.retry.iter().map(|(_, at, _)| *at).collect();
             let errors: Vec<&str> = parts.retry.iter().map(|(_, _, e)| *e).collect();
             let max: Vec<i32> = parts.retry.iter().map(|(c, _, _)| pin(c.max_attempts)).collect();
+            let refunds: Vec<i32> = parts.retry.iter().map(|(c, _, _)| refund(c)).collect();
             updated.extend(
                 sqlx::query_scalar::<_, i64>(
                     "UPDATE ferry_events e
                      SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = $5,
-                         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts)
-                     FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS u(id, at, error, max_attempts)
+                         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(e.max_attempts, u.max_attempts),
+                         attempts = GREATEST(e.attempts - u.refund, 0)
+                     FROM UNNEST($1::bigint[], $2::timestamptz[], $3::text[], $4::int[], $7::int[])
+                          AS u(id, at, error, max_attempts, refund)
                      WHERE e.id = u.id AND e.claim_token = $6 AND e.status = 'PROCESSING'
                      RETURNING e.id",
                 )
@@ -90,6 +93,7 @@ impl RecordOutcomes for PostgresStore {
                 .bind(&max)
                 .bind(now)
                 .bind(token)
+                .bind(&refunds)
                 .fetch_all(&mut *tx)
                 .await?,
             );

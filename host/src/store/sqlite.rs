@@ -20,7 +20,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_event, complete_batch,
-    copy_dead_letters, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, stats_from,
+    copy_dead_letters, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -108,7 +108,9 @@ impl RecordOutcomes for SqliteStore {
         let retry: Vec<Value> = parts
             .retry
             .iter()
-            .map(|(c, at, error)| json!({"id": c.id, "at": ms(*at), "error": error, "max": c.max_attempts}))
+            .map(|(c, at, error)| {
+                json!({"id": c.id, "at": ms(*at), "error": error, "max": c.max_attempts, "refund": refund(c)})
+            })
             .collect();
         let failed: Vec<Value> = parts
             .failed
@@ -263,9 +265,10 @@ const COMPLETE_SENT_BY_TOKEN: &str = "UPDATE ferry_events
 
 const COMPLETE_RETRY: &str = "UPDATE ferry_events
      SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = ?2,
-         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max)
+         claim_token = NULL, lease_until = NULL, max_attempts = COALESCE(ferry_events.max_attempts, u.max),
+         attempts = MAX(attempts - u.refund, 0)
      FROM (SELECT value->>'id' AS id, value->>'at' AS at, value->>'error' AS error,
-                  value->>'max' AS max FROM json_each(?1)) AS u
+                  value->>'max' AS max, value->>'refund' AS refund FROM json_each(?1)) AS u
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
 

@@ -22,7 +22,7 @@
 pub mod policy;
 
 use ferry_plugin_sdk::cloudevents::CloudEvents;
-use ferry_plugin_sdk::outcome::{permanent, success, transient_after};
+use ferry_plugin_sdk::outcome::{deferred, permanent, success, transient_after};
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::{Target, Verdict};
 
@@ -35,7 +35,13 @@ struct Settings {
     concurrency: usize,
     headers: Vec<(String, String)>,
     cloudevents: Option<CloudEvents>,
+    /// What a 429 answer becomes: a deferral (no attempt counted; `rate_limited = "defer"`, the
+    /// default) or a transient failure (`"retry"`).
+    defer_rate_limited: bool,
 }
+
+/// How long a 429 without `Retry-After` defers the event.
+const RATE_LIMITED_DELAY_MS: u64 = 5_000;
 
 impl Transport for Settings {
     const NAME: &'static str = "http";
@@ -58,9 +64,14 @@ impl Transport for Settings {
         let headers =
             config.prefixed("header.").into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect();
         let cloudevents = CloudEvents::from_config(config, true)?;
+        let defer_rate_limited = match config.optional("rate_limited").as_deref() {
+            None | Some("defer") => true,
+            Some("retry") => false,
+            Some(other) => return Err(format!("rate_limited: {other:?} is neither \"defer\" nor \"retry\"")),
+        };
         log::info(&format!("delivering to {}{}", target.authority, target.path_and_query));
         let timeout_ns = timeout_ms.saturating_mul(1_000_000);
-        Ok(Settings { target, method, secrets, timeout_ns, concurrency, headers, cloudevents })
+        Ok(Settings { target, method, secrets, timeout_ns, concurrency, headers, cloudevents, defer_rate_limited })
     }
 
     fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
@@ -70,6 +81,10 @@ impl Transport for Settings {
                 Verdict::Success => success(),
                 Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
                 Verdict::Permanent { reason } => permanent(reason),
+                Verdict::RateLimited { reason, retry_after_ms } if self.defer_rate_limited => {
+                    deferred(reason, retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS))
+                }
+                Verdict::RateLimited { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
             }));
         }
         outcomes

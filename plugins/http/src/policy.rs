@@ -18,21 +18,26 @@ pub enum Verdict {
     Permanent {
         reason: String,
     },
+    /// HTTP 429: the receiver is up but asks to slow down, perhaps with a delay (milliseconds).
+    RateLimited {
+        reason: String,
+        retry_after_ms: Option<u64>,
+    },
 }
 
 /// Longest response-body excerpt kept in a failure reason.
 pub const BODY_EXCERPT: usize = 200;
 
-/// 2xx → success; 408, 425, 429 and 5xx → transient (honouring `Retry-After` in seconds);
-/// anything else → permanent, with the status and the start of the body in the reason.
+/// 2xx → success; 429 → rate limited; 408, 425 and 5xx → transient (both honouring
+/// `Retry-After` in seconds); anything else → permanent, with the status and the start of the
+/// body in the reason.
 pub fn judge(status: u16, retry_after: Option<&str>, body: &[u8]) -> Verdict {
     let excerpt = excerpt(body);
     let reason = if excerpt.is_empty() { format!("HTTP {status}") } else { format!("HTTP {status}: {excerpt}") };
     match status {
         200..=299 => Verdict::Success,
-        408 | 425 | 429 | 500..=599 => {
-            Verdict::Transient { reason, retry_after_ms: retry_after.and_then(parse_retry_after) }
-        }
+        429 => Verdict::RateLimited { reason, retry_after_ms: retry_after.and_then(parse_retry_after) },
+        408 | 425 | 500..=599 => Verdict::Transient { reason, retry_after_ms: retry_after.and_then(parse_retry_after) },
         _ => Verdict::Permanent { reason },
     }
 }
@@ -170,9 +175,10 @@ mod tests {
         for s in [200, 201, 204, 299] {
             assert_eq!(judge(s, None, b""), Verdict::Success, "{s}");
         }
-        for s in [408, 425, 429, 500, 502, 503, 504, 599] {
+        for s in [408, 425, 500, 502, 503, 504, 599] {
             assert!(transient(s), "{s} is transient");
         }
+        assert!(matches!(judge(429, None, b""), Verdict::RateLimited { retry_after_ms: None, .. }));
         for s in [100, 301, 304, 400, 401, 403, 404, 409, 410, 413, 422, 451] {
             assert!(permanent(s), "{s} is permanent");
         }
@@ -182,7 +188,7 @@ mod tests {
     fn retry_after_and_body_reach_the_reason() {
         assert_eq!(
             judge(429, Some("7"), b"slow down"),
-            Verdict::Transient { reason: "HTTP 429: slow down".into(), retry_after_ms: Some(7000) }
+            Verdict::RateLimited { reason: "HTTP 429: slow down".into(), retry_after_ms: Some(7000) }
         );
         assert_eq!(
             judge(503, Some("Wed, 21 Oct 2015 07:28:00 GMT"), b""),

@@ -50,7 +50,7 @@ mod config;
 pub mod time;
 
 pub use bindings::exports::ferry::transport::transport::{Event, Outcome, PluginInfo};
-pub use bindings::ferry::transport::types::Failure;
+pub use bindings::ferry::transport::types::{Deferral, Failure};
 pub use config::Config;
 
 #[doc(hidden)]
@@ -123,7 +123,7 @@ macro_rules! transport {
 
 /// Building outcomes.
 pub mod outcome {
-    use super::{Failure, Outcome};
+    use super::{Deferral, Failure, Outcome};
 
     /// The receiver has the event.
     pub fn success() -> Outcome {
@@ -143,6 +143,12 @@ pub mod outcome {
     /// Can never succeed as the event stands: FAILED now, kept for inspection and resend.
     pub fn permanent(reason: impl Into<String>) -> Outcome {
         Outcome::Permanent(Failure { reason: reason.into(), retry_after_ms: None })
+    }
+
+    /// The receiver is fine but asked to wait (it rate-limits): deliver the event again after
+    /// `delay_ms` without counting an attempt or touching the route's circuit breaker.
+    pub fn deferred(reason: impl Into<String>, delay_ms: u64) -> Outcome {
+        Outcome::Deferred(Deferral { reason: reason.into(), delay_ms })
     }
 }
 

@@ -8,7 +8,7 @@
 // Outcomes: { tag: "success" }, or { tag: "transient" | "permanent", val: { reason, retryAfterMs } }
 // with retryAfterMs a BigInt of milliseconds or undefined.
 
-import { log } from "ferry:transport/logging@0.1.0";
+import { log } from "ferry:transport/logging@0.2.0";
 
 // What routes put in `plugin = "…"`; the file is installed in the plugins directory under this
 // name. Keep VERSION in step with package.json.

@@ -8,7 +8,7 @@
 // Answers: 2xx -> success; 408, 429 and 5xx -> transient (Retry-After honoured); any other
 // status -> permanent; a request that gets no answer -> transient.
 
-import { log } from "ferry:transport/logging@0.1.0";
+import { log } from "ferry:transport/logging@0.2.0";
 
 let settings = null;
 

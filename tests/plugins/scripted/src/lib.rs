@@ -28,6 +28,9 @@
 //! - `fields` → makes the host hold `count` (header) wasi:http header `fields`, each with
 //!   `headers` (header) values of 8 KiB, all kept alive; permanent failure with the number kept if
 //!   the host lets it finish (its limits should trap it first);
+//! - `defer` → deferred by the `delay-ms` header (default 1000) the first `times` (header,
+//!   default 1) calls for the event in this instance, success afterwards; a deferral counts no
+//!   attempt, so the event's `attempt` cannot tell the calls apart;
 //! - anything else → success.
 //!
 //! Config:
@@ -47,12 +50,15 @@ use std::time::Duration;
 wit_bindgen::generate!({ path: "../../../wit", world: "transport-plugin" });
 
 use exports::ferry::transport::transport::{Event, Guest, Outcome, PluginInfo};
-use ferry::transport::types::Failure;
+use ferry::transport::types::{Deferral, Failure};
 
 struct Settings {
     record: Option<File>,
     delay: Duration,
 }
+
+/// Calls deferred so far, by event id (`defer`).
+static DEFERRED: Mutex<std::collections::BTreeMap<u64, u32>> = Mutex::new(std::collections::BTreeMap::new());
 
 static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -191,6 +197,20 @@ fn outcome(event: &Event) -> Outcome {
         "fields" => {
             let kept = hoard_fields(header("headers").parse().unwrap_or(0), header("count").parse().unwrap_or(0));
             refused(format!("fields: kept {kept}"))
+        }
+        "defer" => {
+            let mut deferred = DEFERRED.lock().unwrap();
+            let count = deferred.entry(event.id).or_default();
+            let times: u32 = header("times").parse().unwrap_or(1);
+            if *count < times {
+                *count += 1;
+                Outcome::Deferred(Deferral {
+                    reason: format!("defer {count}"),
+                    delay_ms: header("delay-ms").parse().unwrap_or(1000),
+                })
+            } else {
+                Outcome::Success
+            }
         }
         "transient" => Outcome::Transient(failure("transient")),
         "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),

@@ -353,6 +353,28 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     assert!(error.contains("http_ca") && error.contains("not-a-ca.pem"), "{error}");
 }
 
+/// After a 429 the rest of the batch is deferred unsent, and the route waits: a receiver that
+/// asked to wait is not sent the rest of a backlog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_receiver_is_not_sent_the_rest_of_a_backlog() {
+    let receiver = Receiver::start().await;
+    let routes = [("busy", receiver.url("/busy"), ", concurrency = \"2\"")];
+    let s = setup(&receiver, "http://127.0.0.1:9", &routes).await;
+    let events: Vec<NewEvent> = (0..6).map(|_| NewEvent::new("busy", "t", "{}")).collect();
+    let rows = s.deliver(&events).await;
+    let now = s.clock.now();
+    for row in &rows {
+        assert_eq!((row.status, row.attempts), (Status::Pending, 0), "{row:?}");
+        assert_eq!(row.next_attempt_at, now + chrono::Duration::seconds(7), "Retry-After, for all of them");
+    }
+    let unsent = rows.iter().filter(|r| r.last_error.as_deref() == Some("not sent: HTTP 429")).count();
+    assert_eq!((receiver.requests().len(), unsent), (2, 4), "one round of two requests, the rest deferred unsent");
+    // Due again after the wait (not before): the route is not claimed from meanwhile.
+    let late = s.deliver(&[NewEvent::new("busy", "t", "{}")]).await;
+    assert_eq!((late[0].status, late[0].attempts), (Status::Pending, 0));
+    assert_eq!(receiver.requests().len(), 2, "an event emitted meanwhile waits with its route");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_route_config_is_refused_by_init() {
     let receiver = Receiver::start().await;

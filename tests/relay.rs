@@ -501,8 +501,9 @@ async fn permanent_failures_do_not_trip_the_breaker(db: TestDb) {
 }
 
 /// A deferral (contract 0.2) puts the event back at the plugin's delay, at least a second, without
-/// counting an attempt; the history keeps a `deferred` row per deferral and `ferry show` says
-/// until when and why; the next answer is recorded as usual.
+/// counting an attempt; the route waits as long (on this instance); the history keeps a
+/// `deferred` row (one per run of deferrals) and `ferry show` says until when and why; the next
+/// answer is recorded as usual.
 async fn a_deferral_waits_without_counting_an_attempt(db: TestDb) {
     use ferry::event::AttemptOutcome;
     let s = setup(db).await;
@@ -543,8 +544,12 @@ async fn a_deferral_waits_without_counting_an_attempt(db: TestDb) {
     assert_eq!(s.cycle().await.sent, 1);
     let row = s.row(twice).await;
     assert_eq!((row.status, row.attempts), (Status::Sent, 1), "delivered on its first counted attempt");
-    let outcomes: Vec<_> = s.db.store.attempts(twice).await.unwrap().iter().map(|a| (a.outcome, a.attempt)).collect();
-    assert_eq!(outcomes[..2], [(AttemptOutcome::Deferred, 1), (AttemptOutcome::Deferred, 1)], "{outcomes:?}");
+    // A run of deferrals keeps one history row, the last: a plugin that defers again and again
+    // cannot grow the history without end.
+    let history: Vec<_> =
+        s.db.store.attempts(twice).await.unwrap().into_iter().map(|a| (a.outcome, a.attempt, a.error)).collect();
+    assert_eq!(history[0], (AttemptOutcome::Deferred, 1, Some("defer 2".to_string())), "{history:?}");
+    assert_eq!(history.iter().filter(|(o, _, _)| *o == AttemptOutcome::Deferred).count(), 1, "{history:?}");
 }
 
 /// The receiver that defers is healthy: a deferral neither counts towards opening the route's
@@ -617,7 +622,51 @@ async fn a_plugin_built_for_contract_0_1_still_delivers(db: TestDb) {
     assert!(text.contains("legacy: 3 events"), "the 0.1 logging import works: {text}");
 }
 
+/// A half-open probe that the plugin defers keeps the probe held until its lease ends: no second
+/// probe follows at once, though other events of the route are due; and the wait is the route's.
+async fn a_deferred_probe_holds_the_probe(db: TestDb) {
+    let s = setup_breaker(db).await;
+    s.emit("s", "transient").await;
+    s.emit("s", "transient").await;
+    assert_eq!(s.cycle().await.retried, 2);
+    assert!(breaker_of(&s, "s").await.opened_at.is_some());
+    // Due before the retries, so it is the probe.
+    let probe =
+        s.emit_event(NewEvent::new("s", "defer", "{}").with_header("delay-ms", "1000").with_header("times", "9")).await;
+    s.clock.advance(Duration::from_secs(60));
+    let stats = s.cycle().await;
+    assert_eq!((stats.claimed, stats.deferred), (1, 1), "one probe, deferred");
+    assert_eq!(s.row(probe).await.attempts, 0);
+    let b = breaker_of(&s, "s").await;
+    assert!(b.is_open() && b.probe_until.is_some(), "the probe is still held: {b:?}");
+    assert_eq!(b.consecutive_failures, 2, "neither counted nor reset");
+    s.clock.advance(Duration::from_secs(1));
+    assert_eq!(s.cycle().await.claimed, 0, "no second probe before the lease ends");
+}
+
+/// On an ordered route a deferred head holds its key: the next event of the key waits for it.
+async fn a_deferred_head_holds_its_key(db: TestDb) {
+    let s = setup(db).await;
+    let head = s
+        .emit_event(
+            NewEvent::new("o", "defer", "{}").with_key("k").with_header("delay-ms", "2000").with_header("times", "1"),
+        )
+        .await;
+    let next = s.emit_keyed("o", "ok", "k").await;
+    let other = s.emit_keyed("o", "ok", "other").await;
+    let stats = s.cycle().await;
+    assert_eq!((stats.deferred, stats.sent), (1, 1), "the head deferred, the other key delivered");
+    assert_eq!((s.status(next).await, s.status(other).await), (Status::Pending, Status::Sent));
+    s.clock.advance(Duration::from_secs(2));
+    assert_eq!(s.cycle().await.sent, 1);
+    assert_eq!(s.status(head).await, Status::Sent);
+    assert_eq!(s.cycle().await.sent, 1);
+    assert_eq!(s.status(next).await, Status::Sent, "then the next of the key");
+}
+
 crate::both_backends!(
+    a_deferred_probe_holds_the_probe,
+    a_deferred_head_holds_its_key,
     a_plugin_built_for_contract_0_1_still_delivers,
     a_deferral_waits_without_counting_an_attempt,
     a_deferral_neither_counts_nor_resets_the_breaker,

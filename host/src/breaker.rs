@@ -117,6 +117,9 @@ pub struct Tally {
     pub failures: u32,
     /// The error of the last failure counted.
     pub last_error: String,
+    /// Deliveries the plugin deferred: they neither count nor reset, but a probe that was deferred
+    /// learned something (the receiver is up and asked to wait).
+    pub deferrals: u32,
 }
 
 impl Tally {
@@ -131,7 +134,8 @@ impl Tally {
                 self.failures += 1;
                 self.last_error.clone_from(error);
             }
-            Disposition::Failed { .. } | Disposition::Deferred { .. } => {}
+            Disposition::Deferred { .. } => self.deferrals += 1,
+            Disposition::Failed { .. } => {}
         }
     }
 }
@@ -163,7 +167,9 @@ pub fn verdict(before: Option<&Breaker>, tally: &Tally, threshold: u32, probed: 
     if tally.failures > 0 && (threshold > 0 || probed) {
         return Verdict::Count { failures: tally.failures, reason: format!("last failure: {}", tally.last_error) };
     }
-    if probed { Verdict::ReleaseProbe } else { Verdict::Keep }
+    // A deferred probe keeps the probe held until its lease ends: the receiver asked to wait, so
+    // the next probe must not follow at once.
+    if probed && tally.deferrals == 0 { Verdict::ReleaseProbe } else { Verdict::Keep }
 }
 
 #[cfg(test)]
@@ -232,12 +238,14 @@ mod tests {
         tally.add(&failed(FailureReason::NoTransport));
         tally.add(&failed(FailureReason::InvalidEvent));
         tally.add(&failed(FailureReason::PluginFault));
-        assert_eq!(tally, Tally { successes: 1, failures: 2, last_error: "plugin_fault".into() });
+        tally.add(&Disposition::Deferred { at: t(0), error: "429".into() });
+        assert_eq!(tally, Tally { successes: 1, failures: 2, last_error: "plugin_fault".into(), deferrals: 1 });
     }
 
     #[test]
     fn verdicts() {
-        let tally = |successes, failures| Tally { successes, failures, last_error: "boom".into() };
+        let tally = |successes, failures| Tally { successes, failures, last_error: "boom".into(), deferrals: 0 };
+        let deferred = Tally { deferrals: 1, ..tally(0, 0) };
         let closed = breaker(None, false, None, 0);
         let failing = breaker(None, false, None, 2);
         let open = breaker(Some(0), false, None, 5);
@@ -252,6 +260,8 @@ mod tests {
             (None, tally(0, 2), 0, false, Verdict::Keep),
             (Some(&open), tally(0, 1), 0, true, count(1)),
             (Some(&open), tally(0, 0), 5, true, Verdict::ReleaseProbe),
+            (Some(&open), deferred.clone(), 5, true, Verdict::Keep),
+            (Some(&failing), deferred.clone(), 5, false, Verdict::Keep),
             (None, tally(0, 0), 5, false, Verdict::Keep),
         ];
         for (before, tally, threshold, probed, expected) in cases {

@@ -38,6 +38,8 @@ const BATCH: usize = 512;
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// How long one export request may take.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+/// The most of a collector's answer that is read.
+const MAX_ANSWER: usize = 64 << 10;
 /// How often, at most, a failing export is logged.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 /// Links to events' own traces one delivery span carries at most.
@@ -57,6 +59,11 @@ pub fn traces_uri(endpoint: &str) -> Result<http::Uri, String> {
         _ => return Err(format!("{endpoint:?} must start with http://, e.g. \"http://127.0.0.1:4318\"")),
     }
     let authority = uri.authority().ok_or_else(|| format!("{endpoint:?} names no host"))?.clone();
+    if authority.as_str().contains('@') {
+        return Err(
+            "credentials in the URL are not supported (they would be logged); give a plain http://HOST:PORT".into()
+        );
+    }
     let path = uri.path().trim_end_matches('/');
     let path = if path.ends_with("/v1/traces") { path.to_string() } else { format!("{path}/v1/traces") };
     http::Uri::builder()
@@ -200,6 +207,8 @@ fn attributes(attributes: &[(&str, Attr)]) -> Vec<Value> {
 pub struct Tracer {
     queue: mpsc::Sender<Span>,
     dropped: Counter,
+    /// When a full queue was last said in the log.
+    warned: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Tracer {
@@ -224,15 +233,25 @@ impl Tracer {
             ]),
         });
         let (queue, spans) = mpsc::channel(QUEUE);
-        let exporter = Exporter { uri, resource, client: Client::builder(TokioExecutor::new()).build_http() };
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        let exporter = Exporter { uri, resource, client, dropped: dropped.clone() };
         let task = tokio::spawn(exporter.run(spans, stop));
-        Ok(Some((Arc::new(Tracer { queue, dropped }), task)))
+        Ok(Some((Arc::new(Tracer { queue, dropped, warned: std::sync::Mutex::default() }), task)))
     }
 
-    /// Queues `span` for export; a full queue drops it (counted).
+    /// Queues `span` for export; a full queue drops it (counted, and said in the log at most once
+    /// a minute).
     pub fn record(&self, span: Span) {
-        if self.queue.try_send(span).is_err() {
-            self.dropped.inc();
+        if self.queue.try_send(span).is_ok() {
+            return;
+        }
+        self.dropped.inc();
+        let mut warned = self.warned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+            *warned = Some(std::time::Instant::now());
+            tracing::warn!(
+                "trace spans dropped: the exporter's queue of {QUEUE} is full (the collector is slow or down)"
+            );
         }
     }
 }
@@ -241,6 +260,8 @@ struct Exporter {
     uri: http::Uri,
     resource: Value,
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Counts the spans of exports that failed, as the tracer counts those a full queue refused.
+    dropped: Counter,
 }
 
 impl Exporter {
@@ -299,8 +320,10 @@ impl Exporter {
         let outcome = match request {
             Ok(request) => match tokio::time::timeout(SEND_TIMEOUT, self.client.request(request)).await {
                 Ok(Ok(response)) if response.status().is_success() => {
-                    // Read to the end, so the connection serves the next export.
-                    let _ = tokio::time::timeout(SEND_TIMEOUT, response.into_body().collect()).await;
+                    // Read to the end (a collector's answer is small; more is not read), so the
+                    // connection serves the next export.
+                    let body = http_body_util::Limited::new(response.into_body(), MAX_ANSWER);
+                    let _ = tokio::time::timeout(SEND_TIMEOUT, body.collect()).await;
                     Ok(())
                 }
                 Ok(Ok(response)) => Err(format!("the collector answered {}", response.status())),
@@ -309,11 +332,12 @@ impl Exporter {
             },
             Err(e) => Err(e.to_string()),
         };
-        if let Err(why) = outcome
-            && warned.is_none_or(|at| at.elapsed() >= WARN_EVERY)
-        {
-            *warned = Some(std::time::Instant::now());
-            tracing::warn!(endpoint = %self.uri, spans = count, "traces not exported (dropped): {why}");
+        if let Err(why) = outcome {
+            self.dropped.inc_by(u64::try_from(count).unwrap_or(u64::MAX));
+            if warned.is_none_or(|at| at.elapsed() >= WARN_EVERY) {
+                *warned = Some(std::time::Instant::now());
+                tracing::warn!(endpoint = %self.uri, spans = count, "traces not exported (dropped): {why}");
+            }
         }
     }
 }
@@ -348,6 +372,7 @@ mod tests {
         assert_eq!(uri("http://c:4318/otel/v1/traces").unwrap(), "http://c:4318/otel/v1/traces");
         assert!(uri("https://c:4318").unwrap_err().contains("https is not supported"));
         assert!(uri("c:4318").is_err());
+        assert!(uri("http://user:secret@c:4318").unwrap_err().contains("credentials"));
         assert!(uri("not a url").is_err());
     }
 

@@ -6,14 +6,15 @@
 //! back as a [`PluginFault`] for the relay to record, the broken instance is discarded, and the
 //! next call gets a fresh one. Nothing a plugin does can stop the host.
 //!
-//! One concern per file: `contract.rs` (the versions of the WIT contract and their bindings),
-//! `runtime.rs` (the engine: pooling with fallback, code cache, epoch
-//! ticker, linkers), `sandbox.rs` (what an instance's store carries and enforces: memory, tables,
-//! instances, host resources, files, sockets, HTTP, logging), `imports.rs` (what the linker
-//! shadows or withholds: file-access guards, wasi:http for plugins without an `http` grant),
-//! `http_pool.rs` (pooled connections for wasi:http requests), `tls.rs` (TLS done by the host for
-//! wasi:tls and wasi:http: roots, a private CA, client certificates), `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
-//! instance pools, delivery calls, conversion to and from the WIT types).
+//! One concern per file: `contract.rs` (the versions of the WIT contract, their bindings, and
+//! the conversion to and from the WIT types), `runtime.rs` (the engine: pooling with fallback,
+//! code cache, epoch ticker, linkers), `sandbox.rs` (what an instance's store carries and
+//! enforces: memory, tables, instances, host resources, files, sockets, HTTP, logging),
+//! `imports.rs` (what the linker shadows or withholds: file-access guards, wasi:http for plugins
+//! without an `http` grant), `http_pool.rs` (pooled connections for wasi:http requests), `tls.rs`
+//! (TLS done by the host for wasi:tls and wasi:http: roots, a private CA, client certificates),
+//! `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
+//! instance pools and delivery calls).
 
 mod contract;
 mod http_pool;

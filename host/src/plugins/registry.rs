@@ -402,8 +402,9 @@ impl Runtime {
         })?;
         Pre::new(contract, pre).map_err(|e| {
             anyhow::anyhow!(
-                "{} does not export the ferry:transport world (wit/transport.wit): {}",
+                "{} does not export the ferry:transport world (version {}): {}",
                 path.display(),
+                contract.version(),
                 root_cause(&e)
             )
         })

@@ -100,6 +100,9 @@ pub struct Relay {
     failed_notices: std::sync::Mutex<HashMap<String, FailedNotice>>,
     /// Where each batch's trace goes, when `telemetry.otlp_endpoint` is set.
     tracer: Option<Arc<Tracer>>,
+    /// Routes whose receiver asked to wait (a plugin deferred an event): not claimed from by this
+    /// instance until then.
+    waits: std::sync::Mutex<HashMap<String, DateTime<Utc>>>,
 }
 
 /// How often, at most, the log says per route that events ended FAILED.
@@ -139,6 +142,7 @@ impl Relay {
             health: Arc::new(RelayHealth::new(config.relay.workers, config.relay.lease.0)),
             failed_notices: std::sync::Mutex::default(),
             tracer: None,
+            waits: std::sync::Mutex::default(),
         }
     }
 
@@ -281,13 +285,20 @@ impl Relay {
             token: token.clone(),
             ordered_routes: routes.ordered_routes.clone(),
             blocking_routes: routes.blocking_routes.clone(),
-            paused_routes: breakers.iter().filter(|b| b.is_open()).map(|b| b.route.clone()).collect(),
+            paused_routes: breakers
+                .iter()
+                .filter(|b| b.is_open())
+                .map(|b| b.route.clone())
+                .chain(self.waiting_routes(now))
+                .collect(),
             only_route: None,
             max_payload: self.max_payload,
         };
         let claiming = std::time::Instant::now();
+        let claim_started = self.clock.now();
         let mut events = self.store.claim(&claim).await?;
-        self.metrics.claim_duration.observe(claiming.elapsed().as_secs_f64());
+        let claim_took = claiming.elapsed();
+        self.metrics.claim_duration.observe(claim_took.as_secs_f64());
         let probes = self.probes(&claim, &breakers).await?;
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
@@ -308,7 +319,7 @@ impl Relay {
         if events.is_empty() {
             return Ok(CycleStats::default());
         }
-        let claimed_at = self.clock.now();
+        let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
         let delivery = self.deliver_all(&routes, &events);
         tokio::pin!(delivery);
@@ -338,10 +349,12 @@ impl Relay {
         let done_at = self.clock.now();
         let written = self.store.complete(&token, done_at, &completions).await?;
         if let Some(tracer) = &self.tracer {
-            let times = BatchTimes { claim: (now, claimed_at), record: (done_at, self.clock.now()) };
+            let times =
+                BatchTimes { started: now, claim: (claim_started, claim_ended), record: (done_at, self.clock.now()) };
             self.trace(tracer, &events, &completions, &times, written);
         }
         self.count(&events, &completions, done_at);
+        self.wait_where_deferred(&completions);
         self.log_failed(&completions, done_at);
         self.record_breakers(&events, &completions, &breakers, &probed).await?;
         stats.fenced_off = completions.len().saturating_sub(written as usize);
@@ -427,6 +440,30 @@ impl Relay {
             }
         }
         Ok(())
+    }
+
+    /// Routes whose receiver asked to wait until after `now`; forgets those whose wait is over.
+    fn waiting_routes(&self, now: DateTime<Utc>) -> Vec<String> {
+        let mut waits = self.waits.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        waits.retain(|_, until| *until > now);
+        waits.keys().cloned().collect()
+    }
+
+    /// A deferral says the receiver asked to wait: its route's other events wait too (on this
+    /// instance), until the earliest deferral of the batch is due, so a rate-limited receiver is
+    /// not sent the rest of a backlog meanwhile.
+    fn wait_where_deferred(&self, completions: &[Completion]) {
+        let mut waits = self.waits.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut batch: HashMap<&str, DateTime<Utc>> = HashMap::new();
+        for completion in completions {
+            if let Disposition::Deferred { at, .. } = completion.disposition {
+                let until = batch.entry(&completion.attempt.call.route).or_insert(at);
+                *until = (*until).min(at);
+            }
+        }
+        for (route, until) in batch {
+            waits.insert(route.to_string(), until);
+        }
     }
 
     /// Sends the trace of one batch: the batch, its claim, each plugin call, the write of its
@@ -517,7 +554,7 @@ impl Relay {
             parent: None,
             name: "ferry.batch",
             kind: SpanKind::Internal,
-            start: times.claim.0,
+            start: times.started,
             end: times.record.1,
             attributes,
             links: Vec::new(),
@@ -603,8 +640,9 @@ impl Relay {
     }
 }
 
-/// When a batch's claim and the write of its outcomes started and ended.
+/// When a batch's cycle started, and its claim and the write of its outcomes started and ended.
 struct BatchTimes {
+    started: DateTime<Utc>,
     claim: (DateTime<Utc>, DateTime<Utc>),
     record: (DateTime<Utc>, DateTime<Utc>),
 }

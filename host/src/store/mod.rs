@@ -610,6 +610,13 @@ fn dead_letters<'a>(parts: &Partitioned<'a>, written: &std::collections::HashSet
         .collect()
 }
 
+/// The events whose deferral was written (`written`: not fenced off). Before its new history row
+/// is inserted, each loses a `deferred` row that is its latest: a run of deferrals keeps one
+/// row, the last, so a plugin that defers again and again cannot grow the history without end.
+fn deferrals_written(parts: &Partitioned<'_>, written: &std::collections::HashSet<i64>) -> Vec<i64> {
+    parts.retry.iter().filter(|(c, _, _)| refund(c) == 1 && written.contains(&c.id)).map(|(c, _, _)| c.id).collect()
+}
+
 /// Writes `letters` (FAILED event, dead-letter route) in the outcomes' transaction with the
 /// statement `copy` makes: all at once or, should the database refuse one, one at a time behind
 /// savepoints, so only the refused ones are lost (logged), and the outcomes are written either way.

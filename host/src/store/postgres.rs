@@ -20,8 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
-    complete_batch, copy_dead_letters, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order,
-    refund, stats_from,
+    complete_batch, copy_dead_letters, counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order,
+    in_claim_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -195,6 +195,17 @@ impl RecordOutcomes for PostgresStore {
                 );
             }
             None => {}
+        }
+        let deferred = deferrals_written(parts, &written);
+        if !deferred.is_empty() {
+            sqlx::query(
+                "DELETE FROM ferry_attempts a USING UNNEST($1::bigint[]) AS u(id)
+                 WHERE a.event_id = u.id AND a.outcome = 'deferred'
+                   AND a.id = (SELECT MAX(m.id) FROM ferry_attempts m WHERE m.event_id = u.id)",
+            )
+            .bind(&deferred)
+            .execute(&mut *tx)
+            .await?;
         }
         if !history.is_empty() {
             let (calls, call_of) = calls_of(&history);

@@ -20,7 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
     FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
     Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_event, complete_batch,
-    copy_dead_letters, counts_by_status, dead_letters, duration_ms, ids_in_order, in_claim_order, refund, stats_from,
+    copy_dead_letters, counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, in_claim_order,
+    refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -199,6 +200,17 @@ impl RecordOutcomes for SqliteStore {
                 return Ok(None);
             }
             updated.extend(ids);
+        }
+        let deferred = deferrals_written(parts, &written);
+        if !deferred.is_empty() {
+            sqlx::query(
+                "DELETE FROM ferry_attempts
+                 WHERE outcome = 'deferred' AND event_id IN (SELECT value FROM json_each(?1))
+                   AND id = (SELECT MAX(m.id) FROM ferry_attempts m WHERE m.event_id = ferry_attempts.event_id)",
+            )
+            .bind(serde_json::to_string(&deferred).expect("ids serialize"))
+            .execute(&mut *tx)
+            .await?;
         }
         if !history.is_empty() {
             sqlx::query(

@@ -13,7 +13,10 @@
 //! - `cloudevents` — `binary`: CloudEvents 1.0 attributes as `ce-` headers, the payload as the
 //!   body; `structured`: one `application/cloudevents+json` body holding attributes and payload;
 //!   absent: plain webhooks;
-//! - `cloudevents_source` — the CloudEvents `source`, default `/ferry/ROUTE`.
+//! - `cloudevents_source` — the CloudEvents `source`, default `/ferry/ROUTE`;
+//! - `rate_limited` — what a 429 answer does: `defer` (default) the event, and the rest of the
+//!   batch without sending it, by `Retry-After` (else 5 s), no attempt counted; or `retry` it as a
+//!   transient failure.
 //!
 //! Each request carries the payload as its body, the event's content type and headers, and
 //! `webhook-id` (the event id, stable across retries), `webhook-timestamp` and, when a secret is
@@ -76,16 +79,27 @@ impl Transport for Settings {
 
     fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
         let mut outcomes = Vec::with_capacity(events.len());
+        // Set once the receiver answered 429 and deferring is on: the rest of the batch is
+        // deferred as long, unsent, rather than pressed on a receiver that asked to wait.
+        let mut told_to_wait: Option<(String, u64)> = None;
         for chunk in events.chunks(self.concurrency) {
-            outcomes.extend(send::all(self, chunk).into_iter().map(|verdict| match verdict {
-                Verdict::Success => success(),
-                Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
-                Verdict::Permanent { reason } => permanent(reason),
-                Verdict::RateLimited { reason, retry_after_ms } if self.defer_rate_limited => {
-                    deferred(reason, retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS))
-                }
-                Verdict::RateLimited { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
-            }));
+            if let Some((reason, delay)) = &told_to_wait {
+                outcomes.extend(chunk.iter().map(|_| deferred(format!("not sent: {reason}"), *delay)));
+                continue;
+            }
+            for verdict in send::all(self, chunk) {
+                outcomes.push(match verdict {
+                    Verdict::Success => success(),
+                    Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
+                    Verdict::Permanent { reason } => permanent(reason),
+                    Verdict::RateLimited { reason, retry_after_ms } if self.defer_rate_limited => {
+                        let delay = retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS);
+                        told_to_wait.get_or_insert_with(|| (reason.clone(), delay));
+                        deferred(reason, delay)
+                    }
+                    Verdict::RateLimited { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
+                });
+            }
         }
         outcomes
     }

@@ -5,8 +5,9 @@
 // Replace deliverOne with your delivery; `fetch` works too, to the origins granted in the
 // plugin's sandbox (`http = [...]`).
 //
-// Outcomes: { tag: "success" }, or { tag: "transient" | "permanent", val: { reason, retryAfterMs } }
-// with retryAfterMs a BigInt of milliseconds or undefined.
+// Outcomes: { tag: "success" }, { tag: "transient" | "permanent", val: { reason, retryAfterMs } }
+// with retryAfterMs a BigInt of milliseconds or undefined, or { tag: "deferred", val: { reason,
+// delayMs } } when the receiver asked to wait (delayMs a BigInt; no attempt is counted).
 
 import { log } from "ferry:transport/logging@0.2.0";
 

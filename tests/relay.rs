@@ -622,9 +622,10 @@ async fn a_plugin_built_for_contract_0_1_still_delivers(db: TestDb) {
     assert!(text.contains("legacy: 3 events"), "the 0.1 logging import works: {text}");
 }
 
-/// A half-open probe that the plugin defers keeps the probe held until its lease ends: no second
-/// probe follows at once, though other events of the route are due; and the wait is the route's.
-async fn a_deferred_probe_holds_the_probe(db: TestDb) {
+/// A half-open probe that the plugin defers is given back, and this instance leaves the route
+/// alone until the deferral is due: no second probe follows at once, though other events of the
+/// route are due.
+async fn a_deferred_probe_waits_before_the_next(db: TestDb) {
     let s = setup_breaker(db).await;
     s.emit("s", "transient").await;
     s.emit("s", "transient").await;
@@ -632,16 +633,18 @@ async fn a_deferred_probe_holds_the_probe(db: TestDb) {
     assert!(breaker_of(&s, "s").await.opened_at.is_some());
     // Due before the retries, so it is the probe.
     let probe =
-        s.emit_event(NewEvent::new("s", "defer", "{}").with_header("delay-ms", "1000").with_header("times", "9")).await;
+        s.emit_event(NewEvent::new("s", "defer", "{}").with_header("delay-ms", "5000").with_header("times", "9")).await;
     s.clock.advance(Duration::from_secs(60));
     let stats = s.cycle().await;
     assert_eq!((stats.claimed, stats.deferred), (1, 1), "one probe, deferred");
     assert_eq!(s.row(probe).await.attempts, 0);
     let b = breaker_of(&s, "s").await;
-    assert!(b.is_open() && b.probe_until.is_some(), "the probe is still held: {b:?}");
+    assert!(b.is_open() && b.probe_until.is_none(), "the probe is given back: {b:?}");
     assert_eq!(b.consecutive_failures, 2, "neither counted nor reset");
-    s.clock.advance(Duration::from_secs(1));
-    assert_eq!(s.cycle().await.claimed, 0, "no second probe before the lease ends");
+    s.clock.advance(Duration::from_millis(4999));
+    assert_eq!(s.cycle().await.claimed, 0, "no probe while the receiver asked to wait");
+    s.clock.advance(Duration::from_millis(1));
+    assert_eq!(s.cycle().await.claimed, 1, "the next probe once the wait is over");
 }
 
 /// On an ordered route a deferred head holds its key: the next event of the key waits for it.
@@ -665,7 +668,7 @@ async fn a_deferred_head_holds_its_key(db: TestDb) {
 }
 
 crate::both_backends!(
-    a_deferred_probe_holds_the_probe,
+    a_deferred_probe_waits_before_the_next,
     a_deferred_head_holds_its_key,
     a_plugin_built_for_contract_0_1_still_delivers,
     a_deferral_waits_without_counting_an_attempt,

@@ -117,8 +117,7 @@ pub struct Tally {
     pub failures: u32,
     /// The error of the last failure counted.
     pub last_error: String,
-    /// Deliveries the plugin deferred: they neither count nor reset, but a probe that was deferred
-    /// learned something (the receiver is up and asked to wait).
+    /// Deliveries the plugin deferred: they neither count nor reset the breaker.
     pub deferrals: u32,
 }
 
@@ -167,9 +166,9 @@ pub fn verdict(before: Option<&Breaker>, tally: &Tally, threshold: u32, probed: 
     if tally.failures > 0 && (threshold > 0 || probed) {
         return Verdict::Count { failures: tally.failures, reason: format!("last failure: {}", tally.last_error) };
     }
-    // A deferred probe keeps the probe held until its lease ends: the receiver asked to wait, so
-    // the next probe must not follow at once.
-    if probed && tally.deferrals == 0 { Verdict::ReleaseProbe } else { Verdict::Keep }
+    // A probe that was deferred is given back too; the instance that made it leaves the route
+    // alone until the deferral is due (the relay's route wait), so it does not probe again at once.
+    if probed { Verdict::ReleaseProbe } else { Verdict::Keep }
 }
 
 #[cfg(test)]
@@ -260,7 +259,7 @@ mod tests {
             (None, tally(0, 2), 0, false, Verdict::Keep),
             (Some(&open), tally(0, 1), 0, true, count(1)),
             (Some(&open), tally(0, 0), 5, true, Verdict::ReleaseProbe),
-            (Some(&open), deferred.clone(), 5, true, Verdict::Keep),
+            (Some(&open), deferred.clone(), 5, true, Verdict::ReleaseProbe),
             (Some(&failing), deferred.clone(), 5, false, Verdict::Keep),
             (None, tally(0, 0), 5, false, Verdict::Keep),
         ];

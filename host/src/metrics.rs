@@ -89,7 +89,7 @@ pub struct Metrics {
     pub claim_duration: Histogram,
     pub plugin_call_duration: Histograms<PluginLabels>,
     pub plugin_faults: Family<FaultLabels, Counter>,
-    /// Trace spans dropped because the exporter's queue was full.
+    /// Trace spans dropped: turned away by the exporter's full queue, or in an export that failed.
     pub trace_spans_dropped: Counter,
     pub plugin_reloads: Family<ReloadLabels, Counter>,
     events: Family<StatusLabels, Gauge>,
@@ -142,7 +142,7 @@ impl Metrics {
         let trace_spans_dropped = Counter::default();
         registry.register(
             "ferry_trace_spans_dropped",
-            "Trace spans dropped because the OTLP exporter fell behind",
+            "Trace spans dropped: the OTLP exporter's queue was full, or their export failed",
             trace_spans_dropped.clone(),
         );
         let plugin_faults = Family::<FaultLabels, Counter>::default();

@@ -7,9 +7,10 @@
 //! `ferry.record` child (the transaction that writes the outcomes). Idle polls make no spans.
 //!
 //! The exporter never slows the relay: spans go into a bounded queue, a background task posts
-//! them in batches (every second, or sooner when a batch fills), and when the queue is full the
-//! newest spans are dropped and counted (`ferry_trace_spans_dropped_total`). A collector that
-//! refuses or does not answer costs a warning a minute in the log, nothing more. The protocol is
+//! them in batches (every second, or sooner when a batch fills), and spans that a full queue
+//! turns away or whose export fails are dropped and counted (`ferry_trace_spans_dropped_total`),
+//! with a warning at most once a minute for each. A collector that refuses or does not answer
+//! costs that, nothing more. The protocol is
 //! small enough to write here (one POST of a documented JSON shape), which keeps the OpenTelemetry
 //! SDK, gRPC and protobuf out of the binary.
 
@@ -48,6 +49,12 @@ pub const MAX_LINKS: usize = 32;
 /// The URL spans are posted to, from `telemetry.otlp_endpoint`: the base URL of an OTLP/HTTP
 /// receiver, to which `/v1/traces` is added unless the path already ends so.
 pub fn traces_uri(endpoint: &str) -> Result<http::Uri, String> {
+    // Refused before anything quotes the value, so a password in it never reaches a message.
+    if endpoint.contains('@') {
+        return Err(
+            "credentials in the URL are not supported (they would be logged); give a plain http://HOST:PORT".into()
+        );
+    }
     let uri: http::Uri = endpoint.parse().map_err(|e| format!("{endpoint:?} is not a URL: {e}"))?;
     match uri.scheme_str() {
         Some("http") => {}
@@ -372,7 +379,10 @@ mod tests {
         assert_eq!(uri("http://c:4318/otel/v1/traces").unwrap(), "http://c:4318/otel/v1/traces");
         assert!(uri("https://c:4318").unwrap_err().contains("https is not supported"));
         assert!(uri("c:4318").is_err());
-        assert!(uri("http://user:secret@c:4318").unwrap_err().contains("credentials"));
+        for with_password in ["http://user:secret@c:4318", "https://user:secret@c:4318", "user:secret@c"] {
+            let err = uri(with_password).unwrap_err();
+            assert!(err.contains("credentials") && !err.contains("secret"), "{err}");
+        }
         assert!(uri("not a url").is_err());
     }
 

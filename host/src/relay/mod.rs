@@ -372,8 +372,11 @@ impl Relay {
     async fn probes(&self, claim: &Claim, breakers: &[Breaker]) -> Result<Vec<ClaimedEvent>, StoreError> {
         let cooled = crate::clock::earlier(claim.now, self.breaker_cooldown);
         let mut probes = Vec::new();
+        // A route whose receiver asked this instance to wait is not probed by it meanwhile.
+        let waiting = self.waiting_routes(claim.now);
         for breaker in breakers {
-            if !breaker.probe_due(claim.now, self.breaker_cooldown)
+            if waiting.contains(&breaker.route)
+                || !breaker.probe_due(claim.now, self.breaker_cooldown)
                 || !self.store.take_probe(&breaker.route, cooled, claim.now, claim.lease_until).await?
             {
                 continue;
@@ -450,8 +453,8 @@ impl Relay {
     }
 
     /// A deferral says the receiver asked to wait: its route's other events wait too (on this
-    /// instance), until the earliest deferral of the batch is due, so a rate-limited receiver is
-    /// not sent the rest of a backlog meanwhile.
+    /// instance), until the earliest deferral of the batch is due (or a longer wait already set
+    /// ends), so a rate-limited receiver is not sent the rest of a backlog meanwhile.
     fn wait_where_deferred(&self, completions: &[Completion]) {
         let mut waits = self.waits.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut batch: HashMap<&str, DateTime<Utc>> = HashMap::new();
@@ -462,7 +465,10 @@ impl Relay {
             }
         }
         for (route, until) in batch {
-            waits.insert(route.to_string(), until);
+            // Another batch's longer wait, still running, is kept.
+            let wait = waits.entry(route.to_string()).or_insert(until);
+            *wait = (*wait).max(until);
+            tracing::info!(route, until = %wait.to_rfc3339_opts(chrono::SecondsFormat::Millis, true), "the receiver asked to wait: the route's events wait until then on this instance");
         }
     }
 

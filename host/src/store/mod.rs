@@ -610,11 +610,17 @@ fn dead_letters<'a>(parts: &Partitioned<'a>, written: &std::collections::HashSet
         .collect()
 }
 
-/// The events whose deferral was written (`written`: not fenced off). Before its new history row
-/// is inserted, each loses a `deferred` row that is its latest: a run of deferrals keeps one
-/// row, the last, so a plugin that defers again and again cannot grow the history without end.
-fn deferrals_written(parts: &Partitioned<'_>, written: &std::collections::HashSet<i64>) -> Vec<i64> {
-    parts.retry.iter().filter(|(c, _, _)| refund(c) == 1 && written.contains(&c.id)).map(|(c, _, _)| c.id).collect()
+/// The events whose deferral was written (`written`: not fenced off), with the attempt number it
+/// was made in. Before its new history row is inserted, each loses a `deferred` row that is its
+/// latest and was made in the same attempt: a run of deferrals keeps one row, the last, so a
+/// plugin that defers again and again cannot grow the history without end.
+fn deferrals_written(parts: &Partitioned<'_>, written: &std::collections::HashSet<i64>) -> Vec<(i64, i32)> {
+    parts
+        .retry
+        .iter()
+        .filter(|(c, _, _)| refund(c) == 1 && written.contains(&c.id))
+        .map(|(c, _, _)| (c.id, i32::try_from(c.attempt.number).unwrap_or(i32::MAX)))
+        .collect()
 }
 
 /// Writes `letters` (FAILED event, dead-letter route) in the outcomes' transaction with the

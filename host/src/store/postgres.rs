@@ -199,11 +199,12 @@ impl RecordOutcomes for PostgresStore {
         let deferred = deferrals_written(parts, &written);
         if !deferred.is_empty() {
             sqlx::query(
-                "DELETE FROM ferry_attempts a USING UNNEST($1::bigint[]) AS u(id)
-                 WHERE a.event_id = u.id AND a.outcome = 'deferred'
+                "DELETE FROM ferry_attempts a USING UNNEST($1::bigint[], $2::int[]) AS u(id, attempt)
+                 WHERE a.event_id = u.id AND a.outcome = 'deferred' AND a.attempt = u.attempt
                    AND a.id = (SELECT MAX(m.id) FROM ferry_attempts m WHERE m.event_id = u.id)",
             )
-            .bind(&deferred)
+            .bind(deferred.iter().map(|(id, _)| *id).collect::<Vec<i64>>())
+            .bind(deferred.iter().map(|(_, attempt)| *attempt).collect::<Vec<i32>>())
             .execute(&mut *tx)
             .await?;
         }

@@ -204,9 +204,11 @@ impl RecordOutcomes for SqliteStore {
         let deferred = deferrals_written(parts, &written);
         if !deferred.is_empty() {
             sqlx::query(
-                "DELETE FROM ferry_attempts
-                 WHERE outcome = 'deferred' AND event_id IN (SELECT value FROM json_each(?1))
-                   AND id = (SELECT MAX(m.id) FROM ferry_attempts m WHERE m.event_id = ferry_attempts.event_id)",
+                "DELETE FROM ferry_attempts WHERE id IN (
+                     SELECT a.id FROM json_each(?1) AS u
+                     JOIN ferry_attempts a
+                       ON a.id = (SELECT MAX(m.id) FROM ferry_attempts m WHERE m.event_id = u.value->>0)
+                     WHERE a.outcome = 'deferred' AND a.attempt = u.value->>1)",
             )
             .bind(serde_json::to_string(&deferred).expect("ids serialize"))
             .execute(&mut *tx)

@@ -43,7 +43,7 @@ pub fn judge(status: u16, retry_after: Option<&str>, body: &[u8]) -> Verdict {
 }
 
 /// `Retry-After` as delay-seconds. (The HTTP-date form is rare for webhooks and ignored: the
-/// route's backoff applies then.)
+/// route's backoff applies then, or for a 429 the plugin's default wait.)
 pub fn parse_retry_after(value: &str) -> Option<u64> {
     value.trim().parse::<u64>().ok().map(|s| s.saturating_mul(1000))
 }

@@ -146,7 +146,9 @@ pub mod outcome {
     }
 
     /// The receiver is fine but asked to wait (it rate-limits): deliver the event again after
-    /// `delay_ms` without counting an attempt or touching the route's circuit breaker.
+    /// `delay_ms` without counting an attempt or touching the route's circuit breaker. The wait
+    /// is the route's: the ferry instance that got this answer claims none of the route's events
+    /// until then.
     pub fn deferred(reason: impl Into<String>, delay_ms: u64) -> Outcome {
         Outcome::Deferred(Deferral { reason: reason.into(), delay_ms })
     }

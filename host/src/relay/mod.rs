@@ -12,16 +12,18 @@ use rand::Rng;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use self::trace::BatchTimes;
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
 use crate::config::Settings;
-use crate::event::{CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
+use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::live::Live;
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
-use crate::telemetry::{Attr, Span, SpanContext, SpanKind, Tracer};
+use crate::telemetry::{Attr, Tracer};
 
 mod deliver;
 mod health;
+mod trace;
 
 pub use self::health::RelayHealth;
 use crate::plugins::RouteTransport;
@@ -277,6 +279,8 @@ impl Relay {
         let token = new_token();
         let routes = self.routes.get();
         let breakers = self.store.breakers().await?;
+        // Routes whose receiver asked this instance to wait: neither claimed from nor probed.
+        let waiting = self.waiting_routes(now);
         let claim = Claim {
             now,
             limit: self.batch_size,
@@ -289,7 +293,7 @@ impl Relay {
                 .iter()
                 .filter(|b| b.is_open())
                 .map(|b| b.route.clone())
-                .chain(self.waiting_routes(now))
+                .chain(waiting.iter().cloned())
                 .collect(),
             only_route: None,
             max_payload: self.max_payload,
@@ -299,7 +303,7 @@ impl Relay {
         let mut events = self.store.claim(&claim).await?;
         let claim_took = claiming.elapsed();
         self.metrics.claim_duration.observe(claim_took.as_secs_f64());
-        let probes = self.probes(&claim, &breakers).await?;
+        let probes = self.probes(&claim, &breakers, &waiting).await?;
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
         // A reload between reading the table and claiming may have added routes whose events were
@@ -337,27 +341,26 @@ impl Relay {
                 }
             }
         };
-        let mut stats = CycleStats { claimed: events.len(), ..CycleStats::default() };
-        for c in &completions {
-            match c.disposition {
-                Disposition::Sent => stats.sent += 1,
-                Disposition::Retry { .. } => stats.retried += 1,
-                Disposition::Deferred { .. } => stats.deferred += 1,
-                Disposition::Failed { .. } => stats.failed += 1,
-            }
-        }
+        let totals = Outcomes::of(&completions);
         let done_at = self.clock.now();
         let written = self.store.complete(&token, done_at, &completions).await?;
+        let stats = CycleStats {
+            claimed: events.len(),
+            sent: totals.sent,
+            retried: totals.retried,
+            deferred: totals.deferred,
+            failed: totals.failed,
+            fenced_off: completions.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX)),
+        };
         if let Some(tracer) = &self.tracer {
             let times =
                 BatchTimes { started: now, claim: (claim_started, claim_ended), record: (done_at, self.clock.now()) };
-            self.trace(tracer, &events, &completions, &times, written);
+            self.trace(tracer, &events, &completions, &times, &totals, stats.fenced_off);
         }
-        self.count(&events, &completions, done_at);
+        self.count(&events, &completions, &totals, done_at);
         self.wait_where_deferred(&completions);
         self.log_failed(&completions, done_at);
         self.record_breakers(&events, &completions, &breakers, &probed).await?;
-        stats.fenced_off = completions.len().saturating_sub(written as usize);
         if stats.fenced_off > 0 {
             tracing::warn!(
                 fenced_off = stats.fenced_off,
@@ -369,11 +372,14 @@ impl Relay {
 
     /// For each route whose breaker has cooled down, takes the half-open probe (one instance
     /// wins it) and claims one event to try the route with.
-    async fn probes(&self, claim: &Claim, breakers: &[Breaker]) -> Result<Vec<ClaimedEvent>, StoreError> {
+    async fn probes(
+        &self,
+        claim: &Claim,
+        breakers: &[Breaker],
+        waiting: &[String],
+    ) -> Result<Vec<ClaimedEvent>, StoreError> {
         let cooled = crate::clock::earlier(claim.now, self.breaker_cooldown);
         let mut probes = Vec::new();
-        // A route whose receiver asked this instance to wait is not probed by it meanwhile.
-        let waiting = self.waiting_routes(claim.now);
         for breaker in breakers {
             if waiting.contains(&breaker.route)
                 || !breaker.probe_due(claim.now, self.breaker_cooldown)
@@ -472,102 +478,6 @@ impl Relay {
         }
     }
 
-    /// Sends the trace of one batch: the batch, its claim, each plugin call, the write of its
-    /// outcomes.
-    fn trace(
-        &self,
-        tracer: &Tracer,
-        events: &[ClaimedEvent],
-        completions: &[Completion],
-        times: &BatchTimes,
-        written: u64,
-    ) {
-        let root = SpanContext::root();
-        // The OpenTelemetry name of the database system.
-        let db = match self.store.backend() {
-            "postgres" => "postgresql",
-            other => other,
-        };
-        let span = |name, kind, (start, end): (DateTime<Utc>, DateTime<Utc>), attributes, links, error| Span {
-            context: root.child(),
-            parent: Some(root.span_id),
-            name,
-            kind,
-            start,
-            end,
-            attributes,
-            links,
-            error,
-        };
-        tracer.record(span(
-            "ferry.claim",
-            SpanKind::Client,
-            times.claim,
-            vec![("db.system", db.into()), ("ferry.claimed", events.len().into())],
-            Vec::new(),
-            None,
-        ));
-        let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
-        let mut calls: Vec<(&CallLog, Vec<&Completion>)> = Vec::new();
-        for completion in completions {
-            let call: &CallLog = &completion.attempt.call;
-            match calls.iter_mut().find(|(c, _)| std::ptr::eq(*c, call)) {
-                Some((_, items)) => items.push(completion),
-                None => calls.push((call, vec![completion])),
-            }
-        }
-        let mut totals = Outcomes::default();
-        for (call, items) in calls {
-            let outcomes = Outcomes::of(&items);
-            totals.add(&outcomes);
-            // Events that never reached a plugin (undecodable rows) have no call to show.
-            let Some(plugin) = &call.plugin else { continue };
-            let links = crate::telemetry::event_links(
-                items.iter().filter_map(|c| by_id.get(&c.id)).map(|e| e.headers.as_slice()),
-            );
-            let error = items.iter().find_map(|c| match &c.disposition {
-                Disposition::Retry { error, .. } | Disposition::Failed { error, .. } => Some(error.clone()),
-                _ => None,
-            });
-            let end = crate::clock::later(call.started_at, call.duration);
-            let mut attributes = vec![
-                ("ferry.route", Attr::from(call.route.as_str())),
-                ("ferry.plugin", plugin.as_str().into()),
-                ("ferry.plugin.hash", call.plugin_hash.as_deref().unwrap_or_default().into()),
-                ("messaging.batch.message_count", items.len().into()),
-            ];
-            attributes.extend(outcomes.attributes());
-            tracer.record(span("ferry.deliver", SpanKind::Producer, (call.started_at, end), attributes, links, error));
-        }
-        let fenced_off = completions.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX));
-        tracer.record(span(
-            "ferry.record",
-            SpanKind::Client,
-            times.record,
-            vec![
-                ("db.system", db.into()),
-                ("ferry.written", usize::try_from(written).unwrap_or(usize::MAX).into()),
-                ("ferry.fenced_off", fenced_off.into()),
-            ],
-            Vec::new(),
-            None,
-        ));
-        let mut attributes =
-            vec![("ferry.instance", Attr::from(self.instance.as_str())), ("ferry.claimed", events.len().into())];
-        attributes.extend(totals.attributes());
-        tracer.record(Span {
-            context: root,
-            parent: None,
-            name: "ferry.batch",
-            kind: SpanKind::Internal,
-            start: times.started,
-            end: times.record.1,
-            attributes,
-            links: Vec::new(),
-            error: None,
-        });
-    }
-
     /// Says in the log, at most once a minute per route, that events ended FAILED: how many since
     /// the last line, why the last one failed, and the command that lists them.
     fn log_failed(&self, completions: &[Completion], now: DateTime<Utc>) {
@@ -602,7 +512,7 @@ impl Relay {
     }
 
     /// Counts a batch's outcomes in the metrics.
-    fn count(&self, events: &[ClaimedEvent], completions: &[Completion], done_at: DateTime<Utc>) {
+    fn count(&self, events: &[ClaimedEvent], completions: &[Completion], totals: &Outcomes, done_at: DateTime<Utc>) {
         // Tallied first, so each label set is looked up once per batch, not once per event.
         let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
         // By route, plugin and (for failures) failure reason.
@@ -618,11 +528,8 @@ impl Relay {
                 latencies.entry(&event.route).or_default().push(latency);
             }
         }
-        let mut totals = Outcomes::default();
         for ((route, plugin, reason), outcomes) in tally {
-            totals.add(&outcomes);
             let labels = RouteLabels { route: route.to_string(), plugin: plugin.to_string() };
-            let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
             match reason {
                 None => {
                     self.metrics.delivered.get_or_create(&labels).inc_by(count(outcomes.sent));
@@ -637,20 +544,12 @@ impl Relay {
             }
         }
         let all: Vec<f64> = latencies.values().flatten().map(|seconds| seconds * 1000.0).collect();
-        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
         self.metrics.activity.record(done_at, count(totals.sent), count(totals.retried), count(totals.failed), &all);
         for (route, values) in latencies {
             let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: route.to_string() });
             values.into_iter().for_each(|v| histogram.observe(v));
         }
     }
-}
-
-/// When a batch's cycle started, and its claim and the write of its outcomes started and ended.
-struct BatchTimes {
-    started: DateTime<Utc>,
-    claim: (DateTime<Utc>, DateTime<Utc>),
-    record: (DateTime<Utc>, DateTime<Utc>),
 }
 
 /// How many events of a call or batch ended each way.
@@ -663,9 +562,9 @@ struct Outcomes {
 }
 
 impl Outcomes {
-    fn of(items: &[&Completion]) -> Outcomes {
+    fn of<'a>(items: impl IntoIterator<Item = &'a Completion>) -> Outcomes {
         let mut outcomes = Outcomes::default();
-        items.iter().for_each(|item| outcomes.count(&item.disposition));
+        items.into_iter().for_each(|item| outcomes.count(&item.disposition));
         outcomes
     }
 
@@ -678,13 +577,6 @@ impl Outcomes {
         }
     }
 
-    fn add(&mut self, other: &Outcomes) {
-        self.sent += other.sent;
-        self.retried += other.retried;
-        self.deferred += other.deferred;
-        self.failed += other.failed;
-    }
-
     fn attributes(&self) -> [(&'static str, Attr); 4] {
         [
             ("ferry.sent", self.sent.into()),
@@ -693,6 +585,11 @@ impl Outcomes {
             ("ferry.failed", self.failed.into()),
         ]
     }
+}
+
+/// A count as a metric takes it.
+fn count(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
 }
 
 /// A fresh, unguessable claim token.

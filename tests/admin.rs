@@ -28,7 +28,9 @@ impl Drop for Api {
 }
 
 /// Ferry with the admin API on a free port; routes `s` and `t` use the scripted plugin (two
-/// attempts at most, no jitter), `orphan` a plugin that is not installed when `orphan` is set.
+/// attempts at most, no jitter), and so do the destinations of route `fan` (`fan/orders` for
+/// `order.*`, `fan/all` for every type); `orphan` a plugin that is not installed when `orphan`
+/// is set.
 pub(crate) async fn start(db: TestDb, orphan: bool) -> Api {
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let orphan = if orphan { "[route.orphan]\nplugin = \"not-installed\"" } else { "" };
@@ -48,6 +50,11 @@ pub(crate) async fn start(db: TestDb, orphan: bool) -> Api {
         [route.s]
         plugin = "scripted"
         [route.t]
+        plugin = "scripted"
+        [route.fan.destinations.orders]
+        plugin = "scripted"
+        event_types = ["order.*"]
+        [route.fan.destinations.all]
         plugin = "scripted"
         {orphan}
         "#
@@ -386,13 +393,48 @@ async fn operations_through_the_api(db: TestDb) {
     // Plugins: listed with their routes; a reload of unchanged files changes nothing.
     let (_, plugins) = api.get("/v1/plugins").await;
     assert_eq!(plugins["plugins"][0]["name"], "scripted");
-    assert_eq!(plugins["plugins"][0]["routes"], json!(["s", "t"]));
+    assert_eq!(plugins["plugins"][0]["routes"], json!(["fan/all", "fan/orders", "s", "t"]));
     let (status, reload) = api.post("/v1/plugins/reload", json!(null)).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(reload["files"][0]["result"], "unchanged", "{reload}");
 }
 
-crate::both_backends!(operations_through_the_api);
+async fn destinations_through_the_api(db: TestDb) {
+    let api = start(db, false).await;
+    let order = api.enqueue("fan", "order.created").await;
+    let other = api.enqueue("fan", "user.created").await;
+    api.cycle().await;
+    let (status, event) = api.get(&format!("/v1/events/{order}")).await;
+    assert_eq!((status, event["status"].as_str()), (StatusCode::OK, Some("SENT")));
+    let deliveries = event["deliveries"].as_array().expect("deliveries listed");
+    let routes: Vec<&str> = deliveries.iter().map(|d| d["route"].as_str().unwrap()).collect();
+    assert_eq!(routes, ["fan/all", "fan/orders"], "{event}");
+    assert!(deliveries.iter().all(|d| d["status"] == "PENDING" && d["attempts"] == 0), "{event}");
+    let (_, copy) = api.get(&format!("/v1/events/{}", deliveries[1]["id"])).await;
+    assert_eq!(copy["parent_id"].as_i64(), Some(order));
+    let (_, event) = api.get(&format!("/v1/events/{other}")).await;
+    assert_eq!(event["deliveries"].as_array().map(Vec::len), Some(1), "user.created only goes to fan/all");
+
+    // A destination's breaker, through the route's name with its slash encoded.
+    let (status, breaker) = api.post("/v1/breakers/fan%2Forders/open", json!({ "reason": "crm down" })).await;
+    assert_eq!(
+        (status, breaker["route"].as_str(), breaker["state"].as_str()),
+        (StatusCode::OK, Some("fan/orders"), Some("open"))
+    );
+    api.cycle().await;
+    let (_, event) = api.get(&format!("/v1/events/{order}")).await;
+    let statuses: Vec<&str> =
+        event["deliveries"].as_array().unwrap().iter().map(|d| d["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["SENT", "PENDING"], "only the open destination waits: {event}");
+    let (_, routes) = api.get("/v1/routes").await;
+    let orders = routes.as_array().unwrap().iter().find(|r| r["route"] == "fan/orders").expect("listed");
+    assert_eq!((orders["destination_of"].as_str(), orders["event_types"][0].as_str()), (Some("fan"), Some("order.*")));
+    assert_eq!(orders["breaker"]["state"], "open");
+    let (_, count) = api.get("/v1/failed/count?route=fan/orders").await;
+    assert_eq!(count["failed"], 0);
+}
+
+crate::both_backends!(operations_through_the_api, destinations_through_the_api);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_errors_that_name_the_input() {

@@ -24,7 +24,9 @@ fn cli(api: &Api, args: &[&str]) -> Answer {
     if !config.exists() {
         let plugins = api.s.db.dir.path().join("plugins");
         let text = format!(
-            "[database]\nurl = {:?}\n[plugins]\ndir = {plugins:?}\n[route.s]\nplugin = \"scripted\"\n[route.t]\nplugin = \"scripted\"\n",
+            "[database]\nurl = {:?}\n[plugins]\ndir = {plugins:?}\n[route.s]\nplugin = \"scripted\"\n[route.t]\nplugin = \"scripted\"\n\
+             [route.fan.destinations.orders]\nplugin = \"scripted\"\nevent_types = [\"order.*\"]\n\
+             [route.fan.destinations.all]\nplugin = \"scripted\"\n",
             api.s.db.url
         );
         std::fs::write(&config, text).unwrap();
@@ -308,6 +310,8 @@ async fn every_answer_matches_its_documented_schema() {
     let id = api.enqueue("s", "ok").await;
     api.enqueue("t", "transient").await;
     api.cycle().await;
+    let handed_on = api.enqueue("fan", "order.created").await;
+    api.cycle().await;
     let (to_fail, to_cancel) = (api.enqueue("s", "ok").await, api.enqueue("s", "ok").await);
     api.post("/v1/breakers/t/open", json!({"reason": "maintenance"})).await;
     let (_, doc) = api.get("/v1/openapi.json").await;
@@ -319,6 +323,8 @@ async fn every_answer_matches_its_documented_schema() {
         (Method::POST, "/v1/events".into(), Some(json!({"route": "s", "type": "ok", "payload": {"n": 1}, "key": "k"}))),
         (Method::POST, "/v1/events".into(), Some(json!({"route": "nowhere", "type": "ok", "payload": 1}))),
         (Method::GET, format!("/v1/events/{id}"), None),
+        (Method::GET, format!("/v1/events/{handed_on}"), None),
+        (Method::GET, format!("/v1/events/{}", handed_on + 1), None),
         (Method::GET, "/v1/events/999999".into(), None),
         (Method::POST, format!("/v1/events/{id}/resend"), None),
         (Method::POST, format!("/v1/events/{id}/cancel"), None),
@@ -337,6 +343,7 @@ async fn every_answer_matches_its_documented_schema() {
         (Method::GET, "/v1/breakers".into(), None),
         (Method::POST, "/v1/breakers/s/open".into(), Some(json!({}))),
         (Method::POST, "/v1/breakers/s/close".into(), None),
+        (Method::POST, "/v1/breakers/fan%2Fall/open".into(), Some(json!({}))),
     ];
     let mut checked = 0;
     for (method, path, body) in calls {

@@ -315,7 +315,8 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     let url = format!("{origin}/in");
     let plain = Receiver::start().await;
     let routes = [("tls", url.clone(), ", concurrency = \"8\"")];
-    let trusted = format!("http_ca = {:?}", server.ca);
+    // localhost is a loopback address: allowed by http_private.
+    let trusted = format!("http_ca = {:?}\nhttp_private = true", server.ca);
     let s = setup_with(&plain, &origin, &trusted, &routes).await;
     let mut after_first = 0;
     for round in 0..3 {
@@ -337,7 +338,7 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     assert_eq!(opened, after_first, "the next 80 requests opened no connection");
 
     // The same server without its CA: the certificate does not verify.
-    let s = setup_with(&plain, &origin, "", &routes).await;
+    let s = setup_with(&plain, &origin, "http_private = true", &routes).await;
     let rows = s.deliver(&[NewEvent::new("tls", "t", "{}")]).await;
     assert_eq!(rows[0].status, Status::Pending, "a TLS failure is transient");
     let error = rows[0].last_error.as_deref().unwrap_or_default();

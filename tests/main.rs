@@ -6,6 +6,7 @@ mod authoring;
 mod chaos;
 mod contract;
 mod dashboard;
+mod destinations;
 mod e2e;
 mod engine;
 mod grants;

@@ -283,6 +283,27 @@ async fn wasi_http_reaches_only_allowed_origins_with_the_right_host_header() {
     assert!(other_receiver.requests().is_empty(), "nothing reached the origin that is not allowed");
 }
 
+/// A host name on the allowlist that resolves to a loopback, private or metadata address (as one
+/// whose DNS answer an attacker changed after it was allowed would) is not connected to: the
+/// address is checked when the connection is made. The sandbox's `http_private` allows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasi_http_does_not_follow_a_host_name_to_a_private_address() {
+    let receiver = Receiver::start().await;
+    let name = format!("localhost:{}", receiver.addr.port());
+    let get = || NewEvent::new("s", "http", "{}").with_header("authority", name.clone());
+    let s = setup(&format!("http = [\"http://{name}\"]")).await;
+    let refused = s.deliver_beside_a_healthy_route(get()).await;
+    assert_eq!(refused.status, Status::Failed);
+    let error = refused.last_error.unwrap();
+    assert!(error.starts_with(&format!("http {name}: ")) && error.contains("DestinationIpProhibited"), "{error}");
+    assert!(receiver.requests().is_empty(), "nothing reached the loopback address");
+
+    let s = setup(&format!("http = [\"http://{name}\"]\nhttp_private = true")).await;
+    let allowed = s.deliver_beside_a_healthy_route(get()).await;
+    assert_eq!(allowed.status, Status::Sent, "{:?}", allowed.last_error);
+    assert_eq!(receiver.requests().len(), 1);
+}
+
 /// Runs two slow `count` events through ferry with two workers and `instances` instances of the
 /// plugin, and returns the reasons they failed with (`call N` per instance).
 async fn calls_seen_with(instances: u32) -> Vec<String> {

@@ -364,6 +364,9 @@ pub struct EventRecord {
     pub claim_token: Option<String>,
     #[sqlx(try_from = "MaybeTime")]
     pub lease_until: Option<DateTime<Utc>>,
+    /// For a delivery to one destination of a route, the event it was handed on from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_id: Option<i64>,
     /// Set when a column holds what ferry cannot represent: which, and why. The others are shown
     /// as stored; an unreadable one as its zero value.
     #[sqlx(skip)]
@@ -395,6 +398,7 @@ pub(crate) struct StoredRow {
     claimed_by: Lenient<Option<String>>,
     claim_token: Lenient<Option<String>>,
     lease_until: Lenient<MaybeTime>,
+    parent_id: Lenient<Option<i64>>,
 }
 
 impl StoredRow {
@@ -422,6 +426,7 @@ impl StoredRow {
             claimed_by: self.claimed_by.or("claimed_by", None, &mut d),
             claim_token: self.claim_token.or("claim_token", None, &mut d),
             lease_until: self.lease_until.or("lease_until", MaybeTime(None), &mut d).0,
+            parent_id: self.parent_id.or("parent_id", None, &mut d),
             defect: None,
         };
         let defect = (!d.is_empty()).then(|| crate::untrusted::clean(&d.join("; "), crate::untrusted::MAX_REASON));

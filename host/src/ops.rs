@@ -245,8 +245,8 @@ impl Ops {
         event.validate().map_err(OpError::Invalid)?;
         let settings = self.settings();
         event.check_payload(settings.config.relay.max_payload.0).map_err(OpError::Invalid)?;
-        if settings.route(&event.route).is_none() {
-            let known: Vec<&str> = settings.routes.keys().map(String::as_str).collect();
+        if !settings.is_configured(&event.route) {
+            let known = settings.route_names();
             return Err(OpError::Invalid(format!(
                 "route {:?} is not configured (configured: {})",
                 event.route,
@@ -272,8 +272,15 @@ impl Ops {
             Status::Pending => Some(self.why_waiting(&event, attempts.last()).await?),
             _ => None,
         };
+        let deliveries = match event.status {
+            Status::Sent if event.parent_id.is_none() => {
+                Some(self.store.deliveries(id).await?).filter(|d| !d.is_empty())
+            }
+            _ => None,
+        };
         let mut view = EventView::showing(event, Some(attempts), json);
         view.waiting = waiting;
+        view.deliveries = deliveries;
         Ok(view)
     }
 
@@ -289,6 +296,16 @@ impl Ops {
     ) -> Result<Vec<String>, OpError> {
         let now = self.clock.now();
         let settings = self.settings();
+        if let Some(fan_out) = settings.fan_outs.get(&event.route) {
+            let when = event.next_attempt_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+            return Ok(vec![match event.next_attempt_at > now {
+                true => format!("deferred until {when}, then handed on to its destinations"),
+                false => format!(
+                    "due now: the next claim hands it on to each of the route's {} destinations that receives its type",
+                    fan_out.destinations.len()
+                ),
+            }]);
+        }
         let Some(route) = settings.route(&event.route) else {
             return Ok(vec![format!(
                 "route {:?} is not configured here: when it is due, it fails with reason no_transport",
@@ -561,6 +578,14 @@ impl Ops {
                     ordered,
                     failed_blocks_key,
                     dead_letter: route.dead_letter.clone(),
+                    destination_of: route.destination_of.clone(),
+                    event_types: route
+                        .destination_of
+                        .as_ref()
+                        .and_then(|parent| settings.fan_outs.get(parent))
+                        .and_then(|f| f.destinations.iter().find(|d| d.route == route.name))
+                        .map(|d| d.event_types.patterns().to_vec())
+                        .unwrap_or_default(),
                     breaker: BreakerView::new(breaker, now, cooldown),
                     retry: RetryView::from(&route.retry),
                 }

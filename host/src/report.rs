@@ -41,6 +41,10 @@ pub struct EventView {
     /// For a PENDING event: why it is not being delivered yet, a sentence per reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting: Option<Vec<String>>,
+    /// For an event of a route with destinations: the events it was handed on as, one per
+    /// destination that receives it (the first 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deliveries: Option<Vec<crate::store::Delivery>>,
 }
 
 /// A JSON value kept as its text: serialized as that JSON, not as a string holding it.
@@ -108,6 +112,7 @@ impl EventView {
             attempts_history: attempts,
             payload_bytes: None,
             waiting: None,
+            deliveries: None,
         }
     }
 
@@ -236,6 +241,12 @@ pub struct RouteView {
     pub failed_blocks_key: bool,
     /// The route that gets a copy of each event that ends FAILED here.
     pub dead_letter: Option<String>,
+    /// For a destination (`route/destination`), the route it is a destination of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination_of: Option<String>,
+    /// For a destination, the event types it receives (none: all of its route's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub event_types: Vec<String>,
     pub breaker: BreakerView,
     /// The retry policy in effect for the route.
     pub retry: RetryView,

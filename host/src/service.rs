@@ -449,7 +449,7 @@ pub async fn serve(config: &Config, shutdown: CancellationToken, reread: Option<
 
 /// The configured routes' names, comma-separated, for the log and systemd's status line.
 fn route_names(settings: &Settings) -> String {
-    settings.routes.keys().cloned().collect::<Vec<_>>().join(",")
+    settings.route_names().join(",")
 }
 
 fn hangups() -> anyhow::Result<tokio::signal::unix::Signal> {

@@ -82,7 +82,7 @@ async fn scrape(admin: &Admin) -> Result<String, ops::OpError> {
     let stats = ops.store.stats(ops.clock.now(), None, false).await.map_err(store_error)?;
     let breakers: Vec<Breaker> = ops.store.breakers().await.map_err(store_error)?;
     let settings = ops.settings();
-    let routes: Vec<String> = settings.routes.keys().cloned().collect();
+    let routes = settings.route_names();
     Ok(admin.metrics.render(&stats, &breakers, &routes, settings.breaker_cooldown()))
 }
 

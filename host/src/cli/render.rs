@@ -346,6 +346,15 @@ pub fn event(view: &EventView) -> String {
     for (n, why) in view.waiting.iter().flatten().enumerate() {
         let _ = writeln!(out, "{:<13} {}", if n == 0 { "waiting" } else { "" }, text(why));
     }
+    if let Some(deliveries) = &view.deliveries {
+        let _ = writeln!(out, "handed on     as {} deliveries, one per destination", deliveries.len());
+        for d in deliveries {
+            let _ = writeln!(out, "  {:<10} {:<11} {} attempts  {}", d.id, d.status, d.attempts, text(&d.route));
+        }
+    }
+    if let Some(parent) = event.parent_id {
+        let _ = writeln!(out, "parent        event {parent}, handed on to destination {}", text(&event.route));
+    }
     let attempts = view.attempts_history.as_deref().unwrap_or_default();
     let _ = writeln!(out, "history       {} attempts recorded", attempts.len());
     for a in attempts {

@@ -16,10 +16,13 @@ mod settings;
 mod sources;
 mod units;
 
-pub use self::settings::{Ordering, PluginSettings, RouteSettings, Sandbox, Settings};
+pub use self::settings::{
+    DESTINATION_SEPARATOR, Destination, EventTypes, FanOut, Ordering, PluginSettings, RouteSettings, Sandbox, Settings,
+};
 pub use self::sources::{ConfigShown, Setting, Sources};
 pub use self::units::{
-    ByteSize, ConfigValue, Dur, MaxAttempts, Retention, format_duration, normalize_origin, parse_duration, parse_size,
+    ByteSize, ConfigValue, Dur, MaxAttempts, Retention, format_duration, normalize_origin, normalize_origin_pattern,
+    origin_matches, parse_duration, parse_size,
 };
 
 /// The reference configuration, compiled in; it supplies every default.
@@ -195,6 +198,22 @@ pub struct RetryOverrides {
     pub retry_after_max: Option<Dur>,
 }
 
+impl RetryOverrides {
+    /// These overrides, and `base`'s where these have none.
+    pub fn over(&self, base: &RetryOverrides) -> RetryOverrides {
+        RetryOverrides {
+            max_attempts: self.max_attempts.or(base.max_attempts),
+            backoff: self.backoff.or(base.backoff),
+            initial: self.initial.or(base.initial),
+            max_delay: self.max_delay.or(base.max_delay),
+            schedule: self.schedule.clone().or_else(|| base.schedule.clone()),
+            jitter: self.jitter.or(base.jitter),
+            jitter_percent: self.jitter_percent.or(base.jitter_percent),
+            retry_after_max: self.retry_after_max.or(base.retry_after_max),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackoffKind {
@@ -257,9 +276,15 @@ pub struct SandboxConfig {
     /// connect by name, as Kafka brokers do). Connections still go only to `tcp` addresses.
     #[serde(default)]
     pub dns: bool,
-    /// Origins (`scheme://host[:port]`) the plugin may send wasi:http requests to.
+    /// Origins (`scheme://host[:port]`) the plugin may send wasi:http requests to; a host may
+    /// begin with `*.` for any subdomain (`https://*.example.com`).
     #[serde(default)]
     pub http: Vec<String>,
+    /// Whether wasi:http requests may reach loopback, private, link-local (cloud metadata) and
+    /// other non-public addresses that an allowed host name resolves to (default false). An
+    /// origin that names such an address itself (`http://10.0.0.5:8080`) is allowed regardless.
+    #[serde(default)]
+    pub http_private: bool,
     /// wasi:http requests per origin one instance may have waiting for their answer (default 32).
     pub http_connections: Option<u32>,
     /// A PEM file of CA certificates the plugin's HTTPS servers may be verified against, besides
@@ -299,7 +324,9 @@ impl SandboxConfig {
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
-    /// The plugin (by the name it reports) that delivers this route's events.
+    /// The plugin (by the name it reports) that delivers this route's events; empty when the
+    /// route has `destinations` instead.
+    #[serde(default)]
     pub plugin: String,
     /// Passed to the plugin's `init` as key/value strings.
     #[serde(default)]
@@ -316,6 +343,29 @@ pub struct RouteConfig {
     /// its headers (a dead-letter topic, an archive).
     #[serde(default)]
     pub dead_letter: Option<String>,
+    /// Where each event goes when it goes to more than one place: every destination whose
+    /// `event_types` match gets its own delivery (status, attempts, history and breaker).
+    #[serde(default)]
+    pub destinations: BTreeMap<String, DestinationConfig>,
+}
+
+/// One destination of a route: a plugin with its own config and retry policy, and the event
+/// types it receives.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DestinationConfig {
+    /// The plugin (by the name it reports) that delivers to this destination.
+    pub plugin: String,
+    /// Passed to the plugin's `init` as key/value strings.
+    #[serde(default)]
+    pub config: BTreeMap<String, ConfigValue>,
+    /// Overrides of the route's retry policy (which overrides the global one).
+    #[serde(default)]
+    pub retry: RetryOverrides,
+    /// The event types this destination receives: exact names, or patterns where `*` stands for
+    /// any run of characters (`order.*`). Empty: every event of the route.
+    #[serde(default)]
+    pub event_types: Vec<String>,
 }
 
 /// On an ordered route, what happens to a key whose oldest unfinished event has FAILED.

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::grants::normalize_path;
-use super::units::normalize_origin;
-use super::{AfterFailure, BackoffKind, Config, JitterKind, PluginLimits, SandboxConfig};
+use super::units::normalize_origin_pattern;
+use super::{AfterFailure, BackoffKind, Config, JitterKind, PluginLimits, RetryOverrides, SandboxConfig};
 use crate::backoff::{Backoff, Jitter, RetryPolicy};
 
 /// Everything resolved from one [`Config`].
@@ -18,8 +18,12 @@ use crate::backoff::{Backoff, Jitter, RetryPolicy};
 pub struct Settings {
     /// The configuration as loaded and validated, for the settings that need no resolving.
     pub config: Config,
-    /// Every configured route, by name.
+    /// Every route a plugin delivers, by name: the routes with a plugin of their own and each
+    /// destination of a route with destinations (as `route/destination`).
     pub routes: BTreeMap<String, Arc<RouteSettings>>,
+    /// The routes with destinations, by name: their events are handed on to each destination
+    /// whose event types match, as a delivery of its own.
+    pub fan_outs: BTreeMap<String, Arc<FanOut>>,
     /// The policy of events whose route is not configured.
     pub default_retry: RetryPolicy,
     /// Plugins with a `[sandbox.NAME]` table, by name.
@@ -40,6 +44,92 @@ pub struct RouteSettings {
     pub ordering: Ordering,
     /// The route that gets a copy of each event the relay makes FAILED on this one.
     pub dead_letter: Option<String>,
+    /// For a destination, the route it is a destination of.
+    pub destination_of: Option<String>,
+}
+
+/// What separates a route's name from a destination's in the route its deliveries carry:
+/// destination `crm` of route `orders` delivers the events of route `orders/crm`.
+pub const DESTINATION_SEPARATOR: char = '/';
+
+/// A route with destinations.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FanOut {
+    pub route: String,
+    pub destinations: Vec<Destination>,
+    pub ordering: Ordering,
+}
+
+/// One destination of a [`FanOut`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Destination {
+    /// Its name within the route.
+    pub name: String,
+    /// The route its deliveries carry (`route/destination`), configured in [`Settings::routes`].
+    pub route: String,
+    pub event_types: EventTypes,
+}
+
+impl FanOut {
+    /// The routes of the destinations that receive events of type `event_type`.
+    pub fn routes_for<'a>(&'a self, event_type: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.destinations.iter().filter(move |d| d.event_types.matches(event_type)).map(|d| d.route.as_str())
+    }
+}
+
+/// The event types a destination receives: exact names or patterns with `*` for any run of
+/// characters; none: every type.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EventTypes(Vec<String>);
+
+impl EventTypes {
+    pub(crate) fn new(patterns: &[String]) -> Result<EventTypes, String> {
+        if let Some(bad) = patterns.iter().find(|p| p.trim().is_empty() || p.trim() != p.as_str()) {
+            return Err(format!(
+                "{bad:?} is not an event type; give names such as \"order.created\" or patterns such as \"order.*\""
+            ));
+        }
+        Ok(EventTypes(patterns.to_vec()))
+    }
+
+    pub fn matches(&self, event_type: &str) -> bool {
+        self.0.is_empty() || self.0.iter().any(|pattern| glob(pattern.as_bytes(), event_type.as_bytes()))
+    }
+
+    /// The patterns as configured.
+    pub fn patterns(&self) -> &[String] {
+        &self.0
+    }
+}
+
+/// Whether `text` matches `pattern`, where `*` stands for any run of bytes (none included) and
+/// every other byte for itself. Only the last `*` is ever backtracked to, so a match takes at most
+/// pattern length × text length steps: no pattern can make it blow up.
+fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    // Where the last `*` was, and the text position it is currently taken to end at.
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        match pattern.get(p) {
+            Some(b'*') => {
+                star = Some((p, t));
+                p += 1;
+            }
+            Some(&c) if c == text[t] => {
+                p += 1;
+                t += 1;
+            }
+            _ => match star {
+                Some((star_p, star_t)) => {
+                    star = Some((star_p, star_t + 1));
+                    p = star_p + 1;
+                    t = star_t + 1;
+                }
+                None => return false,
+            },
+        }
+    }
+    pattern[p..].iter().all(|&c| c == b'*')
 }
 
 /// Route `name`'s `dead_letter`, checked: another configured route, which has none of its own (a
@@ -91,8 +181,11 @@ pub struct Sandbox {
     pub tcp: Vec<String>,
     /// Whether the plugin may resolve host names itself.
     pub dns: bool,
-    /// Origins (`scheme://host:port`, normalized) the plugin may send wasi:http requests to.
+    /// Origins (`scheme://host:port`, normalized; the host may begin with `*.`) the plugin may
+    /// send wasi:http requests to.
     pub http: HashSet<String>,
+    /// Whether those requests may reach non-public addresses a host name resolves to.
+    pub http_private: bool,
     /// wasi:http requests per origin one instance may have waiting for their answer.
     pub http_connections: u32,
     /// A PEM file of CA certificates trusted for wasi:http, besides the public roots.
@@ -108,7 +201,7 @@ impl Sandbox {
         let http = config
             .http
             .iter()
-            .map(|o| normalize_origin(o))
+            .map(|o| normalize_origin_pattern(o))
             .collect::<Result<_, _>>()
             .map_err(|e| format!("http: {e}"))?;
         Ok(Sandbox {
@@ -118,6 +211,7 @@ impl Sandbox {
             tcp: config.tcp.clone(),
             dns: config.dns,
             http,
+            http_private: config.http_private,
             http_connections: match config.http_connections {
                 Some(0) => return Err("http_connections: must be at least 1".into()),
                 Some(n) => n,
@@ -139,29 +233,68 @@ impl Settings {
     pub fn resolve(config: &Config) -> Result<Settings, String> {
         let default_retry = config.retry_policy_for(None).map_err(|e| format!("retry.{e}"))?;
         let mut routes = BTreeMap::new();
+        let mut fan_outs = BTreeMap::new();
         for (name, route) in &config.route {
-            if route.plugin.trim().is_empty() {
-                return Err(format!("route.{name}.plugin must name a plugin"));
+            if name.is_empty() || name.contains(DESTINATION_SEPARATOR) {
+                return Err(format!(
+                    "route.{name:?}: a route's name must not be empty or contain {DESTINATION_SEPARATOR:?}, which separates a route from its destinations"
+                ));
             }
-            let retry = config.retry_policy_for(Some(name)).map_err(|e| format!("route.{name}.retry.{e}"))?;
             let ordering = match (route.ordered, route.ordered_after_failure) {
                 (false, _) => Ordering::Unordered,
                 (true, after) => Ordering::Ordered { failed_blocks_key: after == AfterFailure::Block },
             };
-            let plugin_config = route.config.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
             let dead_letter = match &route.dead_letter {
                 None => None,
                 Some(target) => Some(dead_letter(config, name, target)?),
             };
-            let settings = RouteSettings {
-                name: name.clone(),
-                plugin: route.plugin.clone(),
-                plugin_config,
-                retry,
-                ordering,
-                dead_letter,
+            let delivered_by = |route_name: String,
+                                plugin: &str,
+                                plugin_config: &BTreeMap<String, super::ConfigValue>,
+                                retry,
+                                destination_of: Option<&String>| {
+                Arc::new(RouteSettings {
+                    name: route_name,
+                    plugin: plugin.to_string(),
+                    plugin_config: plugin_config.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect(),
+                    retry,
+                    ordering,
+                    dead_letter: dead_letter.clone(),
+                    destination_of: destination_of.cloned(),
+                })
             };
-            routes.insert(name.clone(), Arc::new(settings));
+            if route.destinations.is_empty() {
+                if route.plugin.trim().is_empty() {
+                    return Err(format!("route.{name}.plugin must name a plugin (or give the route destinations)"));
+                }
+                let retry = config.retry_policy_for(Some(name)).map_err(|e| format!("route.{name}.retry.{e}"))?;
+                routes.insert(name.clone(), delivered_by(name.clone(), &route.plugin, &route.config, retry, None));
+                continue;
+            }
+            if !route.plugin.is_empty() || !route.config.is_empty() {
+                return Err(format!(
+                    "route.{name}: a route with destinations has no plugin or config of its own; give each destination its own (route.{name}.destinations.NAME.plugin)"
+                ));
+            }
+            let mut destinations = Vec::with_capacity(route.destinations.len());
+            for (destination, d) in &route.destinations {
+                let key = format!("route.{name}.destinations.{destination}");
+                if destination.is_empty() || destination.contains(DESTINATION_SEPARATOR) {
+                    return Err(format!(
+                        "{key}: a destination's name must not be empty or contain {DESTINATION_SEPARATOR:?}"
+                    ));
+                }
+                if d.plugin.trim().is_empty() {
+                    return Err(format!("{key}.plugin must name a plugin"));
+                }
+                let retry = config.retry_policy(&d.retry.over(&route.retry)).map_err(|e| format!("{key}.retry.{e}"))?;
+                let event_types = EventTypes::new(&d.event_types).map_err(|e| format!("{key}.event_types: {e}"))?;
+                let delivery_route = format!("{name}{DESTINATION_SEPARATOR}{destination}");
+                let settings = delivered_by(delivery_route.clone(), &d.plugin, &d.config, retry, Some(name));
+                routes.insert(delivery_route.clone(), settings);
+                destinations.push(Destination { name: destination.clone(), route: delivery_route, event_types });
+            }
+            fan_outs.insert(name.clone(), Arc::new(FanOut { route: name.clone(), destinations, ordering }));
         }
         let mut plugins = BTreeMap::new();
         for (name, sandbox) in &config.sandbox {
@@ -172,12 +305,25 @@ impl Settings {
             sandbox: Sandbox::resolve(&SandboxConfig::default())?,
             limits: config.plugin_limits(""),
         });
-        Ok(Settings { config: config.clone(), routes, default_retry, plugins, default_plugin })
+        Ok(Settings { config: config.clone(), routes, fan_outs, default_retry, plugins, default_plugin })
     }
 
     /// The route called `name`, if configured.
     pub fn route(&self, name: &str) -> Option<&Arc<RouteSettings>> {
         self.routes.get(name)
+    }
+
+    /// Whether events of `route` are delivered: by a plugin of its own, or by its destinations.
+    pub fn is_configured(&self, route: &str) -> bool {
+        self.routes.contains_key(route) || self.fan_outs.contains_key(route)
+    }
+
+    /// Every configured route's name: those with a plugin, those with destinations and each
+    /// destination's.
+    pub fn route_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.routes.keys().chain(self.fan_outs.keys()).cloned().collect();
+        names.sort_unstable();
+        names
     }
 
     /// The retry policy of `route` (the global one for a route that is not configured).
@@ -208,15 +354,19 @@ impl Settings {
     }
 
     /// Routes that deliver per key in order, and of those the ones a FAILED event blocks.
+    /// A route with destinations hands its events on in order too, so each destination's
+    /// deliveries are made in the route's order.
     pub fn ordered_routes(&self) -> (Vec<String>, Vec<String>) {
         let ordered = |blocking: bool| {
-            self.routes
-                .values()
-                .filter(|r| match r.ordering {
+            let routes = self.routes.values().map(|r| (&r.name, r.ordering));
+            let fan_outs = self.fan_outs.values().map(|f| (&f.route, f.ordering));
+            routes
+                .chain(fan_outs)
+                .filter(|(_, ordering)| match ordering {
                     Ordering::Unordered => false,
-                    Ordering::Ordered { failed_blocks_key } => !blocking || failed_blocks_key,
+                    Ordering::Ordered { failed_blocks_key } => !blocking || *failed_blocks_key,
                 })
-                .map(|r| r.name.clone())
+                .map(|(name, _)| name.clone())
                 .collect()
         };
         (ordered(false), ordered(true))
@@ -232,8 +382,14 @@ impl Config {
     /// The retry policy of `route` (the global one for `None` or an unknown route). The error
     /// names the offending key relative to the retry table.
     pub fn retry_policy_for(&self, route: Option<&str>) -> Result<RetryPolicy, String> {
-        let global = &self.retry;
         let o = route.and_then(|r| self.route.get(r)).map(|r| r.retry.clone()).unwrap_or_default();
+        self.retry_policy(&o)
+    }
+
+    /// The global retry policy with the overrides `o`.
+    pub fn retry_policy(&self, o: &RetryOverrides) -> Result<RetryPolicy, String> {
+        let global = &self.retry;
+        let o = o.clone();
         let max_attempts = o.max_attempts.unwrap_or(global.max_attempts).0;
         let initial = o.initial.unwrap_or(global.initial).0;
         let max_delay = o.max_delay.unwrap_or(global.max_delay).0;

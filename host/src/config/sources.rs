@@ -172,7 +172,7 @@ fn secret(path: &[&str]) -> bool {
     match path {
         ["admin", "token"] => true,
         ["sandbox", _, "env", ..] => true,
-        ["route", _, "config", name, ..] => secret_word(name),
+        ["route", _, "config", name, ..] | ["route", _, "destinations", _, "config", name, ..] => secret_word(name),
         _ => false,
     }
 }
@@ -232,6 +232,8 @@ mod tests {
         assert!(secret(&["route", "k", "config", "sasl_password"]));
         assert!(secret(&["route", "k", "config", "Authorization"]));
         assert!(!secret(&["route", "hooks", "config", "url"]));
+        assert!(secret(&["route", "hooks", "destinations", "crm", "config", "signing_secret"]));
+        assert!(!secret(&["route", "hooks", "destinations", "crm", "config", "url"]));
         assert!(!secret(&["admin", "token_file"]));
         assert!(!secret(&["relay", "batch_size"]));
     }

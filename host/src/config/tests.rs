@@ -167,6 +167,35 @@ fn origins_are_normalized() {
 }
 
 #[test]
+fn origin_patterns_allow_subdomains_and_nothing_wider() {
+    let pattern = normalize_origin_pattern("https://*.Example.com").unwrap();
+    assert_eq!(pattern, "https://*.example.com:443");
+    let allows = |origin: &str| origin_matches(&pattern, &normalize_origin(origin).unwrap());
+    assert!(allows("https://hooks.example.com") && allows("https://a.b.example.com:443"));
+    assert!(!allows("https://example.com"), "the wildcard stands for at least one label");
+    assert!(!allows("https://evilexample.com") && !allows("https://example.com.evil.net"));
+    assert!(!allows("http://hooks.example.com") && !allows("https://hooks.example.com:8443"));
+    let numeric = normalize_origin_pattern("http://*.example.com:8080").unwrap();
+    assert!(origin_matches(&numeric, "http://x.example.com:8080"));
+    assert!(!origin_matches("http://*.0.0.1:80", "http://127.0.0.1:80"), "no wildcard over addresses");
+    assert!(!origin_matches("http://*.1:80", "http://[::1]:80"), "no wildcard over addresses");
+    assert_eq!(normalize_origin_pattern("http://127.0.0.1:9").unwrap(), "http://127.0.0.1:9");
+    for bad in [
+        "https://*.com",
+        "https://*",
+        "https://a.*.example.com",
+        "https://*.*.example.com",
+        "https://*.10.0.0",
+        "https://x*.example.com",
+    ] {
+        let e = normalize_origin_pattern(bad).unwrap_err();
+        assert!(e.contains("wildcard"), "{bad}: {e}");
+    }
+    let e = err("[sandbox.http]\nhttp = [\"https://*.com\"]\n");
+    assert!(e.contains("sandbox.http.http:") && e.contains("subdomains of a domain name"), "{e}");
+}
+
+#[test]
 fn plugin_limits_take_per_plugin_overrides() {
     let c = Config::from_toml_str("[sandbox.big]\nmemory = \"256MiB\"\ninstances = 4", "t").unwrap();
     let big = c.plugin_limits("big");
@@ -343,4 +372,89 @@ fn dead_letters_name_another_route_and_do_not_chain() {
         let e = settings(routes).unwrap_err();
         assert!(e.contains(expected), "{e}");
     }
+}
+
+#[test]
+fn destinations_become_routes_of_their_own_with_inherited_settings() {
+    let text = r#"
+        [retry]
+        max_attempts = 9
+        [route.orders]
+        ordered = true
+        dead_letter = "dlq"
+        retry = { max_attempts = 4, backoff = "fixed", initial = "2s" }
+        [route.orders.destinations.crm]
+        plugin = "http"
+        config = { url = "https://crm.example/hook" }
+        event_types = ["order.*"]
+        [route.orders.destinations.audit]
+        plugin = "log"
+        retry = { max_attempts = 7 }
+        [route.dlq]
+        plugin = "log"
+    "#;
+    let settings = Config::from_toml_str(text, "t").unwrap().settings().unwrap();
+    assert!(settings.route("orders").is_none(), "the route itself has no plugin");
+    assert!(settings.is_configured("orders") && settings.is_configured("orders/crm"));
+    assert_eq!(settings.route_names(), ["dlq", "orders", "orders/audit", "orders/crm"]);
+    let crm = settings.route("orders/crm").unwrap();
+    assert_eq!((crm.plugin.as_str(), crm.destination_of.as_deref()), ("http", Some("orders")));
+    assert_eq!(crm.plugin_config, [("url".to_string(), "https://crm.example/hook".to_string())]);
+    assert_eq!(crm.retry.max_attempts, 4, "the route's retry overrides reach its destinations");
+    assert_eq!(crm.retry.backoff, Backoff::Fixed { delay: std::time::Duration::from_secs(2) });
+    assert_eq!(crm.dead_letter.as_deref(), Some("dlq"));
+    assert_eq!(crm.ordering, settings::Ordering::Ordered { failed_blocks_key: true });
+    let audit = settings.route("orders/audit").unwrap();
+    assert_eq!(audit.retry.max_attempts, 7, "a destination's own overrides come first");
+    assert_eq!(audit.retry.backoff, Backoff::Fixed { delay: std::time::Duration::from_secs(2) });
+    let (ordered, _) = settings.ordered_routes();
+    assert_eq!(ordered, ["orders/audit", "orders/crm", "orders"], "the route hands its events on in order too");
+    let fan_out = &settings.fan_outs["orders"];
+    assert_eq!(fan_out.routes_for("order.created").collect::<Vec<_>>(), ["orders/audit", "orders/crm"]);
+    assert_eq!(fan_out.routes_for("invoice.paid").collect::<Vec<_>>(), ["orders/audit"]);
+}
+
+#[test]
+fn destinations_are_checked_with_the_key_named() {
+    let settings = |text: &str| {
+        Config::from_toml_str(text, "t")
+            .map_err(|e| e.to_string())
+            .and_then(|c| c.settings().map_err(|e| e.to_string()))
+    };
+    for (text, expected) in [
+        (
+            "[route.o]\nplugin = \"log\"\n[route.o.destinations.a]\nplugin = \"http\"\n",
+            "route.o: a route with destinations has no plugin or config of its own",
+        ),
+        ("[route.o.destinations.a]\nconfig = { x = \"1\" }\n", "route.o.destinations.a: missing field `plugin`"),
+        ("[route.o.destinations.a]\nplugin = \" \"\n", "route.o.destinations.a.plugin must name a plugin"),
+        ("[route.\"o/p\"]\nplugin = \"log\"\n", "must not be empty or contain '/'"),
+        ("[route.o.destinations.\"a/b\"]\nplugin = \"log\"\n", "route.o.destinations.a/b: a destination's name"),
+        ("[route.o.destinations.a]\nplugin = \"log\"\nevent_types = [\"\"]\n", "route.o.destinations.a.event_types"),
+        ("[route.o.destinations.a]\nplugin = \"log\"\nretry = { initial = \"0s\" }\n", "route.o.destinations.a.retry."),
+        ("[route.o.destinations.a]\nplugin = \"log\"\nfilter = [\"x\"]\n", "unknown field `filter`"),
+        ("[route.o]\n", "route.o.plugin must name a plugin (or give the route destinations)"),
+    ] {
+        let e = settings(text).unwrap_err();
+        assert!(e.contains(expected), "{text}: {e}");
+    }
+}
+
+#[test]
+fn event_type_patterns_match_runs_of_characters() {
+    let types = |patterns: &[&str]| {
+        settings::EventTypes::new(&patterns.iter().map(|p| p.to_string()).collect::<Vec<_>>()).unwrap()
+    };
+    let order = types(&["order.*"]);
+    assert!(order.matches("order.created") && order.matches("order.line.added") && order.matches("order."));
+    assert!(!order.matches("order") && !order.matches("orders.created") && !order.matches("x.order.created"));
+    let mixed = types(&["invoice.paid", "*.refunded", "a*b*c"]);
+    assert!(mixed.matches("invoice.paid") && !mixed.matches("invoice.paid.late"));
+    assert!(mixed.matches("order.refunded") && mixed.matches(".refunded") && !mixed.matches("refunded"));
+    assert!(mixed.matches("abc") && mixed.matches("aXbYbZc") && !mixed.matches("acb"));
+    assert!(types(&[]).matches("anything") && types(&["*"]).matches(""));
+    assert!(types(&["é.*"]).matches("é.x") && !types(&["é.*"]).matches("e.x"));
+    // A pattern of many stars against a long miss stays quick.
+    let long = "a".repeat(10_000);
+    assert!(!types(&["*a*a*a*a*a*a*a*a*b"]).matches(&long));
 }

@@ -159,3 +159,51 @@ pub fn normalize_origin(text: &str) -> Result<String, String> {
     }
     Ok(format!("{scheme}://{}:{}", host.to_ascii_lowercase(), uri.port_u16().unwrap_or(default_port)))
 }
+
+/// What an allowlist entry stands for in place of its host's first label when that label is `*`.
+const ANY_SUBDOMAIN: &str = "any-subdomain.invalid";
+
+/// An allowlist entry, normalized like [`normalize_origin`]; its host may begin with `*.`, which
+/// stands for any one or more labels (`https://*.example.com` allows `https://a.example.com` and
+/// `https://a.b.example.com`, not `https://example.com`). Nothing else may be a wildcard, and a
+/// wildcard entry must name a domain (`*.com` is refused).
+pub fn normalize_origin_pattern(text: &str) -> Result<String, String> {
+    let Some((scheme, rest)) = text.split_once("://*.") else {
+        if text.contains('*') {
+            return Err(format!(
+                "{text:?}: a wildcard may only stand for the first labels of a host name, as in https://*.example.com"
+            ));
+        }
+        return normalize_origin(text);
+    };
+    if rest.contains('*') {
+        return Err(format!("{text:?}: only one wildcard, at the start of the host, is allowed"));
+    }
+    let normal = normalize_origin(&format!("{scheme}://{ANY_SUBDOMAIN}.{rest}"))?;
+    let host_start = normal.find("://").map_or(0, |i| i + 3);
+    let domain = normal[host_start + ANY_SUBDOMAIN.len() + 1..].rsplit_once(':').map_or("", |(d, _)| d);
+    if !domain.contains('.') || domain.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        return Err(format!(
+            "{text:?}: a wildcard must stand for subdomains of a domain name, as in https://*.example.com"
+        ));
+    }
+    Ok(normal.replacen(ANY_SUBDOMAIN, "*", 1))
+}
+
+/// Whether the normalized `origin` of a request is allowed by the normalized allowlist entry
+/// `pattern` ([`normalize_origin_pattern`]). A request to an IP address matches only an entry
+/// naming that address: a wildcard matches host names alone.
+pub fn origin_matches(pattern: &str, origin: &str) -> bool {
+    if pattern == origin {
+        return true;
+    }
+    let Some((scheme, rest)) = pattern.split_once("://*.") else { return false };
+    let Some((origin_scheme, origin_rest)) = origin.split_once("://") else { return false };
+    let Some((host, port)) = origin_rest.rsplit_once(':') else { return false };
+    let Some((domain, pattern_port)) = rest.rsplit_once(':') else { return false };
+    let is_ip = host.starts_with('[') || host.parse::<std::net::Ipv4Addr>().is_ok();
+    scheme == origin_scheme
+        && port == pattern_port
+        && !is_ip
+        && host.strip_suffix(domain).and_then(|sub| sub.strip_suffix('.')).is_some_and(|sub| !sub.is_empty())
+}

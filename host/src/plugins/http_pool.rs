@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -60,8 +61,9 @@ pub(crate) struct HttpPool {
     drains: Arc<Semaphore>,
 }
 
-/// A plugin and the CA file its sandbox trusts besides the public roots.
-type ClientKey = (Arc<str>, Option<PathBuf>);
+/// A plugin, the CA file its sandbox trusts besides the public roots, and whether it may reach
+/// non-public addresses.
+type ClientKey = (Arc<str>, Option<PathBuf>, bool);
 
 impl std::fmt::Debug for HttpPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -77,10 +79,11 @@ impl HttpPool {
     /// What sends `plugin`'s requests: its own client, so one plugin's connections (and, on
     /// HTTP/2, their streams and flow-control windows) are never another's. Servers are verified
     /// against the public (webpki) roots and, with `ca`, the certificates in that PEM file. The
-    /// error names the file when it cannot be used.
-    pub(crate) fn sender(&self, plugin: &Arc<str>, ca: Option<&Path>) -> Result<Sender, String> {
+    /// error names the file when it cannot be used. Without `private`, a host name that resolves
+    /// only to non-public addresses ([`is_public`]) is not connected to.
+    pub(crate) fn sender(&self, plugin: &Arc<str>, ca: Option<&Path>, private: bool) -> Result<Sender, String> {
         let mut clients = self.clients.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let key = (plugin.clone(), ca.map(Path::to_path_buf));
+        let key = (plugin.clone(), ca.map(Path::to_path_buf), private);
         let client = match clients.get(&key) {
             Some(client) => client.clone(),
             None => {
@@ -89,7 +92,7 @@ impl HttpPool {
                     .pool_max_idle_per_host(IDLE_PER_ORIGIN)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
-                    .build(Connector { tls: tls_connector(ca)? });
+                    .build(Connector { tls: tls_connector(ca)?, private });
                 clients.insert(key, client.clone());
                 client
             }
@@ -245,6 +248,7 @@ fn client_error(e: &hyper_util::client::legacy::Error) -> HttpError {
                 ConnectError::Io(e) => HttpError::Connect(io::Error::new(e.kind(), e.to_string())),
                 ConnectError::Tls(e) => HttpError::Tls(io::Error::new(e.kind(), e.to_string())),
                 ConnectError::Name(_) => HttpError::HttpRequestUriInvalid,
+                ConnectError::Prohibited(_) => HttpError::DestinationIpProhibited,
             };
         }
         if let Some(e) = cause.downcast_ref::<hyper::Error>() {
@@ -276,12 +280,16 @@ enum ConnectError {
     Tls(io::Error),
     #[error("not a host name TLS can verify: {0}")]
     Name(String),
+    #[error("{0}")]
+    Prohibited(String),
 }
 
 /// Opens TCP connections, and TLS over them for `https`.
 #[derive(Clone)]
 struct Connector {
     tls: tokio_rustls::TlsConnector,
+    /// Whether a host name may lead to a non-public address.
+    private: bool,
 }
 
 impl tower_service::Service<Uri> for Connector {
@@ -294,13 +302,14 @@ impl tower_service::Service<Uri> for Connector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let tls = self.tls.clone();
+        let (tls, private) = (self.tls.clone(), self.private);
         Box::pin(async move {
             let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
             let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
             let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
             let open = async {
-                let tcp = TcpStream::connect((host.as_str(), port)).await.map_err(|e| match e.kind() {
+                let addresses = addresses(&host, port, private).await?;
+                let tcp = TcpStream::connect(addresses.as_slice()).await.map_err(|e| match e.kind() {
                     io::ErrorKind::ConnectionRefused => ConnectError::Refused,
                     _ => ConnectError::Io(e),
                 })?;
@@ -316,6 +325,71 @@ impl tower_service::Service<Uri> for Connector {
             let stream = tokio::time::timeout(CONNECT_TIMEOUT, open).await.map_err(|_| ConnectError::Timeout)??;
             Ok(TokioIo::new(stream))
         })
+    }
+}
+
+/// Where a connection to `host` may go. An IP address is taken as it is: the allowlist named it.
+/// A host name is resolved now, for this connection (so a DNS answer that changes later is
+/// checked again), and without `private` its non-public addresses are left out; if none is left
+/// the connection is refused, naming the addresses and the setting that would allow them.
+async fn addresses(host: &str, port: u16, private: bool) -> Result<Vec<SocketAddr>, ConnectError> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await.map_err(ConnectError::Io)?.collect();
+    let (public, other): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved.into_iter().partition(|a| is_public(a.ip()));
+    match (public.is_empty(), private) {
+        (false, false) => Ok(public),
+        (_, true) => Ok(public.into_iter().chain(other).collect()),
+        (true, false) => {
+            let other: Vec<String> = other.iter().map(|a| a.ip().to_string()).collect();
+            Err(ConnectError::Prohibited(format!(
+                "{host} resolves to non-public addresses only ({}); requests to loopback, private, link-local and \
+                 metadata addresses need the plugin's sandbox http_private = true",
+                other.join(", ")
+            )))
+        }
+    }
+}
+
+/// Whether `ip` is an address on the public internet: not loopback, private (RFC 1918, unique
+/// local), link-local (where cloud metadata services answer), shared (CGNAT), unspecified,
+/// broadcast, multicast, documentation or benchmarking space. IPv4 addresses inside IPv6 ones
+/// (mapped, compatible, NAT64) are judged as IPv4.
+pub(crate) fn is_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, c, _] = v4.octets();
+            !(v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_documentation()
+                || a == 0
+                || (a == 100 && (64..128).contains(&b))
+                || (a == 192 && b == 0 && c == 0)
+                || (a == 198 && (18..20).contains(&b))
+                || a >= 240)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let segments = v6.segments();
+            if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || segments[..6] == [0; 6] {
+                let [_, _, _, _, _, _, high, low] = segments;
+                let embedded = std::net::Ipv4Addr::from((u32::from(high) << 16) | u32::from(low));
+                return !v6.is_unspecified() && !v6.is_loopback() && is_public(IpAddr::V4(embedded));
+            }
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (segments[0] & 0xfe00) == 0xfc00
+                || (segments[0] & 0xffc0) == 0xfe80
+                || (segments[0] == 0x2001 && segments[1] == 0x0db8))
+        }
     }
 }
 
@@ -382,5 +456,62 @@ impl AsyncWrite for Stream {
             Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
             Stream::Tls(s) => Pin::new(s).poll_shutdown(cx),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_addresses_on_the_public_internet_are_public() {
+        let public = |text: &str| is_public(text.parse().unwrap());
+        for address in ["93.184.215.14", "8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"] {
+            assert!(public(address), "{address}");
+        }
+        for address in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "100.64.0.1",
+            "0.0.0.0",
+            "0.1.2.3",
+            "255.255.255.255",
+            "224.0.0.1",
+            "192.0.2.1",
+            "198.18.0.1",
+            "::1",
+            "::",
+            "fc00::1",
+            "fd00:ec2::254",
+            "fe80::1",
+            "ff02::1",
+            "::ffff:127.0.0.1",
+            "::ffff:169.254.169.254",
+            "64:ff9b::a9fe:a9fe",
+            "::127.0.0.1",
+            "2001:db8::1",
+        ] {
+            assert!(!public(address), "{address}");
+        }
+    }
+
+    #[tokio::test]
+    async fn host_names_that_lead_to_private_addresses_are_refused_unless_allowed() {
+        let refused = addresses("localhost", 80, false).await.unwrap_err().to_string();
+        assert!(
+            refused.contains("localhost resolves to non-public addresses only (127.0.0.1")
+                && refused.contains("http_private = true"),
+            "{refused}"
+        );
+        assert!(addresses("localhost", 80, true).await.unwrap().iter().all(|a| a.ip().is_loopback()));
+        let named = addresses("127.0.0.1", 80, false).await.unwrap();
+        assert_eq!(
+            named,
+            [SocketAddr::from(([127, 0, 0, 1], 80))],
+            "an address named by the allowlist is taken as it is"
+        );
     }
 }

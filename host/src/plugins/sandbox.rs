@@ -25,7 +25,7 @@ use super::bindings::ferry::transport::{logging, types};
 use super::http_pool::{Sender, Ticket};
 use super::runtime::Runtime;
 use super::ticks;
-use crate::config::{PluginLimits, Sandbox, normalize_origin};
+use crate::config::{PluginLimits, Sandbox, normalize_origin, origin_matches};
 
 /// Core instances one plugin instance may hold. The bundled Python transport (componentize-py)
 /// needs 14, the JavaScript one 4, the Rust ones 3. Also the pool's per-component cap.
@@ -194,7 +194,8 @@ impl WasiHttpHooks for HttpPolicy {
         let uri = request.uri();
         let origin =
             format!("{}://{}", uri.scheme_str().unwrap_or("https"), uri.authority().map_or("", |a| a.as_str()));
-        let Some(origin) = normalize_origin(&origin).ok().filter(|o| self.origins.contains(o)) else {
+        let allowed = |o: &String| self.origins.contains(o) || self.origins.iter().any(|p| origin_matches(p, o));
+        let Some(origin) = normalize_origin(&origin).ok().filter(allowed) else {
             tracing::warn!(plugin = %self.plugin, %origin, "plugin denied an HTTP request to an origin not on its http allowlist");
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         };
@@ -287,7 +288,7 @@ impl Runtime {
             true => None,
             false => Some(
                 self.http
-                    .sender(&plugin, sandbox.http_ca.as_deref())
+                    .sender(&plugin, sandbox.http_ca.as_deref(), sandbox.http_private)
                     .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.http_ca: {e}"))?,
             ),
         };

@@ -14,12 +14,71 @@ use super::{Relay, Routes};
 use crate::backoff::RetryDecision;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::plugins::{DeliverError, Outcome, RouteTransport};
+use crate::store::StoreError;
 
 /// The shortest wait a plugin's deferral gets, so an event deferred again and again cannot keep
 /// the relay claiming it in a loop.
 const MIN_DEFERRAL: Duration = Duration::from_secs(1);
 
 impl Relay {
+    /// Hands on the claimed events of routes with destinations ([`crate::store::Store::fan_out`]):
+    /// each becomes one new event per destination whose event types match, and is itself SENT.
+    /// Returns the other events, to deliver, and how many were handed on.
+    ///
+    /// Should the database refuse a batch of copies (a trigger of the operator's, say), each event
+    /// is handed on alone, and one the database refuses alone ends FAILED, kept for inspection and
+    /// resend, rather than holding the others back; an error that is not the database refusing
+    /// (a lost connection) is returned, and the claim's lease hands the events back later.
+    pub(super) async fn hand_on(
+        &self,
+        routes: &Routes,
+        token: &str,
+        events: Vec<ClaimedEvent>,
+    ) -> Result<(Vec<ClaimedEvent>, usize), StoreError> {
+        let fan_outs = &routes.settings.fan_outs;
+        if fan_outs.is_empty() {
+            return Ok((events, 0));
+        }
+        // A row that could not be decoded is delivered nowhere: it fails alone, as on any route.
+        let (parents, rest): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) =
+            events.into_iter().partition(|e| e.defect.is_none() && fan_outs.contains_key(&e.route));
+        let items: Vec<(i64, Vec<String>)> = parents
+            .iter()
+            .filter_map(|e| {
+                let fan_out = fan_outs.get(&e.route)?;
+                Some((e.id, fan_out.routes_for(&e.event_type).map(String::from).collect()))
+            })
+            .collect();
+        if items.is_empty() {
+            return Ok((rest, 0));
+        }
+        let now = self.clock.now();
+        let Err(refused) = self.store.fan_out(token, now, &items).await else {
+            return Ok((rest, items.len()));
+        };
+        tracing::warn!("handing {} events on to their destinations failed, trying one by one: {refused}", items.len());
+        let mut failed = Vec::new();
+        for (item, event) in items.iter().zip(&parents) {
+            match self.store.fan_out(token, now, std::slice::from_ref(item)).await {
+                Ok(_) => {}
+                Err(StoreError::Database(sqlx::Error::Database(refused))) => {
+                    let call = self.call_log(&event.route, now, Duration::ZERO, None, None);
+                    let why = reason(&format!("the database refused its copies for the destinations: {refused}"));
+                    failed.push(self.fail(routes, event, &call, FailureReason::InvalidEvent, why));
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        if !failed.is_empty() {
+            self.store.complete(token, now, &failed).await?;
+            tracing::error!(
+                events = failed.len(),
+                "events could not be handed on to their destinations and are FAILED (`ferry failed list`)"
+            );
+        }
+        Ok((rest, items.len()))
+    }
+
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion
     /// per event.
     pub(super) async fn deliver_all(&self, routes: &Routes, events: &[ClaimedEvent]) -> Vec<Completion> {

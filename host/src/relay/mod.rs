@@ -65,6 +65,11 @@ impl Routes {
         self.transports.get(name)
     }
 
+    /// Whether events of route `name` have somewhere to go: a transport, or destinations.
+    pub fn knows(&self, name: &str) -> bool {
+        self.transports.contains_key(name) || self.settings.fan_outs.contains_key(name)
+    }
+
     /// Every route's transport, by route name.
     pub fn transports(&self) -> impl Iterator<Item = (&String, &Arc<RouteTransport>)> {
         self.transports.iter()
@@ -311,17 +316,17 @@ impl Relay {
         // under the new table. The rest is delivered with the table it was claimed under.
         let latest = self.routes.get();
         if !Arc::ptr_eq(&routes, &latest) {
-            let (newer, claimed): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) = events
-                .into_iter()
-                .partition(|e| routes.transport(&e.route).is_none() && latest.transport(&e.route).is_some());
+            let (newer, claimed): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) =
+                events.into_iter().partition(|e| !routes.knows(&e.route) && latest.knows(&e.route));
             if !newer.is_empty() {
                 let ids: Vec<i64> = newer.iter().map(|e| e.id).collect();
                 self.store.release(&token, &ids, self.clock.now()).await?;
             }
             events = claimed;
         }
+        let (events, handed_on) = self.hand_on(&routes, &token, events).await?;
         if events.is_empty() {
-            return Ok(CycleStats::default());
+            return Ok(CycleStats { claimed: handed_on, ..CycleStats::default() });
         }
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
@@ -345,7 +350,7 @@ impl Relay {
         let done_at = self.clock.now();
         let written = self.store.complete(&token, done_at, &completions).await?;
         let stats = CycleStats {
-            claimed: events.len(),
+            claimed: events.len() + handed_on,
             sent: totals.sent,
             retried: totals.retried,
             deferred: totals.deferred,

@@ -324,6 +324,21 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// One stored event, if it exists.
     async fn get(&self, id: i64) -> Result<Option<EventRecord>, StoreError>;
 
+    /// The events event `id` was handed on as (one per destination), in id order, at most
+    /// [`MAX_DELIVERIES_SHOWN`].
+    async fn deliveries(&self, id: i64) -> Result<Vec<Delivery>, StoreError>;
+
+    /// Hands on events claimed under `token` whose route has destinations: for each (event,
+    /// destination routes) whose claim still holds, the event becomes SENT and each route gets a
+    /// copy as a new PENDING event at `now` (its `parent_id` the event's id), in one transaction.
+    /// Returns the ids of the events handed on.
+    async fn fan_out(
+        &self,
+        token: &str,
+        now: DateTime<Utc>,
+        items: &[(i64, Vec<String>)],
+    ) -> Result<Vec<i64>, StoreError>;
+
     /// How many FAILED events match `filter`.
     async fn count_failed(&self, filter: &FailedFilter) -> Result<u64, StoreError> {
         Ok(self.tally_failed(filter).await?.0)
@@ -542,6 +557,28 @@ fn sent_by_call<'a>(sent: &[&'a Completion]) -> Option<Vec<SentCall<'a>>> {
     }
     calls.iter_mut().for_each(|c| c.ids.sort_unstable());
     Some(calls)
+}
+
+/// How many of an event's deliveries `ferry show` lists.
+pub const MAX_DELIVERIES_SHOWN: u32 = 100;
+
+/// One event an event was handed on as, for a destination.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, sqlx::FromRow)]
+pub struct Delivery {
+    pub id: i64,
+    pub route: String,
+    pub status: String,
+    pub attempts: i64,
+}
+
+/// The (event, route) pairs of `items` whose event is in `handed`, in order: the copies to insert.
+fn copies<'a>(items: &'a [(i64, Vec<String>)], handed: &[i64]) -> Vec<(i64, &'a str)> {
+    let handed: std::collections::HashSet<i64> = handed.iter().copied().collect();
+    items
+        .iter()
+        .filter(|(id, _)| handed.contains(id))
+        .flat_map(|(id, routes)| routes.iter().map(move |route| (*id, route.as_str())))
+        .collect()
 }
 
 /// How a backend writes a batch's outcomes in one transaction: retries and failures by id, then

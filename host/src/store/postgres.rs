@@ -17,11 +17,11 @@ use tokio_util::sync::CancellationToken;
 use ferry_outbox::Outbox;
 
 use super::{
-    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
-    FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
-    Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_event,
-    complete_batch, copy_dead_letters, counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order,
-    in_claim_order, refund, stats_from,
+    ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
+    FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
+    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL,
+    calls_of, claimed_event, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters,
+    deferrals_written, duration_ms, ids_in_order, in_claim_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -258,6 +258,22 @@ const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
      FROM UNNEST($1::bigint[], $2::text[]) AS u(id, route) JOIN ferry_events e ON e.id = u.id
      ORDER BY e.id";
 
+/// Copies events ($1) to destination routes ($2) as new PENDING events at $3, in the order given
+/// (so each destination's deliveries keep the order of the events). The original creation time
+/// is kept, so latency counts from the application's commit; a time a new row may not hold
+/// (written before ferry's checks) becomes $3.
+const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
+         (route, event_type, ordering_key, payload, content_type, headers, created_at, event_time,
+          last_status_at, next_attempt_at, parent_id)
+     SELECT u.route, e.event_type, e.ordering_key, e.payload, e.content_type, e.headers,
+            CASE WHEN e.created_at >= '0001-01-01 00:00:00+00' AND e.created_at < '10000-01-01 00:00:00+00'
+                 THEN e.created_at ELSE $3 END,
+            CASE WHEN e.event_time >= '0001-01-01 00:00:00+00' AND e.event_time < '10000-01-01 00:00:00+00'
+                 THEN e.event_time ELSE $3 END,
+            $3, $3, e.id
+     FROM UNNEST($1::bigint[], $2::text[]) WITH ORDINALITY AS u(id, route, n) JOIN ferry_events e ON e.id = u.id
+     ORDER BY u.n";
+
 /// Settings of ferry's own connections, chosen for the claim, the statement that runs most:
 /// - Its filters on ordered, blocking and paused routes are parameters that are nearly always
 ///   empty. A generic plan, which PostgreSQL switches prepared statements to after five runs,
@@ -272,12 +288,12 @@ pub const SESSION_SETTINGS: [(&str, &str); 2] =
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
-     last_error, failure_reason, claimed_by, claim_token, lease_until";
+     last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
 /// The columns of a list: every one but the payload, which lists do not show.
 const LIST_COLUMNS: &str = "id, route, event_type, ordering_key, '\\x'::bytea AS payload, content_type, headers::text AS headers, \
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
-     last_error, failure_reason, claimed_by, claim_token, lease_until";
+     last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
 #[async_trait]
 impl Store for PostgresStore {
@@ -515,6 +531,49 @@ impl Store for PostgresStore {
             .fetch_optional(&self.pool)
             .await?;
         Ok(row.map(StoredRow::into_record))
+    }
+
+    async fn deliveries(&self, id: i64) -> Result<Vec<Delivery>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT id, route, status, attempts::bigint AS attempts FROM ferry_events
+             WHERE parent_id = $1 ORDER BY id LIMIT $2",
+        )
+        .bind(id)
+        .bind(i64::from(MAX_DELIVERIES_SHOWN))
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    async fn fan_out(
+        &self,
+        token: &str,
+        now: DateTime<Utc>,
+        items: &[(i64, Vec<String>)],
+    ) -> Result<Vec<i64>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let ids: Vec<i64> = items.iter().map(|(id, _)| *id).collect();
+        let handed: Vec<i64> = sqlx::query_scalar(
+            "UPDATE ferry_events
+             SET status = 'SENT', processed_at = $3, last_status_at = $3, claim_token = NULL, lease_until = NULL
+             WHERE id = ANY($1) AND claim_token = $2 AND status = 'PROCESSING'
+             RETURNING id",
+        )
+        .bind(&ids)
+        .bind(token)
+        .bind(now)
+        .fetch_all(&mut *tx)
+        .await?;
+        let copies = copies(items, &handed);
+        if !copies.is_empty() {
+            sqlx::query(FAN_OUT_SQL)
+                .bind(copies.iter().map(|(id, _)| *id).collect::<Vec<i64>>())
+                .bind(copies.iter().map(|(_, route)| route.to_string()).collect::<Vec<String>>())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(handed)
     }
 
     async fn tally_failed(&self, filter: &FailedFilter) -> Result<(u64, Option<i64>), StoreError> {

@@ -17,11 +17,11 @@ use sqlx::{Row, SqlitePool};
 use ferry_outbox::Outbox;
 
 use super::{
-    ATTEMPTS_SQL, Breaker, Claim, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter, FailedGroup,
-    FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, Partitioned, ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes,
-    Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_event, complete_batch,
-    copy_dead_letters, counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, in_claim_order,
-    refund, stats_from,
+    ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
+    FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
+    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL,
+    claimed_event, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters, deferrals_written,
+    duration_ms, ids_in_order, in_claim_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -248,12 +248,12 @@ fn ms(t: DateTime<Utc>) -> i64 {
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
-     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until";
+     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
 /// The columns of a list: every one but the payload, which lists do not show.
 const LIST_COLUMNS: &str = "id, route, event_type, ordering_key, x'' AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
-     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until";
+     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
 /// Records one outcome kind for the rows of the JSON array ?1 still held by claim ?3, at ?2;
 /// returns the ids written.
@@ -305,6 +305,22 @@ const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
             ?2, ?2
      FROM json_each(?1) AS u JOIN ferry_events e ON e.id = json_extract(u.value, '$.id')
      ORDER BY e.id";
+
+/// Copies events to destination routes (?1: `[[id, route], …]`) as new PENDING events at ?2, in
+/// the order given (so each destination's deliveries keep the order of the events). The original
+/// creation time is kept, so latency counts from the application's commit; a time a new row may
+/// not hold (written before ferry's checks) becomes ?2.
+const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
+         (route, event_type, ordering_key, payload, content_type, headers, created_at, event_time,
+          last_status_at, next_attempt_at, parent_id)
+     SELECT json_extract(u.value, '$[1]'), e.event_type, e.ordering_key, e.payload, e.content_type, e.headers,
+            CASE WHEN typeof(e.created_at) = 'integer' AND e.created_at BETWEEN -62135596800000 AND 253402300799999
+                 THEN e.created_at ELSE ?2 END,
+            CASE WHEN typeof(e.event_time) = 'integer' AND e.event_time BETWEEN -62135596800000 AND 253402300799999
+                 THEN e.event_time ELSE ?2 END,
+            ?2, ?2, e.id
+     FROM json_each(?1) AS u JOIN ferry_events e ON e.id = json_extract(u.value, '$[0]')
+     ORDER BY u.key";
 
 const COMPLETE_FAILED: &str = "UPDATE ferry_events
      SET status = 'FAILED', failure_reason = u.reason, last_error = u.error, processed_at = ?2,
@@ -540,6 +556,47 @@ impl Store for SqliteStore {
         let sql = format!("SELECT COUNT(*), MAX(id) FROM ferry_events WHERE {FAILED_WHERE}");
         let row = bind_filter!(sqlx::query(&sql), filter).fetch_one(&self.pool).await?;
         Ok((u64::try_from(row.try_get::<i64, _>(0)?).unwrap_or(0), row.try_get::<Option<i64>, _>(1)?))
+    }
+
+    async fn deliveries(&self, id: i64) -> Result<Vec<Delivery>, StoreError> {
+        Ok(sqlx::query_as(
+            "SELECT id, CAST(route AS TEXT) AS route, CAST(status AS TEXT) AS status,
+                    CAST(attempts AS INTEGER) AS attempts
+             FROM ferry_events WHERE parent_id = ?1 ORDER BY id LIMIT ?2",
+        )
+        .bind(id)
+        .bind(i64::from(MAX_DELIVERIES_SHOWN))
+        .fetch_all(&self.pool)
+        .await?)
+    }
+
+    async fn fan_out(
+        &self,
+        token: &str,
+        now: DateTime<Utc>,
+        items: &[(i64, Vec<String>)],
+    ) -> Result<Vec<i64>, StoreError> {
+        let _writing = self.writer.lock().await;
+        let mut tx = self.pool.begin().await?;
+        let ids: Vec<i64> = items.iter().map(|(id, _)| *id).collect();
+        let handed: Vec<i64> = sqlx::query_scalar(
+            "UPDATE ferry_events
+             SET status = 'SENT', processed_at = ?1, last_status_at = ?1, claim_token = NULL, lease_until = NULL
+             WHERE claim_token = ?2 AND status = 'PROCESSING' AND id IN (SELECT value FROM json_each(?3))
+             RETURNING id",
+        )
+        .bind(ms(now))
+        .bind(token)
+        .bind(json!(ids).to_string())
+        .fetch_all(&mut *tx)
+        .await?;
+        let copies = copies(items, &handed);
+        if !copies.is_empty() {
+            let rows: Vec<Value> = copies.iter().map(|(id, route)| json!([id, route])).collect();
+            sqlx::query(FAN_OUT_SQL).bind(Value::Array(rows).to_string()).bind(ms(now)).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(handed)
     }
 
     async fn list_failed(&self, filter: &FailedFilter, limit: u32) -> Result<Vec<EventRecord>, StoreError> {

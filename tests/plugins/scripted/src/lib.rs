@@ -3,6 +3,7 @@
 //!
 //! - `transient` → transient failure (retry-after from the `retry-after-ms` header, if any);
 //! - `flaky` → transient failure on the first attempt, success afterwards;
+//! - `transient-then-permanent` → transient failure on the first attempt, permanent afterwards;
 //! - `permanent` → permanent failure;
 //! - `trap` → panics, trapping the whole batch;
 //! - `spin` → loops forever (the host must time it out);
@@ -40,7 +41,9 @@
 //! - `record` — a file (in a pre-opened directory) to which every successful delivery appends a
 //!   line `id key attempt nanos` (nanos: wall-clock time of the call), so tests can count
 //!   deliveries per event and check their order across instances;
-//! - `delay_ms` — sleep this long in every call (before answering), to keep batches in flight.
+//! - `delay_ms` — sleep this long in every call (before answering), to keep batches in flight;
+//! - `answer` — treat every event as if its type were this (`transient`, `flaky`, …), so one
+//!   route's destinations can answer the same event differently.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -55,6 +58,7 @@ use ferry::transport::types::{Deferral, Failure};
 struct Settings {
     record: Option<File>,
     delay: Duration,
+    answer: Option<String>,
 }
 
 /// Calls deferred so far, by event id (`defer`).
@@ -62,7 +66,7 @@ static DEFERRED: Mutex<std::collections::BTreeMap<u64, u32>> = Mutex::new(std::c
 
 static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-static SETTINGS: Mutex<Settings> = Mutex::new(Settings { record: None, delay: Duration::ZERO });
+static SETTINGS: Mutex<Settings> = Mutex::new(Settings { record: None, delay: Duration::ZERO, answer: None });
 
 struct Scripted;
 
@@ -94,6 +98,7 @@ impl Guest for Scripted {
                     let ms = value.parse().map_err(|_| format!("delay_ms: not a number: {value:?}"))?;
                     settings.delay = Duration::from_millis(ms);
                 }
+                "answer" => settings.answer = Some(value),
                 other => return Err(format!("unknown config key {other:?}")),
             }
         }
@@ -127,7 +132,8 @@ impl Guest for Scripted {
                 .map(|_| Outcome::Permanent(Failure { reason: reason.clone(), retry_after_ms: None }))
                 .collect();
         }
-        let outcomes: Vec<Outcome> = events.iter().map(outcome).collect();
+        let outcomes: Vec<Outcome> =
+            events.iter().map(|e| outcome(e, settings.answer.as_deref().unwrap_or(&e.event_type))).collect();
         if let Some(file) = settings.record.as_mut() {
             let nanos =
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
@@ -150,14 +156,15 @@ impl Guest for Scripted {
     }
 }
 
-fn outcome(event: &Event) -> Outcome {
+/// What the plugin answers for `event`, told to behave as type `kind` says.
+fn outcome(event: &Event, kind: &str) -> Outcome {
     let failure = |kind: &str| Failure {
         reason: format!("scripted {kind} failure of event {} (attempt {})", event.id, event.attempt),
         retry_after_ms: event.headers.iter().find(|(k, _)| k == "retry-after-ms").and_then(|(_, v)| v.parse().ok()),
     };
     let header = |name: &str| event.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()).unwrap_or_default();
     let refused = |what: String| Outcome::Permanent(Failure { reason: what, retry_after_ms: None });
-    match event.event_type.as_str() {
+    match kind {
         "connect" => match std::net::TcpStream::connect(header("addr")) {
             Ok(_) => Outcome::Success,
             Err(e) => refused(format!("connect {}: {e}", header("addr"))),
@@ -214,6 +221,8 @@ fn outcome(event: &Event) -> Outcome {
         }
         "transient" => Outcome::Transient(failure("transient")),
         "flaky" if event.attempt == 1 => Outcome::Transient(failure("flaky")),
+        "transient-then-permanent" if event.attempt == 1 => Outcome::Transient(failure("transient")),
+        "transient-then-permanent" => Outcome::Permanent(failure("permanent")),
         "permanent" => Outcome::Permanent(failure("permanent")),
         _ => Outcome::Success,
     }

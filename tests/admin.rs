@@ -430,8 +430,23 @@ async fn destinations_through_the_api(db: TestDb) {
     let orders = routes.as_array().unwrap().iter().find(|r| r["route"] == "fan/orders").expect("listed");
     assert_eq!((orders["destination_of"].as_str(), orders["event_types"][0].as_str()), (Some("fan"), Some("order.*")));
     assert_eq!(orders["breaker"]["state"], "open");
+    let fan = routes.as_array().unwrap().iter().find(|r| r["route"] == "fan").expect("the route itself is listed");
+    assert_eq!((fan["plugin"].as_str(), fan["plugin_loaded"].as_bool()), (Some(""), Some(true)), "{fan}");
+    assert_eq!(fan["destinations"], json!(["fan/all", "fan/orders"]));
     let (_, count) = api.get("/v1/failed/count?route=fan/orders").await;
     assert_eq!(count["failed"], 0);
+
+    // The route's own breaker, opened by hand, holds its events back before they are handed on.
+    let (status, _) = api.post("/v1/breakers/fan/open", json!({ "reason": "pause every destination" })).await;
+    assert_eq!(status, StatusCode::OK);
+    let held = api.enqueue("fan", "order.updated").await;
+    api.cycle().await;
+    let (_, event) = api.get(&format!("/v1/events/{held}")).await;
+    assert_eq!((event["status"].as_str(), event.get("deliveries")), (Some("PENDING"), None), "{event}");
+    api.post("/v1/breakers/fan/close", json!(null)).await;
+    api.cycle().await;
+    let (_, event) = api.get(&format!("/v1/events/{held}")).await;
+    assert_eq!(event["deliveries"].as_array().map(Vec::len), Some(2), "{event}");
 }
 
 crate::both_backends!(operations_through_the_api, destinations_through_the_api);

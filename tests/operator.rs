@@ -59,12 +59,19 @@ async fn config_check_runs_what_serve_checks_without_the_database() {
     // plugin is there but refuses its config in `init`.
     let config = log_route(
         dir.path(),
-        "[sandbox.lgo]\nstdio = true\n[route.typo]\nplugin = \"lgo\"\n[route.broken]\nplugin = \"log\"\nconfig = { output = \"relative.jsonl\" }\n",
+        "[sandbox.lgo]\nstdio = true\nhttp = [\"http://localhost:8080\", \"http://127.0.0.1:9\"]\n[route.typo]\nplugin = \"lgo\"\n\
+         [route.broken]\nplugin = \"log\"\nconfig = { output = \"relative.jsonl\" }\n",
     );
     let (code, text, _) = run_ferry(&config, &["config", "check"]);
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("route \"typo\" needs plugin \"lgo\""), "the missing plugin is named:\n{text}");
     assert!(text.contains("[sandbox.lgo] is for a plugin named \"lgo\""), "the stray sandbox is warned about:\n{text}");
+    assert!(
+        text.contains("sandbox.lgo.http: localhost resolves to non-public addresses only")
+            && text.contains("http_private = true")
+            && !text.contains("requests to http://127.0.0.1:9"),
+        "an allowed host name that leads to loopback is warned about, an address named outright is not:\n{text}"
+    );
     assert!(text.contains("audit") && text.contains("ready"), "the good route is ready:\n{text}");
     assert!(text.contains("not ok"), "{text}");
 

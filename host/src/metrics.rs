@@ -83,6 +83,9 @@ pub struct Metrics {
     pub delivered: Family<RouteLabels, Counter>,
     pub retried: Family<RouteLabels, Counter>,
     pub deferred: Family<RouteLabels, Counter>,
+    /// Events of routes with destinations handed on, and the deliveries made of them.
+    pub handed_on: Family<RouteOnly, Counter>,
+    pub deliveries_made: Family<RouteOnly, Counter>,
     pub failed: Family<FailedLabels, Counter>,
     pub delivery_latency: Histograms<RouteOnly>,
     pub batch_size: Histogram,
@@ -120,6 +123,18 @@ impl Metrics {
             "ferry_events_deferred",
             "Deliveries a plugin deferred (the receiver asked to wait), no attempt counted",
             deferred.clone(),
+        );
+        let handed_on = Family::<RouteOnly, Counter>::default();
+        registry.register(
+            "ferry_events_handed_on",
+            "Events of a route with destinations handed on to them (an event no destination receives included)",
+            handed_on.clone(),
+        );
+        let deliveries_made = Family::<RouteOnly, Counter>::default();
+        registry.register(
+            "ferry_deliveries_made",
+            "Deliveries made of handed-on events, one per destination that receives the event, by route",
+            deliveries_made.clone(),
         );
         let failed = Family::<FailedLabels, Counter>::default();
         registry.register("ferry_events_failed", "Events that became FAILED, by failure reason", failed.clone());
@@ -186,6 +201,8 @@ impl Metrics {
             delivered,
             retried,
             deferred,
+            handed_on,
+            deliveries_made,
             failed,
             delivery_latency,
             batch_size,

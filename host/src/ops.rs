@@ -296,21 +296,16 @@ impl Ops {
     ) -> Result<Vec<String>, OpError> {
         let now = self.clock.now();
         let settings = self.settings();
-        if let Some(fan_out) = settings.fan_outs.get(&event.route) {
-            let when = event.next_attempt_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-            return Ok(vec![match event.next_attempt_at > now {
-                true => format!("deferred until {when}, then handed on to its destinations"),
-                false => format!(
-                    "due now: the next claim hands it on to each of the route's {} destinations that receives its type",
-                    fan_out.destinations.len()
-                ),
-            }]);
-        }
-        let Some(route) = settings.route(&event.route) else {
-            return Ok(vec![format!(
-                "route {:?} is not configured here: when it is due, it fails with reason no_transport",
-                event.route
-            )]);
+        // A route with destinations hands its events on in key order when it is ordered.
+        let ordering = match (settings.route(&event.route), settings.fan_outs.get(&event.route)) {
+            (Some(route), _) => route.ordering,
+            (None, Some(fan_out)) => fan_out.ordering,
+            (None, None) => {
+                return Ok(vec![format!(
+                    "route {:?} is not configured here: when it is due, it fails with reason no_transport",
+                    event.route
+                )]);
+            }
         };
         let mut why = Vec::new();
         if event.next_attempt_at > now {
@@ -348,7 +343,7 @@ impl Ops {
                 BreakerState::Closed => {}
             }
         }
-        if let (Ordering::Ordered { failed_blocks_key }, Some(key)) = (route.ordering, &event.ordering_key)
+        if let (Ordering::Ordered { failed_blocks_key }, Some(key)) = (ordering, &event.ordering_key)
             && let Some((ahead, status)) =
                 self.store.ahead_in_key(&event.route, key, event.id, failed_blocks_key).await?
         {
@@ -541,7 +536,7 @@ impl Ops {
         if route.trim().is_empty() {
             return Err(OpError::Invalid("the route name must not be empty".into()));
         }
-        if self.settings().route(route).is_none() {
+        if !self.settings().is_configured(route) {
             return Err(OpError::NotFound(format!("route {route:?} is not configured")));
         }
         let now = self.clock.now();
@@ -556,20 +551,20 @@ impl Ops {
         let breakers = self.store.breakers().await?;
         let settings = self.settings();
         let cooldown = settings.breaker_cooldown();
-        Ok(settings
+        let breaker_of = |name: &str| {
+            let breaker = breakers.iter().find(|b| b.route == name).cloned().unwrap_or(Breaker::closed(name, now));
+            BreakerView::new(breaker, now, cooldown)
+        };
+        let flags = |ordering| match ordering {
+            Ordering::Unordered => (false, false),
+            Ordering::Ordered { failed_blocks_key } => (true, failed_blocks_key),
+        };
+        let mut views: Vec<RouteView> = settings
             .routes
             .values()
             .map(|route| {
                 let plugin = registry.get(&route.plugin);
-                let breaker = breakers
-                    .iter()
-                    .find(|b| b.route == route.name)
-                    .cloned()
-                    .unwrap_or(Breaker::closed(&route.name, now));
-                let (ordered, failed_blocks_key) = match route.ordering {
-                    Ordering::Unordered => (false, false),
-                    Ordering::Ordered { failed_blocks_key } => (true, failed_blocks_key),
-                };
+                let (ordered, failed_blocks_key) = flags(route.ordering);
                 RouteView {
                     route: route.name.clone(),
                     plugin: route.plugin.clone(),
@@ -586,11 +581,32 @@ impl Ops {
                         .and_then(|f| f.destinations.iter().find(|d| d.route == route.name))
                         .map(|d| d.event_types.patterns().to_vec())
                         .unwrap_or_default(),
-                    breaker: BreakerView::new(breaker, now, cooldown),
+                    destinations: Vec::new(),
+                    breaker: breaker_of(&route.name),
                     retry: RetryView::from(&route.retry),
                 }
             })
-            .collect())
+            .collect();
+        views.extend(settings.fan_outs.values().map(|fan_out| {
+            let (ordered, failed_blocks_key) = flags(fan_out.ordering);
+            let loaded = |route: &str| settings.route(route).is_some_and(|r| registry.get(&r.plugin).is_some());
+            RouteView {
+                route: fan_out.route.clone(),
+                plugin: String::new(),
+                plugin_loaded: fan_out.destinations.iter().all(|d| loaded(&d.route)),
+                plugin_hash: None,
+                ordered,
+                failed_blocks_key,
+                dead_letter: fan_out.dead_letter.clone(),
+                destination_of: None,
+                event_types: Vec::new(),
+                destinations: fan_out.destinations.iter().map(|d| d.route.clone()).collect(),
+                breaker: breaker_of(&fan_out.route),
+                retry: RetryView::from(&fan_out.retry),
+            }
+        }));
+        views.sort_by(|a, b| a.route.cmp(&b.route));
+        Ok(views)
     }
 
     /// The monitoring figures, latency over the last `window` ([`DEFAULT_WINDOW`]).

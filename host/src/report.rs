@@ -247,6 +247,9 @@ pub struct RouteView {
     /// For a destination, the event types it receives (none: all of its route's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub event_types: Vec<String>,
+    /// For a route with destinations (which has no plugin of its own), their routes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub destinations: Vec<String>,
     pub breaker: BreakerView,
     /// The retry policy in effect for the route.
     pub retry: RetryView,

@@ -54,7 +54,7 @@ impl Ferry {
                 Some(why) => tracing::error!(route = %check.route, "route has no transport: {why}"),
             }
         }
-        for warning in warnings(&settings, &registry) {
+        for warning in warnings(&settings, &registry).into_iter().chain(private_origins(&settings).await) {
             tracing::warn!("{warning}");
         }
         let routes = Routes::new(settings.clone(), transports);
@@ -119,8 +119,17 @@ impl Ferry {
         let mut reload = ConfigReload { needs_restart, ..ConfigReload::default() };
         let mut transports = HashMap::new();
         let mut fresh = Vec::new();
+        for (name, fan_out) in &settings.fan_outs {
+            match running.fan_outs.get(name) {
+                None if running.routes.contains_key(name) => reload.changed.push(name.clone()),
+                None => reload.added.push(name.clone()),
+                Some(before) if before != fan_out => reload.changed.push(name.clone()),
+                Some(_) => reload.unchanged.push(name.clone()),
+            }
+        }
         for (name, route) in &settings.routes {
             match running.routes.get(name) {
+                None if running.fan_outs.contains_key(name) => reload.changed.push(name.clone()),
                 None => reload.added.push(name.clone()),
                 Some(before) if before != route => reload.changed.push(name.clone()),
                 Some(_) => reload.unchanged.push(name.clone()),
@@ -136,7 +145,7 @@ impl Ferry {
             };
             transports.insert(name.clone(), transport);
         }
-        reload.removed = running.routes.keys().filter(|name| !settings.routes.contains_key(*name)).cloned().collect();
+        reload.removed = running.route_names().into_iter().filter(|name| !settings.is_configured(name)).collect();
         // The transports replaced or removed may still be delivering (their instances in use until
         // their batches finish) while the new ones start: the pool must hold both.
         let outgoing: Vec<&Arc<RouteTransport>> = current
@@ -258,6 +267,41 @@ fn warnings(settings: &Settings, registry: &Registry) -> Vec<String> {
     warnings
 }
 
+/// Allowed wasi:http origins whose host name resolves, now, to non-public addresses only, in the
+/// sandbox of a plugin without `http_private`: every request to them would be refused. Names that
+/// do not resolve are left to the requests themselves (the answer may change before they are
+/// made).
+async fn private_origins(settings: &Settings) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for (plugin, sandbox) in &settings.config.sandbox {
+        if sandbox.http_private {
+            continue;
+        }
+        for origin in &sandbox.http {
+            let Ok(uri) = origin.parse::<http::Uri>() else { continue };
+            let Some(host) = uri.host().filter(|h| !h.starts_with('*') && h.parse::<std::net::IpAddr>().is_err())
+            else {
+                continue;
+            };
+            let Ok(Ok(found)) =
+                tokio::time::timeout(std::time::Duration::from_secs(2), tokio::net::lookup_host((host, 80))).await
+            else {
+                continue;
+            };
+            let found: Vec<std::net::IpAddr> = found.map(|a| a.ip()).collect();
+            if !found.is_empty() && !found.iter().copied().any(crate::plugins::is_public) {
+                let found: Vec<String> = found.iter().map(ToString::to_string).collect();
+                warnings.push(format!(
+                    "sandbox.{plugin}.http: {host} resolves to non-public addresses only ({}), so requests to {origin} \
+                     will be refused; set sandbox.{plugin}.http_private = true if it is meant to be reached",
+                    found.join(", ")
+                ));
+            }
+        }
+    }
+    warnings
+}
+
 const INCOMPLETE_HINT: &str =
     "set relay.allow_incomplete = true (or FERRY_RELAY_ALLOW_INCOMPLETE=true) to start anyway";
 
@@ -319,6 +363,7 @@ pub async fn check(config: &Config) -> anyhow::Result<ConfigCheck> {
     errors.extend(incomplete(&settings, &registry));
     errors.extend(routes.iter().filter_map(|r| r.error.as_ref().map(|why| format!("route {:?}: {why}", r.route))));
     let mut warnings = warnings(&settings, &registry);
+    warnings.extend(private_origins(&settings).await);
     if settings.routes.is_empty() && config.relay.allow_incomplete {
         warnings.push("no routes are configured: nothing will be delivered".into());
     }

@@ -58,6 +58,10 @@ pub struct FanOut {
     pub route: String,
     pub destinations: Vec<Destination>,
     pub ordering: Ordering,
+    /// The route's own retry policy, which its destinations' overrides start from.
+    pub retry: RetryPolicy,
+    /// The route's `dead_letter`, which each destination has.
+    pub dead_letter: Option<String>,
 }
 
 /// One destination of a [`FanOut`].
@@ -276,6 +280,8 @@ impl Settings {
                     "route.{name}: a route with destinations has no plugin or config of its own; give each destination its own (route.{name}.destinations.NAME.plugin)"
                 ));
             }
+            // The route's own overrides are checked as such, before each destination's adds to them.
+            let retry = config.retry_policy_for(Some(name)).map_err(|e| format!("route.{name}.retry.{e}"))?;
             let mut destinations = Vec::with_capacity(route.destinations.len());
             for (destination, d) in &route.destinations {
                 let key = format!("route.{name}.destinations.{destination}");
@@ -294,7 +300,8 @@ impl Settings {
                 routes.insert(delivery_route.clone(), settings);
                 destinations.push(Destination { name: destination.clone(), route: delivery_route, event_types });
             }
-            fan_outs.insert(name.clone(), Arc::new(FanOut { route: name.clone(), destinations, ordering }));
+            let fan_out = FanOut { route: name.clone(), destinations, ordering, retry, dead_letter };
+            fan_outs.insert(name.clone(), Arc::new(fan_out));
         }
         let mut plugins = BTreeMap::new();
         for (name, sandbox) in &config.sandbox {

@@ -154,6 +154,9 @@ pub fn normalize_origin(text: &str) -> Result<String, String> {
         other => return Err(format!("{text:?}: scheme {other:?} is not http or https")),
     };
     let host = uri.host().filter(|h| !h.is_empty()).ok_or_else(|| format!("{text:?} has no host"))?;
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(format!("{text:?}: an origin has no user name or password"));
+    }
     if uri.path_and_query().is_some_and(|p| p.as_str() != "/" && !p.as_str().is_empty()) {
         return Err(format!("{text:?}: an origin has no path"));
     }
@@ -179,15 +182,18 @@ pub fn normalize_origin_pattern(text: &str) -> Result<String, String> {
     if rest.contains('*') {
         return Err(format!("{text:?}: only one wildcard, at the start of the host, is allowed"));
     }
-    let normal = normalize_origin(&format!("{scheme}://{ANY_SUBDOMAIN}.{rest}"))?;
-    let host_start = normal.find("://").map_or(0, |i| i + 3);
-    let domain = normal[host_start + ANY_SUBDOMAIN.len() + 1..].rsplit_once(':').map_or("", |(d, _)| d);
+    // Errors about the stand-in name are told about the entry as written.
+    let blame = |why: String| format!("{text:?}: {}", why.rsplit_once(": ").map_or(why.as_str(), |(_, w)| w));
+    let normal = normalize_origin(&format!("{scheme}://{ANY_SUBDOMAIN}.{rest}")).map_err(blame)?;
+    let (normal_scheme, host_port) = normal.split_once("://").unwrap_or_default();
+    let (host, port) = host_port.rsplit_once(':').unwrap_or_default();
+    let domain = host.strip_prefix(ANY_SUBDOMAIN).and_then(|d| d.strip_prefix('.')).unwrap_or_default();
     if !domain.contains('.') || domain.chars().all(|c| c.is_ascii_digit() || c == '.') {
         return Err(format!(
             "{text:?}: a wildcard must stand for subdomains of a domain name, as in https://*.example.com"
         ));
     }
-    Ok(normal.replacen(ANY_SUBDOMAIN, "*", 1))
+    Ok(format!("{normal_scheme}://*.{domain}:{port}"))
 }
 
 /// Whether the normalized `origin` of a request is allowed by the normalized allowlist entry

@@ -354,8 +354,8 @@ async fn addresses(host: &str, port: u16, private: bool) -> Result<Vec<SocketAdd
 
 /// Whether `ip` is an address on the public internet: not loopback, private (RFC 1918, unique
 /// local), link-local (where cloud metadata services answer), shared (CGNAT), unspecified,
-/// broadcast, multicast, documentation or benchmarking space. IPv4 addresses inside IPv6 ones
-/// (mapped, compatible, NAT64) are judged as IPv4.
+/// broadcast, multicast, documentation, benchmarking or discard space, local-use NAT64. IPv4
+/// addresses inside IPv6 ones (mapped, compatible, NAT64, 6to4) are judged as IPv4.
 pub(crate) fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => {
@@ -378,16 +378,24 @@ pub(crate) fn is_public(ip: IpAddr) -> bool {
                 return is_public(IpAddr::V4(v4));
             }
             let segments = v6.segments();
+            let v4 =
+                |high: u16, low: u16| IpAddr::V4(std::net::Ipv4Addr::from((u32::from(high) << 16) | u32::from(low)));
+            // NAT64 (64:ff9b::/96) and IPv4-compatible addresses end in an IPv4 one; 6to4
+            // (2002::/16) carries one after its prefix.
             if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || segments[..6] == [0; 6] {
-                let [_, _, _, _, _, _, high, low] = segments;
-                let embedded = std::net::Ipv4Addr::from((u32::from(high) << 16) | u32::from(low));
-                return !v6.is_unspecified() && !v6.is_loopback() && is_public(IpAddr::V4(embedded));
+                return !v6.is_unspecified() && !v6.is_loopback() && is_public(v4(segments[6], segments[7]));
+            }
+            if segments[0] == 0x2002 {
+                return is_public(v4(segments[1], segments[2]));
             }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
                 || (segments[0] & 0xfe00) == 0xfc00
                 || (segments[0] & 0xffc0) == 0xfe80
+                || (segments[0] & 0xffc0) == 0xfec0
+                || segments[..3] == [0x64, 0xff9b, 1]
+                || segments[..4] == [0x100, 0, 0, 0]
                 || (segments[0] == 0x2001 && segments[1] == 0x0db8))
         }
     }
@@ -466,7 +474,9 @@ mod tests {
     #[test]
     fn only_addresses_on_the_public_internet_are_public() {
         let public = |text: &str| is_public(text.parse().unwrap());
-        for address in ["93.184.215.14", "8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"] {
+        for address in
+            ["93.184.215.14", "8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808", "2002:808:808::1"]
+        {
             assert!(public(address), "{address}");
         }
         for address in [
@@ -493,6 +503,11 @@ mod tests {
             "64:ff9b::a9fe:a9fe",
             "::127.0.0.1",
             "2001:db8::1",
+            "2002:7f00:1::1",
+            "2002:a9fe:a9fe::1",
+            "fec0::1",
+            "64:ff9b:1::a00:1",
+            "100::1",
         ] {
             assert!(!public(address), "{address}");
         }

@@ -27,8 +27,9 @@ impl Relay {
     ///
     /// Should the database refuse a batch of copies (a trigger of the operator's, say), each event
     /// is handed on alone, and one the database refuses alone ends FAILED, kept for inspection and
-    /// resend, rather than holding the others back; an error that is not the database refusing
-    /// (a lost connection) is returned, and the claim's lease hands the events back later.
+    /// resend, rather than holding the others back. An error that is not the database refusing
+    /// the rows (a lost connection, a deadlock, a timeout: [`StoreError::is_refusal`]) is
+    /// returned, and the claim's lease hands the events back later.
     pub(super) async fn hand_on(
         &self,
         routes: &Routes,
@@ -53,22 +54,31 @@ impl Relay {
             return Ok((rest, 0));
         }
         let now = self.clock.now();
-        let Err(refused) = self.store.fan_out(token, now, &items).await else {
-            return Ok((rest, items.len()));
-        };
-        tracing::warn!("handing {} events on to their destinations failed, trying one by one: {refused}", items.len());
         let mut failed = Vec::new();
-        for (item, event) in items.iter().zip(&parents) {
-            match self.store.fan_out(token, now, std::slice::from_ref(item)).await {
-                Ok(_) => {}
-                Err(StoreError::Database(sqlx::Error::Database(refused))) => {
-                    let call = self.call_log(&event.route, now, Duration::ZERO, None, None);
-                    let why = reason(&format!("the database refused its copies for the destinations: {refused}"));
-                    failed.push(self.fail(routes, event, &call, FailureReason::InvalidEvent, why));
+        let handed = match self.store.fan_out(token, now, &items).await {
+            Ok(handed) => handed,
+            Err(refused) => {
+                tracing::warn!(
+                    "handing {} events on to their destinations failed, trying one by one: {refused}",
+                    items.len()
+                );
+                let mut handed = Vec::new();
+                for (item, event) in items.iter().zip(&parents) {
+                    match self.store.fan_out(token, now, std::slice::from_ref(item)).await {
+                        Ok(one) => handed.extend(one),
+                        Err(refused) if refused.is_refusal() => {
+                            let call = self.call_log(&event.route, now, Duration::ZERO, None, None);
+                            let why =
+                                reason(&format!("the database refused its copies for the destinations: {refused}"));
+                            failed.push(self.fail(routes, event, &call, FailureReason::InvalidEvent, why));
+                        }
+                        Err(other) => return Err(other),
+                    }
                 }
-                Err(other) => return Err(other),
+                handed
             }
-        }
+        };
+        self.count_handed_on(&parents, &items, &handed);
         if !failed.is_empty() {
             self.store.complete(token, now, &failed).await?;
             tracing::error!(
@@ -77,6 +87,19 @@ impl Relay {
             );
         }
         Ok((rest, items.len()))
+    }
+
+    /// Counts the events handed on (`handed`: their claim still held), per route, and the
+    /// deliveries made of them.
+    fn count_handed_on(&self, parents: &[ClaimedEvent], items: &[(i64, Vec<String>)], handed: &[i64]) {
+        let handed: std::collections::HashSet<&i64> = handed.iter().collect();
+        for (event, (id, routes)) in parents.iter().zip(items) {
+            if handed.contains(id) {
+                let labels = crate::metrics::RouteOnly { route: event.route.clone() };
+                self.metrics.handed_on.get_or_create(&labels).inc();
+                self.metrics.deliveries_made.get_or_create(&labels).inc_by(routes.len() as u64);
+            }
+        }
     }
 
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion

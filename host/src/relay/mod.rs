@@ -294,9 +294,11 @@ impl Relay {
             token: token.clone(),
             ordered_routes: routes.ordered_routes.clone(),
             blocking_routes: routes.blocking_routes.clone(),
+            // A route with destinations delivers nothing itself, so only an operator pauses it; an
+            // automatic breaker left from before it had destinations has no probe to close it.
             paused_routes: breakers
                 .iter()
-                .filter(|b| b.is_open())
+                .filter(|b| b.is_open() && (b.manual || !routes.settings.fan_outs.contains_key(&b.route)))
                 .map(|b| b.route.clone())
                 .chain(waiting.iter().cloned())
                 .collect(),
@@ -308,7 +310,7 @@ impl Relay {
         let mut events = self.store.claim(&claim).await?;
         let claim_took = claiming.elapsed();
         self.metrics.claim_duration.observe(claim_took.as_secs_f64());
-        let probes = self.probes(&claim, &breakers, &waiting).await?;
+        let probes = self.probes(&claim, &routes, &breakers, &waiting).await?;
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
         // A reload between reading the table and claiming may have added routes whose events were
@@ -376,10 +378,12 @@ impl Relay {
     }
 
     /// For each route whose breaker has cooled down, takes the half-open probe (one instance
-    /// wins it) and claims one event to try the route with.
+    /// wins it) and claims one event to try the route with. Routes with destinations are not
+    /// probed: their events are handed on, not delivered (see `cycle`).
     async fn probes(
         &self,
         claim: &Claim,
+        routes: &Routes,
         breakers: &[Breaker],
         waiting: &[String],
     ) -> Result<Vec<ClaimedEvent>, StoreError> {
@@ -387,6 +391,7 @@ impl Relay {
         let mut probes = Vec::new();
         for breaker in breakers {
             if waiting.contains(&breaker.route)
+                || routes.settings.fan_outs.contains_key(&breaker.route)
                 || !breaker.probe_due(claim.now, self.breaker_cooldown)
                 || !self.store.take_probe(&breaker.route, cooled, claim.now, claim.lease_until).await?
             {

@@ -52,6 +52,28 @@ pub enum StoreError {
     Database(#[from] sqlx::Error),
 }
 
+impl StoreError {
+    /// Whether the database refused what it was asked to write (a constraint or trigger, a value
+    /// out of range), rather than failing to run the statement (a lost connection, a deadlock, a
+    /// lock or statement timeout, a busy file, a read-only replica): the first fails again however
+    /// often it is retried, the second may well not.
+    pub fn is_refusal(&self) -> bool {
+        let StoreError::Database(sqlx::Error::Database(e)) = self else { return false };
+        if let Some(pg) = e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+            // Data exceptions, integrity constraint violations, and RAISE EXCEPTION in a trigger.
+            let code = pg.code();
+            return code.starts_with("22") || code.starts_with("23") || code == "P0001";
+        }
+        if e.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+            // The primary result code of an extended one: SQLITE_TOOBIG, SQLITE_CONSTRAINT (a
+            // trigger's RAISE among them), SQLITE_MISMATCH.
+            let primary = e.code().and_then(|code| code.parse::<i32>().ok()).map(|code| code & 0xff);
+            return matches!(primary, Some(18..=20));
+        }
+        false
+    }
+}
+
 impl From<EmitError> for StoreError {
     fn from(e: EmitError) -> Self {
         match e {

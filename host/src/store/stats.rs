@@ -108,8 +108,11 @@ pub const UNFINISHED_COUNTS_SQL: &str =
      UNION ALL
      SELECT route, 'FAILED', COUNT(*) FROM ferry_events WHERE status = 'FAILED' GROUP BY route";
 
+/// Events handed on to destinations are SENT without a delivery of their own (no
+/// `sent_started_at`): their deliveries are sampled instead.
 pub(crate) const LATENCY_SQL: &str = "SELECT event_time, created_at, processed_at FROM ferry_events
-     WHERE status = 'SENT' AND processed_at >= $1 ORDER BY processed_at DESC LIMIT $2";
+     WHERE status = 'SENT' AND processed_at >= $1 AND sent_started_at IS NOT NULL
+     ORDER BY processed_at DESC LIMIT $2";
 
 /// An event's history: the attempts that went wrong, then the delivery that succeeded, which is
 /// kept on the event row (by the instance that claimed it). SENT events delivered before the

@@ -275,31 +275,7 @@ async fn emitting_to_a_route_with_destinations_is_accepted(db: TestDb) {
 async fn copies_the_database_refuses_fail_only_their_event(db: TestDb) {
     let s = setup(db, THREE_DESTINATIONS).await;
     // The database refuses one event's copy for c, as a constraint an operator added might.
-    match (&s.db.postgres, &s.db.sqlite) {
-        (Some(pg), _) => {
-            for statement in [
-                "CREATE FUNCTION refuse_copies() RETURNS trigger LANGUAGE plpgsql AS $$
-                 BEGIN IF NEW.route = 'orders/c' AND NEW.event_type = 'poison' THEN
-                     RAISE EXCEPTION 'no poison for c';
-                 END IF; RETURN NEW; END $$",
-                "CREATE TRIGGER refuse_copies BEFORE INSERT ON ferry_events
-                 FOR EACH ROW EXECUTE FUNCTION refuse_copies()",
-            ] {
-                sqlx::query(statement).execute(pg.pool()).await.unwrap();
-            }
-        }
-        (_, Some(lite)) => {
-            sqlx::query(
-                "CREATE TRIGGER refuse_copies BEFORE INSERT ON ferry_events
-                 WHEN NEW.route = 'orders/c' AND NEW.event_type = 'poison'
-                 BEGIN SELECT RAISE(ABORT, 'no poison for c'); END",
-            )
-            .execute(lite.pool())
-            .await
-            .unwrap();
-        }
-        _ => unreachable!("a test database has a backend"),
-    }
+    s.db.refuse_inserts_when("NEW.route = 'orders/c' AND NEW.event_type = 'poison'", "no poison for c").await;
     let before = s.emit("orders", "fine").await;
     let poison = s.emit("orders", "poison").await;
     let after = s.emit("orders", "fine").await;
@@ -316,6 +292,19 @@ async fn copies_the_database_refuses_fail_only_their_event(db: TestDb) {
     assert_eq!((stats.claimed, stats.sent), (6, 4), "and delivered (c fails transiently)");
 }
 
+/// A route that had a plugin, and a breaker its failures opened, and now has destinations: the
+/// breaker would never see a probe, so the relay closes it and the events are handed on.
+async fn an_automatic_breaker_left_on_a_route_with_destinations_is_closed(db: TestDb) {
+    let s = setup(db, THREE_DESTINATIONS).await;
+    let opened = s.db.store.record_breaker("orders", 2, "from its plugin days", 2, s.clock.now()).await.unwrap();
+    assert!(opened.is_open());
+    let id = s.emit("orders", "order.created").await;
+    assert_eq!(s.cycle().await.claimed, 1);
+    assert_eq!(s.deliveries(id).await.len(), 3);
+    let breakers = s.db.store.breakers().await.unwrap();
+    assert!(breakers.iter().all(|b| !b.is_open()), "{breakers:?}");
+}
+
 crate::both_backends!(
     a_failing_destination_never_resends_to_the_others,
     event_types_choose_the_destinations,
@@ -323,4 +312,5 @@ crate::both_backends!(
     emitting_to_a_route_with_destinations_is_accepted,
     copies_the_database_refuses_fail_only_their_event,
     a_stale_claim_hands_nothing_on,
+    an_automatic_breaker_left_on_a_route_with_destinations_is_closed,
 );

@@ -230,31 +230,7 @@ async fn failed_events_go_on_to_the_dead_letter_route(db: TestDb) {
 async fn a_dead_letter_that_cannot_be_written_leaves_the_outcomes_and_the_relay_alone(db: TestDb) {
     let s = setup(db).await;
     // The database refuses one dead letter, as a constraint an operator added might.
-    match (&s.db.postgres, &s.db.sqlite) {
-        (Some(pg), _) => {
-            for statement in [
-                "CREATE FUNCTION refuse_dead_letters() RETURNS trigger LANGUAGE plpgsql AS $$
-                 BEGIN IF NEW.route = 'dlq' AND NEW.ordering_key = 'refuse' THEN
-                     RAISE EXCEPTION 'not this one';
-                 END IF; RETURN NEW; END $$",
-                "CREATE TRIGGER refuse_dead_letters BEFORE INSERT ON ferry_events
-                 FOR EACH ROW EXECUTE FUNCTION refuse_dead_letters()",
-            ] {
-                sqlx::query(statement).execute(pg.pool()).await.unwrap();
-            }
-        }
-        (_, Some(lite)) => {
-            sqlx::query(
-                "CREATE TRIGGER refuse_dead_letters BEFORE INSERT ON ferry_events
-                 WHEN NEW.route = 'dlq' AND NEW.ordering_key = 'refuse'
-                 BEGIN SELECT RAISE(ABORT, 'not this one'); END",
-            )
-            .execute(lite.pool())
-            .await
-            .unwrap();
-        }
-        _ => unreachable!("a test database has a backend"),
-    }
+    s.db.refuse_inserts_when("NEW.route = 'dlq' AND NEW.ordering_key = 'refuse'", "not this one").await;
     let refused = s.emit_event(NewEvent::new("d", "permanent", "{}").with_key("refuse")).await;
     let kept = s.emit_event(NewEvent::new("d", "permanent", "{}").with_key("keep")).await;
     let ok = s.emit("d", "ok").await;

@@ -146,6 +146,9 @@ impl Ferry {
             transports.insert(name.clone(), transport);
         }
         reload.removed = running.route_names().into_iter().filter(|name| !settings.is_configured(name)).collect();
+        for names in [&mut reload.added, &mut reload.changed, &mut reload.unchanged, &mut reload.restarted] {
+            names.sort_unstable();
+        }
         // The transports replaced or removed may still be delivering (their instances in use until
         // their batches finish) while the new ones start: the pool must hold both.
         let outgoing: Vec<&Arc<RouteTransport>> = current

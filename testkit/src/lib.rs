@@ -82,6 +82,34 @@ impl TestDb {
         }
     }
 
+    /// Makes the database refuse to insert rows of `ferry_events` for which `when` (a condition
+    /// on `NEW` that reads the same in both dialects) holds, raising `message`: a constraint or
+    /// trigger an operator might add, for tests that ferry survives one. `message` is put in the
+    /// SQL as it is: no quotes or percent signs.
+    pub async fn refuse_inserts_when(&self, when: &str, message: &str) {
+        match (&self.postgres, &self.sqlite) {
+            (Some(pg), _) => {
+                let function = format!(
+                    "CREATE FUNCTION refuse_inserts() RETURNS trigger LANGUAGE plpgsql AS $$
+                     BEGIN IF {when} THEN RAISE EXCEPTION '{message}'; END IF; RETURN NEW; END $$"
+                );
+                let trigger = "CREATE TRIGGER refuse_inserts BEFORE INSERT ON ferry_events
+                               FOR EACH ROW EXECUTE FUNCTION refuse_inserts()";
+                for statement in [function.as_str(), trigger] {
+                    sqlx::query(statement).execute(pg.pool()).await.unwrap();
+                }
+            }
+            (_, Some(lite)) => {
+                let trigger = format!(
+                    "CREATE TRIGGER refuse_inserts BEFORE INSERT ON ferry_events WHEN {when}
+                     BEGIN SELECT RAISE(ABORT, '{message}'); END"
+                );
+                sqlx::query(&trigger).execute(lite.pool()).await.unwrap();
+            }
+            _ => unreachable!("a test database has a backend"),
+        }
+    }
+
     /// A config pointing at this database, with `extra` TOML appended.
     /// Compiled plugin code is cached in one directory under `target/` shared by all tests (and
     /// runs), unless `extra` chooses another.

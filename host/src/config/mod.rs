@@ -280,9 +280,10 @@ pub struct SandboxConfig {
     /// begin with `*.` for any subdomain (`https://*.example.com`).
     #[serde(default)]
     pub http: Vec<String>,
-    /// Whether wasi:http requests may reach loopback, private, link-local (cloud metadata) and
-    /// other non-public addresses that an allowed host name resolves to (default false). An
-    /// origin that names such an address itself (`http://10.0.0.5:8080`) is allowed regardless.
+    /// Whether wasi:http requests may reach loopback, private and other non-public addresses that
+    /// an allowed host name resolves to (default false); link-local and cloud metadata addresses
+    /// never. An origin that names an address itself (`http://10.0.0.5:8080`) is allowed
+    /// regardless.
     #[serde(default)]
     pub http_private: bool,
     /// wasi:http requests per origin one instance may have waiting for their answer (default 32).

@@ -335,7 +335,11 @@ impl Settings {
 
     /// The retry policy of `route` (the global one for a route that is not configured).
     pub fn retry(&self, route: &str) -> &RetryPolicy {
-        self.routes.get(route).map_or(&self.default_retry, |r| &r.retry)
+        match (self.routes.get(route), self.fan_outs.get(route)) {
+            (Some(route), _) => &route.retry,
+            (None, Some(fan_out)) => &fan_out.retry,
+            (None, None) => &self.default_retry,
+        }
     }
 
     /// The sandbox and limits of plugin `name`.

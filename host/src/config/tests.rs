@@ -161,7 +161,7 @@ fn origins_are_normalized() {
     assert_eq!(normalize_origin("https://Hooks.Example.com").unwrap(), "https://hooks.example.com:443");
     assert_eq!(normalize_origin("http://127.0.0.1:8080/").unwrap(), "http://127.0.0.1:8080");
     assert_eq!(normalize_origin("http://h").unwrap(), "http://h:80");
-    for bad in ["h:80", "ftp://h", "https://h/path", "https://"] {
+    for bad in ["h:80", "ftp://h", "https://h/path", "https://", "https://h:", "https://h:65536", "https://u@h"] {
         assert!(normalize_origin(bad).is_err(), "{bad} accepted");
     }
 }

@@ -154,8 +154,16 @@ pub fn normalize_origin(text: &str) -> Result<String, String> {
         other => return Err(format!("{text:?}: scheme {other:?} is not http or https")),
     };
     let host = uri.host().filter(|h| !h.is_empty()).ok_or_else(|| format!("{text:?} has no host"))?;
-    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    if authority.contains('@') {
         return Err(format!("{text:?}: an origin has no user name or password"));
+    }
+    // The http crate reads a port it cannot parse (`:`, `:65536`) as none: a typo, not the default.
+    let after_host = authority.rsplit_once(']').map_or(authority, |(_, rest)| rest);
+    if let Some((_, port)) = after_host.rsplit_once(':')
+        && port.parse::<u16>().is_err()
+    {
+        return Err(format!("{text:?}: {port:?} is not a port number"));
     }
     if uri.path_and_query().is_some_and(|p| p.as_str() != "/" && !p.as_str().is_empty()) {
         return Err(format!("{text:?}: an origin has no path"));

@@ -330,25 +330,44 @@ impl tower_service::Service<Uri> for Connector {
 
 /// Where a connection to `host` may go. An IP address is taken as it is: the allowlist named it.
 /// A host name is resolved now, for this connection (so a DNS answer that changes later is
-/// checked again), and without `private` its non-public addresses are left out; if none is left
-/// the connection is refused, naming the addresses and the setting that would allow them.
+/// checked again), and its non-public addresses are left out, unless `private` allows them, which
+/// never allows link-local and cloud metadata addresses ([`is_metadata`]). If none is left the
+/// connection is refused, naming the addresses and what would allow them.
 async fn addresses(host: &str, port: u16, private: bool) -> Result<Vec<SocketAddr>, ConnectError> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
-    let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await.map_err(ConnectError::Io)?.collect();
-    let (public, other): (Vec<SocketAddr>, Vec<SocketAddr>) = resolved.into_iter().partition(|a| is_public(a.ip()));
-    match (public.is_empty(), private) {
-        (false, false) => Ok(public),
-        (_, true) => Ok(public.into_iter().chain(other).collect()),
-        (true, false) => {
-            let other: Vec<String> = other.iter().map(|a| a.ip().to_string()).collect();
-            Err(ConnectError::Prohibited(format!(
-                "{host} resolves to non-public addresses only ({}); requests to loopback, private, link-local and \
-                 metadata addresses need the plugin's sandbox http_private = true",
-                other.join(", ")
-            )))
-        }
+    let resolved = tokio::net::lookup_host((host, port)).await.map_err(ConnectError::Io)?;
+    let (allowed, refused): (Vec<SocketAddr>, Vec<SocketAddr>) =
+        resolved.partition(|a| !is_metadata(a.ip()) && (private || is_public(a.ip())));
+    if !allowed.is_empty() {
+        return Ok(allowed);
+    }
+    let refused: Vec<String> = refused.iter().map(|a| a.ip().to_string()).collect();
+    Err(ConnectError::Prohibited(match private {
+        false => format!(
+            "{host} resolves to non-public addresses only ({}); requests to loopback, private, link-local and \
+             metadata addresses need the plugin's sandbox http_private = true",
+            refused.join(", ")
+        ),
+        true => format!(
+            "{host} resolves to link-local or cloud metadata addresses only ({}), which a host name never \
+             leads to; list the address itself in the plugin's sandbox http if it is meant to be reached",
+            refused.join(", ")
+        ),
+    }))
+}
+
+/// Whether `ip` is where cloud instance metadata (credentials among it) is served, or link-local
+/// IPv4 (169.254.0.0/16, where most clouds serve it): AWS's IPv6 `fd00:ec2::254`, Alibaba's
+/// `100.100.100.200` and Azure's `168.63.129.16` besides.
+pub(crate) fn is_metadata(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_link_local() || [[100, 100, 100, 200], [168, 63, 129, 16]].contains(&v4.octets()),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => is_metadata(IpAddr::V4(v4)),
+            None => v6.segments() == [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254],
+        },
     }
 }
 
@@ -522,6 +541,19 @@ mod tests {
             "{refused}"
         );
         assert!(addresses("localhost", 80, true).await.unwrap().iter().all(|a| a.ip().is_loopback()));
+        for metadata in [
+            "169.254.169.254",
+            "169.254.0.1",
+            "100.100.100.200",
+            "168.63.129.16",
+            "fd00:ec2::254",
+            "::ffff:169.254.169.254",
+        ] {
+            assert!(is_metadata(metadata.parse().unwrap()), "{metadata}");
+        }
+        for other in ["127.0.0.1", "10.0.0.1", "fd00:ec2::253", "8.8.8.8"] {
+            assert!(!is_metadata(other.parse().unwrap()), "{other}");
+        }
         let named = addresses("127.0.0.1", 80, false).await.unwrap();
         assert_eq!(
             named,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use rand::Rng;
 
-use super::{Relay, Routes};
+use super::{CycleStats, Relay, Routes};
 use crate::backoff::RetryDecision;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::plugins::{DeliverError, Outcome, RouteTransport};
@@ -23,22 +23,23 @@ const MIN_DEFERRAL: Duration = Duration::from_secs(1);
 impl Relay {
     /// Hands on the claimed events of routes with destinations ([`crate::store::Store::fan_out`]):
     /// each becomes one new event per destination whose event types match, and is itself SENT.
-    /// Returns the other events, to deliver, and how many were handed on.
+    /// Returns the other events, to deliver, and what became of these.
     ///
     /// Should the database refuse a batch of copies (a trigger of the operator's, say), each event
-    /// is handed on alone, and one the database refuses alone ends FAILED, kept for inspection and
-    /// resend, rather than holding the others back. An error that is not the database refusing
-    /// the rows (a lost connection, a deadlock, a timeout: [`StoreError::is_refusal`]) is
-    /// returned, and the claim's lease hands the events back later.
+    /// is handed on alone. One the database refuses alone ([`StoreError::is_refusal`]) ends
+    /// FAILED, kept for inspection and resend, rather than holding the others back; one that
+    /// meets another error (a lost connection, a deadlock, a timeout) is retried as the route's
+    /// policy says, its attempt counted, so it cannot come back for ever. If even that cannot be
+    /// written, the error is returned and the claim's lease hands the events back later.
     pub(super) async fn hand_on(
         &self,
         routes: &Routes,
         token: &str,
         events: Vec<ClaimedEvent>,
-    ) -> Result<(Vec<ClaimedEvent>, usize), StoreError> {
+    ) -> Result<(Vec<ClaimedEvent>, CycleStats), StoreError> {
         let fan_outs = &routes.settings.fan_outs;
         if fan_outs.is_empty() {
-            return Ok((events, 0));
+            return Ok((events, CycleStats::default()));
         }
         // A row that could not be decoded is delivered nowhere: it fails alone, as on any route.
         let (parents, rest): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) =
@@ -51,42 +52,50 @@ impl Relay {
             })
             .collect();
         if items.is_empty() {
-            return Ok((rest, 0));
+            return Ok((rest, CycleStats::default()));
         }
         let now = self.clock.now();
-        let mut failed = Vec::new();
+        let mut outcomes = Vec::new();
         let handed = match self.store.fan_out(token, now, &items).await {
             Ok(handed) => handed,
-            Err(refused) => {
+            Err(error) => {
                 tracing::warn!(
-                    "handing {} events on to their destinations failed, trying one by one: {refused}",
+                    "handing {} events on to their destinations failed, trying one by one: {error}",
                     items.len()
                 );
                 let mut handed = Vec::new();
                 for (item, event) in items.iter().zip(&parents) {
-                    match self.store.fan_out(token, now, std::slice::from_ref(item)).await {
-                        Ok(one) => handed.extend(one),
-                        Err(refused) if refused.is_refusal() => {
-                            let call = self.call_log(&event.route, now, Duration::ZERO, None, None);
-                            let why =
-                                reason(&format!("the database refused its copies for the destinations: {refused}"));
-                            failed.push(self.fail(routes, event, &call, FailureReason::InvalidEvent, why));
+                    let error = match self.store.fan_out(token, now, std::slice::from_ref(item)).await {
+                        Ok(one) => {
+                            handed.extend(one);
+                            continue;
                         }
-                        Err(other) => return Err(other),
-                    }
+                        Err(error) => error,
+                    };
+                    let call = self.call_log(&event.route, now, Duration::ZERO, None, None);
+                    let why = reason(&format!("its copies for the destinations could not be written: {error}"));
+                    outcomes.push(match error.is_refusal() {
+                        true => self.fail(routes, event, &call, FailureReason::InvalidEvent, why),
+                        false => {
+                            self.retry_or_fail(routes, event, &call, now, why, None, FailureReason::AttemptsExhausted)
+                        }
+                    });
                 }
                 handed
             }
         };
         self.count_handed_on(&parents, &items, &handed);
-        if !failed.is_empty() {
-            self.store.complete(token, now, &failed).await?;
-            tracing::error!(
-                events = failed.len(),
-                "events could not be handed on to their destinations and are FAILED (`ferry failed list`)"
-            );
+        let mut stats = CycleStats { claimed: items.len(), ..CycleStats::default() };
+        if !outcomes.is_empty() {
+            let written = self.store.complete(token, now, &outcomes).await?;
+            let totals = super::Outcomes::of(&outcomes);
+            self.count(&parents, &outcomes, &totals, now);
+            self.log_failed(&outcomes, now);
+            stats.retried = totals.retried;
+            stats.failed = totals.failed;
+            stats.fenced_off = outcomes.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX));
         }
-        Ok((rest, items.len()))
+        Ok((rest, stats))
     }
 
     /// Counts the events handed on (`handed`: their claim still held), per route, and the

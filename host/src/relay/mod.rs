@@ -284,6 +284,14 @@ impl Relay {
         let token = new_token();
         let routes = self.routes.get();
         let breakers = self.store.breakers().await?;
+        // An automatic breaker left from before its route had destinations: the route delivers
+        // nothing itself, so no probe would ever close it.
+        let stale =
+            breakers.iter().filter(|b| b.is_open() && !b.manual && routes.settings.fan_outs.contains_key(&b.route));
+        for breaker in stale {
+            self.store.record_breaker(&breaker.route, 0, "", self.breaker_threshold, now).await?;
+            tracing::info!(route = %breaker.route, "circuit breaker closed: the route hands its events on to destinations");
+        }
         // Routes whose receiver asked this instance to wait: neither claimed from nor probed.
         let waiting = self.waiting_routes(now);
         let claim = Claim {
@@ -328,7 +336,7 @@ impl Relay {
         }
         let (events, handed_on) = self.hand_on(&routes, &token, events).await?;
         if events.is_empty() {
-            return Ok(CycleStats { claimed: handed_on, ..CycleStats::default() });
+            return Ok(handed_on);
         }
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
@@ -352,12 +360,13 @@ impl Relay {
         let done_at = self.clock.now();
         let written = self.store.complete(&token, done_at, &completions).await?;
         let stats = CycleStats {
-            claimed: events.len() + handed_on,
+            claimed: events.len() + handed_on.claimed,
             sent: totals.sent,
-            retried: totals.retried,
+            retried: totals.retried + handed_on.retried,
             deferred: totals.deferred,
-            failed: totals.failed,
-            fenced_off: completions.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX)),
+            failed: totals.failed + handed_on.failed,
+            fenced_off: completions.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX))
+                + handed_on.fenced_off,
         };
         if let Some(tracer) = &self.tracer {
             let times =

@@ -60,9 +60,12 @@ impl StoreError {
     pub fn is_refusal(&self) -> bool {
         let StoreError::Database(sqlx::Error::Database(e)) = self else { return false };
         if let Some(pg) = e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
-            // Data exceptions, integrity constraint violations, and RAISE EXCEPTION in a trigger.
-            let code = pg.code();
-            return code.starts_with("22") || code.starts_with("23") || code == "P0001";
+            // Every class but those of a statement that could not run this time: connection (08),
+            // read-only transaction (25), rollback (40: deadlock, serialization), resources (53),
+            // lock not available (55), operator intervention (57: timeouts, shutdown), system
+            // (58) and internal (XX) errors.
+            const TRANSIENT: [&str; 8] = ["08", "25", "40", "53", "55", "57", "58", "XX"];
+            return !TRANSIENT.iter().any(|class| pg.code().starts_with(class));
         }
         if e.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
             // The primary result code of an extended one: SQLITE_TOOBIG, SQLITE_CONSTRAINT (a

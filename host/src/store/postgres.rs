@@ -260,18 +260,18 @@ const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
 
 /// Copies events ($1) to destination routes ($2) as new PENDING events at $3, in the order given
 /// (so each destination's deliveries keep the order of the events). The original creation time
-/// is kept, so latency counts from the application's commit, and so is an attempt limit the
-/// application gave the event; a time a new row may not hold
+/// is kept, so latency counts from the application's commit; each copy's attempt limit is its
+/// destination's; a time a new row may not hold
 /// (written before ferry's checks) becomes $3.
 const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
          (route, event_type, ordering_key, payload, content_type, headers, created_at, event_time,
-          last_status_at, next_attempt_at, parent_id, max_attempts)
+          last_status_at, next_attempt_at, parent_id)
      SELECT u.route, e.event_type, e.ordering_key, e.payload, e.content_type, e.headers,
             CASE WHEN e.created_at >= '0001-01-01 00:00:00+00' AND e.created_at < '10000-01-01 00:00:00+00'
                  THEN e.created_at ELSE $3 END,
             CASE WHEN e.event_time >= '0001-01-01 00:00:00+00' AND e.event_time < '10000-01-01 00:00:00+00'
                  THEN e.event_time ELSE $3 END,
-            $3, $3, e.id, e.max_attempts
+            $3, $3, e.id
      FROM UNNEST($1::bigint[], $2::text[]) WITH ORDINALITY AS u(id, route, n) JOIN ferry_events e ON e.id = u.id
      ORDER BY u.n";
 

@@ -308,18 +308,18 @@ const DEAD_LETTER_SQL: &str = "INSERT INTO ferry_events
 
 /// Copies events to destination routes (?1: `[[id, route], …]`) as new PENDING events at ?2, in
 /// the order given (so each destination's deliveries keep the order of the events). The original
-/// creation time is kept, so latency counts from the application's commit, and so is an attempt
-/// limit the application gave the event; a time a new row may
+/// creation time is kept, so latency counts from the application's commit; each copy's attempt
+/// limit is its destination's; a time a new row may
 /// not hold (written before ferry's checks) becomes ?2.
 const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
          (route, event_type, ordering_key, payload, content_type, headers, created_at, event_time,
-          last_status_at, next_attempt_at, parent_id, max_attempts)
+          last_status_at, next_attempt_at, parent_id)
      SELECT json_extract(u.value, '$[1]'), e.event_type, e.ordering_key, e.payload, e.content_type, e.headers,
             CASE WHEN typeof(e.created_at) = 'integer' AND e.created_at BETWEEN -62135596800000 AND 253402300799999
                  THEN e.created_at ELSE ?2 END,
             CASE WHEN typeof(e.event_time) = 'integer' AND e.event_time BETWEEN -62135596800000 AND 253402300799999
                  THEN e.event_time ELSE ?2 END,
-            ?2, ?2, e.id, e.max_attempts
+            ?2, ?2, e.id
      FROM json_each(?1) AS u JOIN ferry_events e ON e.id = json_extract(u.value, '$[0]')
      ORDER BY u.key";
 

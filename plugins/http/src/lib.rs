@@ -258,7 +258,9 @@ mod send {
     fn network(error: &ErrorCode) -> Verdict {
         let reason = format!("request failed: {error:?}");
         match error {
-            ErrorCode::HttpRequestDenied | ErrorCode::HttpRequestUriInvalid => Verdict::Permanent { reason },
+            ErrorCode::HttpRequestDenied | ErrorCode::HttpRequestUriInvalid | ErrorCode::DestinationIpProhibited => {
+                Verdict::Permanent { reason }
+            }
             _ => Verdict::Transient { reason, retry_after_ms: None },
         }
     }

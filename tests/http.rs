@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use ferry::NewEvent;
 use ferry::clock::Clock;
-use ferry::event::Status;
+use ferry::event::{FailureReason, Status};
 use tracing::instrument::WithSubscriber as _;
 
 use crate::common::{Backend, Captured, Receiver, Stepped, TestDb, plugins_dir};
@@ -352,6 +352,21 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     let rows = s.deliver(&[NewEvent::new("tls", "t", "{}")]).await;
     let error = rows[0].last_error.as_deref().unwrap_or_default();
     assert!(error.contains("http_ca") && error.contains("not-a-ca.pem"), "{error}");
+}
+
+/// A webhook URL whose host name leads to a loopback address is refused where the connection is
+/// made, permanently: retrying would not change the sandbox. The receiver sees nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_host_that_resolves_to_loopback_is_refused_permanently() {
+    let receiver = Receiver::start().await;
+    let origin = format!("http://localhost:{}", receiver.addr.port());
+    let routes = [("inside", format!("{origin}/in"), "")];
+    let s = setup(&receiver, &origin, &routes).await;
+    let rows = s.deliver(&[NewEvent::new("inside", "t", "{}")]).await;
+    assert_eq!((rows[0].status, rows[0].failure_reason), (Status::Failed, Some(FailureReason::Permanent)));
+    let error = rows[0].last_error.as_deref().unwrap_or_default();
+    assert!(error.contains("DestinationIpProhibited"), "{error}");
+    assert!(receiver.requests().is_empty(), "nothing reached the receiver");
 }
 
 /// After a 429 the rest of the batch is deferred unsent, and the route waits: a receiver that

@@ -85,7 +85,9 @@ impl Relay {
             }
         };
         self.count_handed_on(&parents, &items, &handed);
-        let mut stats = CycleStats { claimed: items.len(), ..CycleStats::default() };
+        // Events neither handed on nor given an outcome: their claim had been recovered meanwhile.
+        let fenced_off = items.len().saturating_sub(handed.len() + outcomes.len());
+        let mut stats = CycleStats { claimed: items.len(), fenced_off, ..CycleStats::default() };
         if !outcomes.is_empty() {
             let written = self.store.complete(token, now, &outcomes).await?;
             let totals = super::Outcomes::of(&outcomes);
@@ -93,7 +95,7 @@ impl Relay {
             self.log_failed(&outcomes, now);
             stats.retried = totals.retried;
             stats.failed = totals.failed;
-            stats.fenced_off = outcomes.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX));
+            stats.fenced_off += outcomes.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX));
         }
         Ok((rest, stats))
     }

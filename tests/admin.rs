@@ -571,9 +571,9 @@ async fn the_openapi_description_matches_the_endpoints() {
             );
         }
     }
-    // Every served API route is described: 21 protected operations and the two health checks (the
+    // Every served API route is described: 30 protected operations and the two health checks (the
     // dashboard's pages under /ui are not API).
-    assert_eq!(operations, 23, "update openapi.json when adding or removing an endpoint");
+    assert_eq!(operations, 32, "update openapi.json when adding or removing an endpoint");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,7 +15,7 @@ use crate::common::{Backend, Captured, Receiver, Stepped, TestDb, plugins_dir};
 /// The plugin's pure policy (signing, status mapping), compiled here too so its unit tests run
 /// natively and the receiver can check signatures with it.
 #[path = "../plugins/http/src/policy.rs"]
-mod policy;
+pub(crate) mod policy;
 
 const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const OLD_SECRET: &str = "rotated-out";

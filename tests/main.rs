@@ -8,6 +8,7 @@ mod contract;
 mod dashboard;
 mod destinations;
 mod e2e;
+mod endpoints;
 mod engine;
 mod grants;
 mod hostile;

@@ -11,6 +11,7 @@ pub mod breaker;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod endpoints;
 pub mod event;
 pub mod live;
 pub mod metrics;

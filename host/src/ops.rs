@@ -321,6 +321,19 @@ impl Ops {
                 (None, n) => format!("attempt {} is due at {when}, after a transient failure", n + 1),
             });
         }
+        if settings.endpoints_of(&event.route).is_some() {
+            let id = event.route.rsplit(crate::config::DESTINATION_SEPARATOR).next().unwrap_or_default();
+            match self.store.endpoint(id).await? {
+                None => {
+                    why.push(format!("endpoint {id} was deleted: when it is due, it fails with reason no_transport"))
+                }
+                Some(stored) => {
+                    if crate::endpoints::Endpoint::decode(&stored).is_ok_and(|e| !e.body.enabled) {
+                        why.push(format!("endpoint {id} is disabled: it waits until `ferry endpoints enable {id}`"));
+                    }
+                }
+            }
+        }
         let cooldown = self.settings().breaker_cooldown();
         if let Some(b) = self.store.breakers().await?.into_iter().find(|b| b.route == event.route) {
             let reason = b.reason.as_deref().unwrap_or("no reason given");
@@ -590,17 +603,19 @@ impl Ops {
         views.extend(settings.fan_outs.values().map(|fan_out| {
             let (ordered, failed_blocks_key) = flags(fan_out.ordering);
             let loaded = |route: &str| settings.route(route).is_some_and(|r| registry.get(&r.plugin).is_some());
+            // The endpoint template (`route/*`) delivers every endpoint's deliveries.
+            let template = fan_out.endpoints.as_ref().map(|e| e.template.clone());
             RouteView {
                 route: fan_out.route.clone(),
                 plugin: String::new(),
-                plugin_loaded: fan_out.destinations.iter().all(|d| loaded(&d.route)),
+                plugin_loaded: fan_out.destinations.iter().map(|d| &d.route).chain(&template).all(|r| loaded(r)),
                 plugin_hash: None,
                 ordered,
                 failed_blocks_key,
                 dead_letter: fan_out.dead_letter.clone(),
                 destination_of: None,
                 event_types: Vec::new(),
-                destinations: fan_out.destinations.iter().map(|d| d.route.clone()).collect(),
+                destinations: fan_out.destinations.iter().map(|d| d.route.clone()).chain(template).collect(),
                 breaker: breaker_of(&fan_out.route),
                 retry: RetryView::from(&fan_out.retry),
             }

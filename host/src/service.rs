@@ -259,6 +259,19 @@ fn warnings(settings: &Settings, registry: &Registry) -> Vec<String> {
     let (_, failed) = registry.status();
     let mut warnings: Vec<String> =
         failed.iter().map(|(file, why)| format!("plugin file {} did not load: {why}", file.display())).collect();
+    // An endpoint origin the plugin may not reach: every request to such an endpoint is refused.
+    for fan_out in settings.fan_outs.values() {
+        let Some(endpoints) = &fan_out.endpoints else { continue };
+        let Some(template) = settings.routes.get(&endpoints.template) else { continue };
+        let grant = &settings.plugin(&template.plugin).sandbox.http;
+        for origin in endpoints.origins.iter().filter(|o| !grant.contains(*o)) {
+            warnings.push(format!(
+                "route.{}.endpoints.origins: {origin} is not among sandbox.{}.http, so the plugin may not reach endpoints there; \
+                 grant it the same origins",
+                fan_out.route, template.plugin
+            ));
+        }
+    }
     for name in settings.config.sandbox.keys().filter(|name| !loaded.contains(name)) {
         warnings.push(format!(
             "[sandbox.{name}] is for a plugin named {name:?}, but no plugin of that name is loaded from {} \

@@ -4,6 +4,7 @@
 
 pub mod broker;
 pub mod chaos;
+pub mod fleet;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -482,6 +483,11 @@ impl Receiver {
 
     pub fn requests(&self) -> Vec<Received> {
         self.requests.lock().unwrap().clone()
+    }
+
+    /// How many requests it got so far.
+    pub fn received(&self) -> usize {
+        self.requests.lock().unwrap().len()
     }
 }
 

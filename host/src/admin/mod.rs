@@ -7,6 +7,7 @@
 //! operation (`crate::ops`) and answer with its typed view. `openapi.json` next to this file
 //! describes every endpoint; a test checks every answer against it.
 
+mod endpoints;
 mod extract;
 mod handlers;
 mod ui;
@@ -107,6 +108,12 @@ impl Admin {
             .route("/v1/breakers", get(breakers))
             .route("/v1/breakers/{route}/open", post(breaker_open))
             .route("/v1/breakers/{route}/close", post(breaker_close))
+            .route("/v1/endpoints", get(endpoints::list))
+            .route("/v1/endpoints/{id}", get(endpoints::show).patch(endpoints::update).delete(endpoints::delete))
+            .route("/v1/endpoints/{id}/enable", post(endpoints::enable))
+            .route("/v1/endpoints/{id}/disable", post(endpoints::disable))
+            .route("/v1/endpoints/{id}/rotate-secret", post(endpoints::rotate_secret))
+            .route("/v1/routes/{route}/endpoints", get(endpoints::list_of_route).post(endpoints::create))
             .route("/ui/session/end", post(ui::sign_out));
         let (open, protected) = if public_metrics {
             (Router::new().route("/metrics", get(metrics)), protected)

@@ -118,6 +118,9 @@ pub enum Command {
     /// Show, open or close the per-route circuit breakers.
     #[command(subcommand)]
     Breaker(BreakerCommand),
+    /// Manage the webhook endpoints of routes that take them ([route.NAME.endpoints]).
+    #[command(subcommand)]
+    Endpoints(EndpointsCommand),
     /// Show how many events are in each status.
     Status,
     /// Ask the running ferry (through its admin API, `admin.listen`) whether it is ready: exit 0
@@ -289,6 +292,79 @@ pub enum BreakerCommand {
     },
     /// Close a route's breaker (by hand or not) and reset its failure count.
     Close { route: String },
+}
+
+const ENDPOINT_EXAMPLES: &str = "Examples:
+  ferry endpoints create orders --url https://hooks.example.com/ferry --event-type 'order.*'
+  ferry endpoints list orders
+  ferry endpoints rotate-secret ep_0123456789abcdef0123 --keep-previous 24h
+  ferry failed list --route orders/ep_0123456789abcdef0123";
+
+/// An endpoint's fields as options; those not given are left as they are (on `update`).
+#[derive(Debug, clap::Args)]
+pub struct EndpointArgs {
+    /// Where its requests go; must match one of the route's endpoints.origins.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Free text for operators.
+    #[arg(long)]
+    pub description: Option<String>,
+    /// An event type it receives, exact or with `*` (`order.*`); repeat for more. None: every type.
+    #[arg(long = "event-type", value_name = "TYPE")]
+    pub event_types: Vec<String>,
+    /// Receive every event type again (on `update`: drop the filter).
+    #[arg(long, conflicts_with = "event_types")]
+    pub all_event_types: bool,
+    /// A header sent with every request, as NAME=VALUE; repeat for more (on `update`: the new set).
+    #[arg(long = "header", value_name = "NAME=VALUE")]
+    pub headers: Vec<String>,
+    /// Send no static headers any more (on `update`).
+    #[arg(long, conflicts_with = "headers")]
+    pub no_headers: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EndpointsCommand {
+    /// Every endpoint of ROUTE (of every route when left out); secrets masked.
+    List { route: Option<String> },
+    /// Add an endpoint to ROUTE. Its signing secret is printed this once.
+    #[command(after_help = ENDPOINT_EXAMPLES)]
+    Create {
+        route: String,
+        #[command(flatten)]
+        fields: EndpointArgs,
+        /// A signing secret of your own (whsec_ and base64); ferry makes one when left out.
+        #[arg(long)]
+        secret: Option<String>,
+        /// Create it disabled: it receives nothing until enabled.
+        #[arg(long)]
+        disabled: bool,
+    },
+    /// One endpoint, its secret masked.
+    Show { id: String },
+    /// Change the fields given.
+    Update {
+        id: String,
+        #[command(flatten)]
+        fields: EndpointArgs,
+    },
+    /// Deliver to it again, starting with the deliveries that waited while it was disabled.
+    Enable { id: String },
+    /// Stop delivering to it: new events are not handed to it, its pending deliveries wait.
+    Disable { id: String },
+    /// Give it a new signing secret, printed this once; the previous one keeps signing as well
+    /// for --keep-previous.
+    RotateSecret {
+        id: String,
+        /// The new secret (whsec_ and base64); ferry makes one when left out.
+        #[arg(long)]
+        secret: Option<String>,
+        /// How long the previous secret keeps signing too.
+        #[arg(long, value_parser = parse_duration, default_value = "24h")]
+        keep_previous: std::time::Duration,
+    },
+    /// Delete it; its deliveries not yet made end FAILED (no_transport), kept for inspection.
+    Delete { id: String },
 }
 
 #[derive(Debug, Subcommand)]

@@ -5,12 +5,13 @@
 
 mod args;
 mod client;
+mod endpoints;
 mod render;
 mod scaffold;
 
 pub use self::args::{
-    BreakerCommand, Cli, Command, ConfigCommand, EmitArgs, EventCommand, FailedCommand, FilterArgs, PayloadShown,
-    PluginsCommand, TryArgs, VERSION,
+    BreakerCommand, Cli, Command, ConfigCommand, EmitArgs, EndpointArgs, EndpointsCommand, EventCommand, FailedCommand,
+    FilterArgs, PayloadShown, PluginsCommand, TryArgs, VERSION,
 };
 
 use std::io::Read as _;
@@ -187,6 +188,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             say(json, &view, |v| format!("event {id} is due at {}", v.event.next_attempt_at.to_rfc3339()))
         }
         Command::Breaker(command) => breaker(&config, command, json).await,
+        Command::Endpoints(command) => endpoints::run(&config, command, json).await,
         Command::Failed(command) => failed_command(&config, command, json).await,
         Command::Show { id, payload } => {
             let mut view = ops(&config).await?.show(id).await.map_err(failed)?;

@@ -17,22 +17,22 @@ pub const PAYLOAD_HEAD: usize = 1024;
 
 /// A text table: each column as wide as its widest cell, numbers right-aligned, the last column
 /// not padded (so a long error does not push every line wider).
-struct Table {
+pub(super) struct Table {
     columns: Vec<(&'static str, bool)>,
     rows: Vec<Vec<String>>,
 }
 
 impl Table {
     /// Columns by title; `true` right-aligns one (counts, ids).
-    fn new(columns: &[(&'static str, bool)]) -> Table {
+    pub(super) fn new(columns: &[(&'static str, bool)]) -> Table {
         Table { columns: columns.to_vec(), rows: Vec::new() }
     }
 
-    fn row(&mut self, cells: Vec<String>) {
+    pub(super) fn row(&mut self, cells: Vec<String>) {
         self.rows.push(cells);
     }
 
-    fn render(&self) -> String {
+    pub(super) fn render(&self) -> String {
         let width = |i: usize| {
             let title = self.columns[i].0.chars().count();
             self.rows.iter().map(|r| r.get(i).map_or(0, |c| c.chars().count())).max().unwrap_or(0).max(title)
@@ -92,7 +92,7 @@ fn ago(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
     }
 }
 
-fn untrusted(text: &str) -> String {
+pub(super) fn untrusted(text: &str) -> String {
     crate::untrusted::clean(text, 64)
 }
 

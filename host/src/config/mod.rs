@@ -17,7 +17,8 @@ mod sources;
 mod units;
 
 pub use self::settings::{
-    DESTINATION_SEPARATOR, Destination, EventTypes, FanOut, Ordering, PluginSettings, RouteSettings, Sandbox, Settings,
+    DESTINATION_SEPARATOR, Destination, ENDPOINT_ID_PREFIX, ENDPOINT_TEMPLATE, EndpointsSettings, EventTypes, FanOut,
+    Ordering, PluginSettings, RouteSettings, Sandbox, Settings, TEMPLATE_URL,
 };
 pub use self::sources::{ConfigShown, Setting, Sources};
 pub use self::units::{
@@ -348,6 +349,35 @@ pub struct RouteConfig {
     /// `event_types` match gets its own delivery (status, attempts, history and breaker).
     #[serde(default)]
     pub destinations: BTreeMap<String, DestinationConfig>,
+    /// Webhook endpoints managed at run time (`ferry endpoints`, `/v1/routes/NAME/endpoints`):
+    /// each endpoint is a destination of the route, delivered by this plugin with this config
+    /// and the endpoint's URL, secret and headers.
+    #[serde(default)]
+    pub endpoints: Option<EndpointsConfig>,
+}
+
+/// How a route's run-time webhook endpoints are delivered, and where they may point.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointsConfig {
+    /// The plugin (by the name it reports) that delivers to every endpoint; `http` by default.
+    #[serde(default = "default_endpoint_plugin")]
+    pub plugin: String,
+    /// Passed to the plugin's `init` for every endpoint, under the endpoint's own `url`,
+    /// `secret`, `secret_previous` and `header.NAME` keys (which it may therefore not set).
+    #[serde(default)]
+    pub config: BTreeMap<String, ConfigValue>,
+    /// Overrides of the route's retry policy for the endpoints' deliveries.
+    #[serde(default)]
+    pub retry: RetryOverrides,
+    /// The origins an endpoint's URL may have: `https://hooks.example.com`, or
+    /// `https://*.example.com` for any subdomain. Required: an endpoint can point nowhere else.
+    #[serde(default)]
+    pub origins: Vec<String>,
+}
+
+fn default_endpoint_plugin() -> String {
+    "http".to_string()
 }
 
 /// One destination of a route: a plugin with its own config and retry policy, and the event

@@ -62,7 +62,33 @@ pub struct FanOut {
     pub retry: RetryPolicy,
     /// The route's `dead_letter`, which each destination has.
     pub dead_letter: Option<String>,
+    /// Whether the route takes webhook endpoints at run time, and how they are delivered.
+    pub endpoints: Option<Arc<EndpointsSettings>>,
 }
+
+/// A route's run-time webhook endpoints: each is a destination `route/ep_…`, delivered by the
+/// `route/*` template's plugin with the template's config and the endpoint's own keys.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointsSettings {
+    /// The route in [`Settings::routes`] every endpoint's deliveries are made with: `route/*`.
+    pub template: String,
+    /// The origins an endpoint's URL may have, normalized ([`normalize_origin_pattern`]).
+    pub origins: Vec<String>,
+}
+
+/// The destination name of a route's endpoint template: `orders/*` delivers to every endpoint
+/// of `orders`.
+pub const ENDPOINT_TEMPLATE: &str = "*";
+
+/// How the id of every run-time endpoint begins; its deliveries carry route `route/ep_…`.
+pub const ENDPOINT_ID_PREFIX: &str = "ep_";
+
+/// The `url` an endpoint template is started with when ferry checks that its plugin accepts the
+/// template's config (each endpoint's own URL replaces it); the `.invalid` name never resolves.
+pub const TEMPLATE_URL: &str = "https://endpoint.invalid/";
+
+/// Keys of an endpoint template's config that each endpoint sets for itself.
+const ENDPOINT_KEYS: [&str; 3] = ["url", "secret", "secret_previous"];
 
 /// One destination of a [`FanOut`].
 #[derive(Debug, Clone, PartialEq)]
@@ -267,7 +293,7 @@ impl Settings {
                     destination_of: destination_of.cloned(),
                 })
             };
-            if route.destinations.is_empty() {
+            if route.destinations.is_empty() && route.endpoints.is_none() {
                 if route.plugin.trim().is_empty() {
                     return Err(format!("route.{name}.plugin must name a plugin (or give the route destinations)"));
                 }
@@ -277,7 +303,7 @@ impl Settings {
             }
             if !route.plugin.is_empty() || !route.config.is_empty() {
                 return Err(format!(
-                    "route.{name}: a route with destinations has no plugin or config of its own; give each destination its own (route.{name}.destinations.NAME.plugin)"
+                    "route.{name}: a route with destinations or endpoints has no plugin or config of its own; give each destination its own (route.{name}.destinations.NAME.plugin), and the endpoints theirs (route.{name}.endpoints.plugin)"
                 ));
             }
             // The route's own overrides are checked as such, before each destination's adds to them.
@@ -290,6 +316,13 @@ impl Settings {
                         "{key}: a destination's name must not be empty or contain {DESTINATION_SEPARATOR:?}"
                     ));
                 }
+                if destination == ENDPOINT_TEMPLATE
+                    || (route.endpoints.is_some() && destination.starts_with(ENDPOINT_ID_PREFIX))
+                {
+                    return Err(format!(
+                        "{key}: {ENDPOINT_TEMPLATE:?} and names beginning with {ENDPOINT_ID_PREFIX:?} are kept for the route's endpoints; rename the destination"
+                    ));
+                }
                 if d.plugin.trim().is_empty() {
                     return Err(format!("{key}.plugin must name a plugin"));
                 }
@@ -300,7 +333,40 @@ impl Settings {
                 routes.insert(delivery_route.clone(), settings);
                 destinations.push(Destination { name: destination.clone(), route: delivery_route, event_types });
             }
-            let fan_out = FanOut { route: name.clone(), destinations, ordering, retry, dead_letter };
+            let endpoints = match &route.endpoints {
+                None => None,
+                Some(e) => {
+                    let key = format!("route.{name}.endpoints");
+                    if e.plugin.trim().is_empty() {
+                        return Err(format!("{key}.plugin must name a plugin"));
+                    }
+                    if let Some(own) =
+                        e.config.keys().find(|k| ENDPOINT_KEYS.contains(&k.as_str()) || k.starts_with("header."))
+                    {
+                        return Err(format!(
+                            "{key}.config.{own}: each endpoint sets its own url, secret and headers; remove the key here"
+                        ));
+                    }
+                    if e.origins.is_empty() {
+                        return Err(format!(
+                            "{key}.origins must list the origins an endpoint may point at, such as [\"https://*.example.com\"]"
+                        ));
+                    }
+                    let origins = e
+                        .origins
+                        .iter()
+                        .map(|o| normalize_origin_pattern(o).map_err(|why| format!("{key}.origins: {why}")))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let retry =
+                        config.retry_policy(&e.retry.over(&route.retry)).map_err(|why| format!("{key}.retry.{why}"))?;
+                    let template = format!("{name}{DESTINATION_SEPARATOR}{ENDPOINT_TEMPLATE}");
+                    let mut settings = delivered_by(template.clone(), &e.plugin, &e.config, retry, Some(name));
+                    Arc::make_mut(&mut settings).plugin_config.push(("url".into(), TEMPLATE_URL.into()));
+                    routes.insert(template.clone(), settings);
+                    Some(Arc::new(EndpointsSettings { template, origins }))
+                }
+            };
+            let fan_out = FanOut { route: name.clone(), destinations, ordering, retry, dead_letter, endpoints };
             fan_outs.insert(name.clone(), Arc::new(fan_out));
         }
         let mut plugins = BTreeMap::new();
@@ -315,14 +381,23 @@ impl Settings {
         Ok(Settings { config: config.clone(), routes, fan_outs, default_retry, plugins, default_plugin })
     }
 
-    /// The route called `name`, if configured.
+    /// The route called `name`, if configured; for an endpoint's deliveries (`route/ep_…`), its
+    /// route's endpoint template.
     pub fn route(&self, name: &str) -> Option<&Arc<RouteSettings>> {
-        self.routes.get(name)
+        self.routes.get(name).or_else(|| self.routes.get(&self.endpoints_of(name)?.template))
+    }
+
+    /// For the route of an endpoint's deliveries (`route/ep_…`), the endpoint settings of its
+    /// route, if that route takes endpoints.
+    pub fn endpoints_of(&self, delivery_route: &str) -> Option<&Arc<EndpointsSettings>> {
+        let (route, endpoint) = delivery_route.split_once(DESTINATION_SEPARATOR)?;
+        endpoint.strip_prefix(ENDPOINT_ID_PREFIX)?;
+        self.fan_outs.get(route)?.endpoints.as_ref()
     }
 
     /// Whether events of `route` are delivered: by a plugin of its own, or by its destinations.
     pub fn is_configured(&self, route: &str) -> bool {
-        self.routes.contains_key(route) || self.fan_outs.contains_key(route)
+        self.routes.contains_key(route) || self.fan_outs.contains_key(route) || self.endpoints_of(route).is_some()
     }
 
     /// Every configured route's name: those with a plugin, those with destinations and each
@@ -335,7 +410,7 @@ impl Settings {
 
     /// The retry policy of `route` (the global one for a route that is not configured).
     pub fn retry(&self, route: &str) -> &RetryPolicy {
-        match (self.routes.get(route), self.fan_outs.get(route)) {
+        match (self.route(route), self.fan_outs.get(route)) {
             (Some(route), _) => &route.retry,
             (None, Some(fan_out)) => &fan_out.retry,
             (None, None) => &self.default_retry,

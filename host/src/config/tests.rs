@@ -424,7 +424,7 @@ fn destinations_are_checked_with_the_key_named() {
     for (text, expected) in [
         (
             "[route.o]\nplugin = \"log\"\n[route.o.destinations.a]\nplugin = \"http\"\n",
-            "route.o: a route with destinations has no plugin or config of its own",
+            "route.o: a route with destinations or endpoints has no plugin or config of its own",
         ),
         ("[route.o.destinations.a]\nconfig = { x = \"1\" }\n", "route.o.destinations.a: missing field `plugin`"),
         ("[route.o.destinations.a]\nplugin = \" \"\n", "route.o.destinations.a.plugin must name a plugin"),
@@ -434,6 +434,96 @@ fn destinations_are_checked_with_the_key_named() {
         ("[route.o.destinations.a]\nplugin = \"log\"\nretry = { initial = \"0s\" }\n", "route.o.destinations.a.retry."),
         ("[route.o.destinations.a]\nplugin = \"log\"\nfilter = [\"x\"]\n", "unknown field `filter`"),
         ("[route.o]\n", "route.o.plugin must name a plugin (or give the route destinations)"),
+    ] {
+        let e = settings(text).unwrap_err();
+        assert!(e.contains(expected), "{text}: {e}");
+    }
+}
+
+#[test]
+fn endpoints_resolve_to_a_template_route() {
+    let text = r#"
+        [route.hooks]
+        ordered = true
+        retry = { max_attempts = 4 }
+        [route.hooks.endpoints]
+        origins = ["https://*.example.com", "HTTP://127.0.0.1:8080"]
+        config = { timeout_ms = "500" }
+        retry = { backoff = "fixed", initial = "2s" }
+        [route.hooks.destinations.audit]
+        plugin = "log"
+    "#;
+    let settings = Config::from_toml_str(text, "t").unwrap().settings().unwrap();
+    let endpoints = settings.fan_outs["hooks"].endpoints.clone().expect("the route takes endpoints");
+    assert_eq!(endpoints.template, "hooks/*");
+    assert_eq!(endpoints.origins, ["https://*.example.com:443", "http://127.0.0.1:8080"]);
+    let template = settings.route("hooks/*").unwrap();
+    assert_eq!((template.plugin.as_str(), template.destination_of.as_deref()), ("http", Some("hooks")));
+    assert!(template.plugin_config.contains(&("url".to_string(), settings::TEMPLATE_URL.to_string())));
+    assert!(template.plugin_config.contains(&("timeout_ms".to_string(), "500".to_string())));
+    assert_eq!(template.retry.max_attempts, 4, "the route's retry reaches its endpoints");
+    assert_eq!(template.retry.backoff, Backoff::Fixed { delay: std::time::Duration::from_secs(2) });
+    // An endpoint's deliveries are the template's; other names under the route are not.
+    assert_eq!(settings.route("hooks/ep_0123").map(|r| r.name.as_str()), Some("hooks/*"));
+    assert!(settings.is_configured("hooks/ep_0123") && !settings.is_configured("hooks/other"));
+    assert!(settings.route("plain/ep_0123").is_none());
+    assert_eq!(settings.retry("hooks/ep_0123").max_attempts, 4);
+}
+
+#[test]
+fn endpoints_are_checked_with_the_key_named() {
+    let settings = |text: &str| {
+        Config::from_toml_str(text, "t")
+            .map_err(|e| e.to_string())
+            .and_then(|c| c.settings().map_err(|e| e.to_string()))
+    };
+    for (text, expected) in [
+        (
+            "[route.o.endpoints]
+",
+            "route.o.endpoints.origins must list the origins",
+        ),
+        (
+            "[route.o.endpoints]
+origins = [\"https://*.com\"]
+",
+            "route.o.endpoints.origins: \"https://*.com\"",
+        ),
+        (
+            "[route.o.endpoints]
+origins = [\"https://a.example\"]
+config = { url = \"https://x\" }
+",
+            "route.o.endpoints.config.url: each endpoint sets its own",
+        ),
+        (
+            "[route.o.endpoints]
+origins = [\"https://a.example\"]
+config = { \"header.x\" = \"1\" }
+",
+            "route.o.endpoints.config.header.x",
+        ),
+        (
+            "[route.o.endpoints]
+origins = [\"https://a.example\"]
+plugin = \"\"
+",
+            "route.o.endpoints.plugin",
+        ),
+        (
+            "[route.o.endpoints]
+origins = [\"https://a.example\"]
+[route.o.destinations.ep_x]
+plugin = \"log\"
+",
+            "kept for the route's endpoints",
+        ),
+        (
+            "[route.o.destinations.\"*\"]
+plugin = \"log\"
+",
+            "kept for the route's endpoints",
+        ),
     ] {
         let e = settings(text).unwrap_err();
         assert!(e.contains(expected), "{text}: {e}");

@@ -23,8 +23,13 @@ pub(super) struct Instance {
     bindings: Bindings,
     /// The version it was made from; an instance of a replaced version is not reused.
     hash: String,
+    /// The config its `init` had, when not the route's own (an endpoint's).
+    config: Option<PluginConfig>,
     calls: u64,
 }
+
+/// A plugin config given per call (an endpoint's), shared by the instances made with it.
+pub type PluginConfig = Arc<[(String, String)]>;
 
 /// Why no instance could be started for a route.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -41,12 +46,13 @@ pub(super) enum StartError {
 }
 
 impl Instance {
-    /// Instantiates `plugin` for `route` and runs its `init` with the route's config.
+    /// Instantiates `plugin` for `route` and runs its `init` with `config`, or the route's.
     pub(super) async fn start(
         runtime: &Runtime,
         plugin: &Plugin,
         route: &RouteSettings,
         grants: &PluginSettings,
+        config: Option<&PluginConfig>,
     ) -> Result<Instance, StartError> {
         let name: Arc<str> = Arc::from(plugin.info.name.as_str());
         let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp);
@@ -58,7 +64,7 @@ impl Instance {
         // parked in the host, so `init` can stall neither start-up nor a reload.
         let start = async {
             let bindings = plugin.pre.instantiate(&mut store).await?;
-            let init = bindings.init(&mut store, &route.plugin_config).await;
+            let init = bindings.init(&mut store, config.map_or(&route.plugin_config[..], |c| &c[..])).await;
             wasmtime::Result::Ok((bindings, init))
         };
         let stalled =
@@ -72,7 +78,9 @@ impl Instance {
             Ok(Err(e)) => return Err(StartError::Fault(PluginFault::NotInstantiated(root_cause(&e)))),
         };
         match init {
-            Ok(Ok(())) => Ok(Instance { store, bindings, hash: plugin.hash.clone(), calls: 0 }),
+            Ok(Ok(())) => {
+                Ok(Instance { store, bindings, hash: plugin.hash.clone(), config: config.cloned(), calls: 0 })
+            }
             Ok(Err(message)) => {
                 let message = crate::untrusted::clean(&message, crate::untrusted::MAX_REASON);
                 Err(StartError::Unusable(format!(
@@ -154,13 +162,14 @@ impl RouteTransport {
     /// Makes sure an instance can be started for this route now: the plugin is loaded and
     /// accepts the route's config. Keeps the instance for the first delivery.
     pub async fn warm_up(&self) -> Result<(), String> {
-        let instance = self.instance().await.map_err(|e| e.to_string())?;
+        let instance = self.instance(None).await.map_err(|e| e.to_string())?;
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(instance);
         Ok(())
     }
 
-    /// An idle instance of the active version, or a new one.
-    async fn instance(&self) -> Result<Instance, StartError> {
+    /// An idle instance of the active version made with `config` (the route's: `None`), or a
+    /// new one.
+    async fn instance(&self, config: Option<&PluginConfig>) -> Result<Instance, StartError> {
         let Some(plugin) = self.registry.get(&self.route.plugin) else {
             let loaded = self.registry.names();
             return Err(StartError::Unusable(format!(
@@ -174,18 +183,20 @@ impl RouteTransport {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             // Instances of a replaced version are dropped here.
             idle.retain(|i| i.hash == plugin.hash);
-            idle.pop()
+            let same = idle.iter().rposition(|i| i.config.as_ref().map(|c| &c[..]) == config.map(|c| &c[..]));
+            same.map(|at| idle.remove(at))
         };
         match reusable {
             Some(instance) => Ok(instance),
-            None => Instance::start(&self.registry.runtime, &plugin, &self.route, &self.grants).await,
+            None => Instance::start(&self.registry.runtime, &plugin, &self.route, &self.grants, config).await,
         }
     }
 
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
-    pub async fn deliver(&self, events: &[&ClaimedEvent]) -> Delivery {
+    /// `config`: an instance made with this config (an endpoint's) rather than the route's.
+    pub async fn deliver(&self, events: &[&ClaimedEvent], config: Option<&PluginConfig>) -> Delivery {
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
-        let (plugin_hash, result) = match self.instance().await {
+        let (plugin_hash, result) = match self.instance(config).await {
             Ok(instance) => {
                 let plugin_hash = Some(instance.hash.clone());
                 let started = std::time::Instant::now();
@@ -229,7 +240,12 @@ impl RouteTransport {
                 if let Some((held, most)) = instance.store.data_mut().hoarding() {
                     tracing::info!(plugin = %self.route.plugin, route = %self.route.name, "instance replaced: it holds {held} of the {most} host objects it may");
                 } else if instance.calls < self.limits.max_calls {
-                    self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(instance);
+                    let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                    // Instances made with many configs (a route's endpoints) keep the latest few.
+                    if idle.len() >= self.limits.instances {
+                        idle.remove(0);
+                    }
+                    idle.push(instance);
                 }
                 return Ok(outcomes);
             }

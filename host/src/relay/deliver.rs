@@ -12,8 +12,9 @@ use rand::Rng;
 
 use super::{CycleStats, Relay, Routes};
 use crate::backoff::RetryDecision;
+use crate::endpoints::EndpointTable;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
-use crate::plugins::{DeliverError, Outcome, RouteTransport};
+use crate::plugins::{DeliverError, Outcome, PluginConfig, RouteTransport};
 use crate::store::StoreError;
 
 /// The shortest wait a plugin's deferral gets, so an event deferred again and again cannot keep
@@ -34,6 +35,7 @@ impl Relay {
     pub(super) async fn hand_on(
         &self,
         routes: &Routes,
+        endpoints: &EndpointTable,
         token: &str,
         events: Vec<ClaimedEvent>,
     ) -> Result<(Vec<ClaimedEvent>, CycleStats), StoreError> {
@@ -48,7 +50,8 @@ impl Relay {
             .iter()
             .filter_map(|e| {
                 let fan_out = fan_outs.get(&e.route)?;
-                Some((e.id, fan_out.routes_for(&e.event_type).map(String::from).collect()))
+                let to = fan_out.routes_for(&e.event_type).chain(endpoints.routes_for(&e.route, &e.event_type));
+                Some((e.id, to.map(String::from).collect()))
             })
             .collect();
         if items.is_empty() {
@@ -114,8 +117,14 @@ impl Relay {
     }
 
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion
-    /// per event.
-    pub(super) async fn deliver_all(&self, routes: &Routes, events: &[ClaimedEvent]) -> Vec<Completion> {
+    /// per event. An endpoint's deliveries go to its route's endpoint template with the
+    /// endpoint's config.
+    pub(super) async fn deliver_all(
+        &self,
+        routes: &Routes,
+        endpoints: &EndpointTable,
+        events: &[ClaimedEvent],
+    ) -> Vec<Completion> {
         let mut by_route: BTreeMap<&str, Vec<&ClaimedEvent>> = BTreeMap::new();
         let mut completions = Vec::with_capacity(events.len());
         for event in events {
@@ -128,14 +137,25 @@ impl Relay {
         }
         let lease_ends = std::time::Instant::now() + self.lease;
         let deliveries = by_route.into_iter().map(|(route, batch)| async move {
-            match routes.transport(route) {
-                Some(transport) => self.deliver_isolating(routes, transport, batch, lease_ends).await,
-                None => {
-                    let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
-                    let why = format!("no route {route:?} is configured");
-                    self.judge(routes, &batch, &call, Err(DeliverError::NoTransport(why)))
+            let endpoint = || {
+                let template = routes.settings.endpoints_of(route)?;
+                Some((routes.transport(&template.template)?, endpoints.get(route)))
+            };
+            let why = match (routes.transport(route), endpoint()) {
+                (Some(transport), _) => {
+                    return self.deliver_isolating(routes, transport, None, batch, lease_ends).await;
                 }
-            }
+                (None, Some((transport, Some(endpoint)))) => match &endpoint.config {
+                    Ok(config) => {
+                        return self.deliver_isolating(routes, transport, Some(config), batch, lease_ends).await;
+                    }
+                    Err(why) => format!("endpoint {} cannot be delivered to: {why}", endpoint.id),
+                },
+                (None, Some((_, None))) => format!("route {route:?} names no endpoint: it was deleted"),
+                (None, None) => format!("no route {route:?} is configured"),
+            };
+            let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
+            self.judge(routes, &batch, &call, Err(DeliverError::NoTransport(why)))
         });
         for done in futures::future::join_all(deliveries).await {
             completions.extend(done);
@@ -154,6 +174,7 @@ impl Relay {
         &self,
         routes: &Routes,
         transport: &RouteTransport,
+        config: Option<&PluginConfig>,
         batch: Vec<&ClaimedEvent>,
         lease_ends: std::time::Instant,
     ) -> Vec<Completion> {
@@ -164,7 +185,7 @@ impl Relay {
         while let Some(part) = parts.pop() {
             let started_at = self.clock.now();
             let started = std::time::Instant::now();
-            let delivery = transport.deliver(&part).await;
+            let delivery = transport.deliver(&part, config).await;
             let call = self.call_log(
                 &part[0].route,
                 started_at,

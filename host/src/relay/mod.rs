@@ -16,6 +16,7 @@ use self::trace::BatchTimes;
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
 use crate::config::Settings;
+use crate::endpoints::EndpointTable;
 use crate::event::{ClaimedEvent, Completion, Disposition, FailureReason};
 use crate::live::Live;
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
@@ -110,6 +111,18 @@ pub struct Relay {
     /// Routes whose receiver asked to wait (a plugin deferred an event): not claimed from by this
     /// instance until then.
     waits: std::sync::Mutex<HashMap<String, DateTime<Utc>>>,
+    /// The webhook endpoints last read, when, and under which settings.
+    endpoints: tokio::sync::Mutex<Option<EndpointCache>>,
+    /// The endpoint rows that could not be used, as last logged (logged again when they change).
+    unusable_endpoints: std::sync::Mutex<Vec<String>>,
+}
+
+/// The endpoint table as read at `read_at` for `settings`.
+#[derive(Debug)]
+struct EndpointCache {
+    read_at: std::time::Instant,
+    settings: Arc<Settings>,
+    table: Arc<EndpointTable>,
 }
 
 /// How often, at most, the log says per route that events ended FAILED.
@@ -150,6 +163,8 @@ impl Relay {
             failed_notices: std::sync::Mutex::default(),
             tracer: None,
             waits: std::sync::Mutex::default(),
+            endpoints: tokio::sync::Mutex::default(),
+            unusable_endpoints: std::sync::Mutex::default(),
         }
     }
 
@@ -294,21 +309,30 @@ impl Relay {
         }
         // Routes whose receiver asked this instance to wait: neither claimed from nor probed.
         let waiting = self.waiting_routes(now);
+        let mut endpoints = self.endpoint_table(&routes, false).await?;
+        // With them, disabled endpoints: their deliveries wait until they are enabled again.
+        let held: Vec<String> = waiting.into_iter().chain(endpoints.disabled().map(String::from)).collect();
+        let (mut ordered_routes, mut blocking_routes) = (routes.ordered_routes.clone(), routes.blocking_routes.clone());
+        if !endpoints.is_empty() {
+            let (ordered, blocking) = endpoints.ordered(&routes.settings);
+            ordered_routes.extend(ordered);
+            blocking_routes.extend(blocking);
+        }
         let claim = Claim {
             now,
             limit: self.batch_size,
             lease_until: crate::clock::later(now, self.lease),
             instance: self.instance.clone(),
             token: token.clone(),
-            ordered_routes: routes.ordered_routes.clone(),
-            blocking_routes: routes.blocking_routes.clone(),
+            ordered_routes,
+            blocking_routes,
             // A route with destinations delivers nothing itself, so only an operator pauses it; an
             // automatic breaker left from before it had destinations has no probe to close it.
             paused_routes: breakers
                 .iter()
                 .filter(|b| b.is_open() && (b.manual || !routes.settings.fan_outs.contains_key(&b.route)))
                 .map(|b| b.route.clone())
-                .chain(waiting.iter().cloned())
+                .chain(held.iter().cloned())
                 .collect(),
             only_route: None,
             max_payload: self.max_payload,
@@ -318,7 +342,7 @@ impl Relay {
         let mut events = self.store.claim(&claim).await?;
         let claim_took = claiming.elapsed();
         self.metrics.claim_duration.observe(claim_took.as_secs_f64());
-        let probes = self.probes(&claim, &routes, &breakers, &waiting).await?;
+        let probes = self.probes(&claim, &routes, &breakers, &held).await?;
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
         // A reload between reading the table and claiming may have added routes whose events were
@@ -334,13 +358,19 @@ impl Relay {
             }
             events = claimed;
         }
-        let (events, handed_on) = self.hand_on(&routes, &token, events).await?;
+        let (events, handed_on) = self.hand_on(&routes, &endpoints, &token, events).await?;
+        // Deliveries to an endpoint this table does not have: made by another instance for one
+        // created since this one last read them (or deleted since). Read again before judging.
+        let settings = &routes.settings;
+        if events.iter().any(|e| settings.endpoints_of(&e.route).is_some() && endpoints.get(&e.route).is_none()) {
+            endpoints = self.endpoint_table(&routes, true).await?;
+        }
         if events.is_empty() {
             return Ok(handed_on);
         }
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
-        let delivery = self.deliver_all(&routes, &events);
+        let delivery = self.deliver_all(&routes, &endpoints, &events);
         tokio::pin!(delivery);
         let completions = tokio::select! {
             done = &mut delivery => done,
@@ -388,18 +418,19 @@ impl Relay {
 
     /// For each route whose breaker has cooled down, takes the half-open probe (one instance
     /// wins it) and claims one event to try the route with. Routes with destinations are not
-    /// probed: their events are handed on, not delivered (see `cycle`).
+    /// probed: their events are handed on, not delivered (see `cycle`); nor are routes `paused`
+    /// for other reasons (their receiver asked to wait, a disabled endpoint).
     async fn probes(
         &self,
         claim: &Claim,
         routes: &Routes,
         breakers: &[Breaker],
-        waiting: &[String],
+        paused: &[String],
     ) -> Result<Vec<ClaimedEvent>, StoreError> {
         let cooled = crate::clock::earlier(claim.now, self.breaker_cooldown);
         let mut probes = Vec::new();
         for breaker in breakers {
-            if waiting.contains(&breaker.route)
+            if paused.contains(&breaker.route)
                 || routes.settings.fan_outs.contains_key(&breaker.route)
                 || !breaker.probe_due(claim.now, self.breaker_cooldown)
                 || !self.store.take_probe(&breaker.route, cooled, claim.now, claim.lease_until).await?
@@ -468,6 +499,52 @@ impl Relay {
             }
         }
         Ok(())
+    }
+
+    /// The webhook endpoints of the routes that take them: read again when `fresh`, when older
+    /// than [`crate::endpoints::REFRESH`] or read under other settings; not read at all when no route
+    /// takes endpoints. Rows that cannot be used are logged when they change; when the table
+    /// cannot be read, the last one read under these settings serves meanwhile.
+    async fn endpoint_table(&self, routes: &Routes, fresh: bool) -> Result<Arc<EndpointTable>, StoreError> {
+        let settings = &routes.settings;
+        if !settings.fan_outs.values().any(|f| f.endpoints.is_some()) {
+            return Ok(Arc::default());
+        }
+        let mut cache = self.endpoints.lock().await;
+        if let Some(cached) = cache.as_ref()
+            && !fresh
+            && cached.read_at.elapsed() < crate::endpoints::REFRESH
+            && Arc::ptr_eq(&cached.settings, settings)
+        {
+            return Ok(cached.table.clone());
+        }
+        let stored = match (self.store.endpoints(None).await, cache.as_mut()) {
+            (Ok(stored), _) => stored,
+            // The table read last serves until the next try, a second later, so other routes do
+            // not wait on this. Before any was read, the cycle fails: handing events on to no
+            // endpoint would lose them.
+            (Err(e), Some(cached)) if Arc::ptr_eq(&cached.settings, settings) => {
+                tracing::error!("reading the webhook endpoints failed, trying again in a second: {e}");
+                cached.read_at = std::time::Instant::now();
+                return Ok(cached.table.clone());
+            }
+            (Err(e), _) => return Err(e),
+        };
+        let (table, unusable) = EndpointTable::build(settings, &stored, self.clock.now());
+        let mut logged = self.unusable_endpoints.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if *logged != unusable {
+            for why in &unusable {
+                tracing::error!("{why}; the endpoint gets no deliveries until it is fixed or deleted");
+            }
+            *logged = unusable;
+        }
+        let table = Arc::new(table);
+        *cache = Some(EndpointCache {
+            read_at: std::time::Instant::now(),
+            settings: settings.clone(),
+            table: table.clone(),
+        });
+        Ok(table)
     }
 
     /// Routes whose receiver asked to wait until after `now`; forgets those whose wait is over.

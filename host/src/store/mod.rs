@@ -429,7 +429,77 @@ pub trait Store: std::fmt::Debug + Send + Sync {
         reason: &str,
         now: DateTime<Utc>,
     ) -> Result<Breaker, StoreError>;
+
+    /// The stored webhook endpoints of `route` (of every route: `None`), ordered by id.
+    async fn endpoints(&self, route: Option<&str>) -> Result<Vec<StoredEndpoint>, StoreError>;
+
+    /// The stored endpoint `id`.
+    async fn endpoint(&self, id: &str) -> Result<Option<StoredEndpoint>, StoreError>;
+
+    /// Stores a new endpoint; false when its id is taken.
+    async fn insert_endpoint(&self, endpoint: &StoredEndpoint) -> Result<bool, StoreError>;
+
+    /// Replaces the body of endpoint `endpoint.id` if its body is still `before` (another change
+    /// in between makes it false, and nothing is written), so concurrent updates cannot undo
+    /// each other.
+    async fn update_endpoint(&self, endpoint: &StoredEndpoint, before: &str) -> Result<bool, StoreError>;
+
+    /// Deletes endpoint `id`; false when there is none.
+    async fn delete_endpoint(&self, id: &str) -> Result<bool, StoreError>;
 }
+
+/// A webhook endpoint as stored: its id, its route and its body (JSON, read by
+/// `crate::endpoints`).
+#[derive(Debug, Clone, PartialEq, Eq, FromRow)]
+pub struct StoredEndpoint {
+    pub id: String,
+    pub route: String,
+    pub body: String,
+}
+
+/// The endpoint statements, written once with `$n` parameters (SQLite reads them too).
+pub(crate) mod endpoint_sql {
+    pub const LIST_ALL: &str = "SELECT id, route, body FROM ferry_endpoints ORDER BY id";
+    pub const LIST_ROUTE: &str = "SELECT id, route, body FROM ferry_endpoints WHERE route = $1 ORDER BY id";
+    pub const ONE: &str = "SELECT id, route, body FROM ferry_endpoints WHERE id = $1";
+    /// Binds id, route, body.
+    pub const INSERT: &str =
+        "INSERT INTO ferry_endpoints (id, route, body) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING";
+    /// Binds id, the body before, the new body.
+    pub const UPDATE: &str = "UPDATE ferry_endpoints SET body = $3 WHERE id = $1 AND body = $2";
+    pub const DELETE: &str = "DELETE FROM ferry_endpoints WHERE id = $1";
+}
+
+/// The endpoint statements of a backend whose pool is `self.pool`, as inherent methods its
+/// [`Store`] methods call.
+macro_rules! endpoint_queries {
+    ($store:ty) => {
+        impl $store {
+            async fn select_endpoints(&self, route: Option<&str>) -> Result<Vec<StoredEndpoint>, StoreError> {
+                use crate::store::endpoint_sql::{LIST_ALL, LIST_ROUTE};
+                Ok(match route {
+                    None => sqlx::query_as(LIST_ALL).fetch_all(&self.pool).await?,
+                    Some(route) => sqlx::query_as(LIST_ROUTE).bind(route).fetch_all(&self.pool).await?,
+                })
+            }
+
+            async fn select_endpoint(&self, id: &str) -> Result<Option<StoredEndpoint>, StoreError> {
+                Ok(sqlx::query_as(crate::store::endpoint_sql::ONE).bind(id).fetch_optional(&self.pool).await?)
+            }
+
+            async fn write_endpoint(&self, sql: &str, e: &StoredEndpoint, third: &str) -> Result<bool, StoreError> {
+                let done = sqlx::query(sql).bind(&e.id).bind(third).bind(&e.body).execute(&self.pool).await?;
+                Ok(done.rows_affected() == 1)
+            }
+
+            async fn remove_endpoint(&self, id: &str) -> Result<bool, StoreError> {
+                let done = sqlx::query(crate::store::endpoint_sql::DELETE).bind(id).execute(&self.pool).await?;
+                Ok(done.rows_affected() == 1)
+            }
+        }
+    };
+}
+pub(crate) use endpoint_queries;
 
 /// A database URL with any password replaced, for error messages and logs: the one in the
 /// authority (which may itself contain `@`) and a `password=` query parameter.
@@ -561,9 +631,14 @@ impl SentCall<'_> {
     }
 }
 
+/// Most plugin calls whose successes are recorded by claim token, one statement each; a batch of
+/// more (events of many routes, such as a route's webhook endpoints) is recorded by id, in one.
+const MAX_CALLS_BY_TOKEN: usize = 8;
+
 /// Groups a batch's successes by plugin call, when each group can be recorded by claim token and
-/// route: no two calls of the same route (as when a faulting batch was split) and one attempt
-/// limit per call. `None` when that does not hold; the successes are then recorded by id.
+/// route: no two calls of the same route (as when a faulting batch was split), one attempt limit
+/// per call, and at most [`MAX_CALLS_BY_TOKEN`] calls. `None` when that does not hold; the
+/// successes are then recorded by id.
 ///
 /// Recording by token relies on every other row of the claim having left PROCESSING first (the
 /// retries and failures are written before the successes). The ids each statement returns must be
@@ -577,6 +652,7 @@ fn sent_by_call<'a>(sent: &[&'a Completion]) -> Option<Vec<SentCall<'a>>> {
             Some(i) if calls[i].max_attempts == completion.max_attempts => calls[i].ids.push(completion.id),
             Some(_) => return None,
             None if calls.iter().any(|c| c.call.route == call.route) => return None,
+            None if calls.len() == MAX_CALLS_BY_TOKEN => return None,
             None => calls.push(SentCall { call, max_attempts: completion.max_attempts, ids: vec![completion.id] }),
         }
     }

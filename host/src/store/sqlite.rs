@@ -19,9 +19,9 @@ use ferry_outbox::Outbox;
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
-    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, UNFINISHED_COUNTS_SQL, WATCH_SQL,
-    claimed_event, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters, deferrals_written,
-    duration_ms, ids_in_order, in_claim_order, refund, stats_from,
+    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, UNFINISHED_COUNTS_SQL,
+    WATCH_SQL, claimed_event, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters,
+    deferrals_written, duration_ms, ids_in_order, in_claim_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -744,7 +744,29 @@ impl Store for SqliteStore {
         let row = query.fetch_one(&self.pool).await?;
         Ok(row)
     }
+
+    async fn endpoints(&self, route: Option<&str>) -> Result<Vec<StoredEndpoint>, StoreError> {
+        self.select_endpoints(route).await
+    }
+
+    async fn endpoint(&self, id: &str) -> Result<Option<StoredEndpoint>, StoreError> {
+        self.select_endpoint(id).await
+    }
+
+    async fn insert_endpoint(&self, e: &StoredEndpoint) -> Result<bool, StoreError> {
+        self.write_endpoint(super::endpoint_sql::INSERT, e, &e.route).await
+    }
+
+    async fn update_endpoint(&self, e: &StoredEndpoint, before: &str) -> Result<bool, StoreError> {
+        self.write_endpoint(super::endpoint_sql::UPDATE, e, before).await
+    }
+
+    async fn delete_endpoint(&self, id: &str) -> Result<bool, StoreError> {
+        self.remove_endpoint(id).await
+    }
 }
+
+super::endpoint_queries!(SqliteStore);
 
 /// The FAILED rows a [`FailedFilter`] selects; its values are bound as ?1..?8 by [`bind_filter`].
 const FAILED_WHERE: &str = "status = 'FAILED' AND (?1 IS NULL OR route = ?1) AND (?2 IS NULL OR event_type = ?2)

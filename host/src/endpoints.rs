@@ -1,0 +1,652 @@
+//! Webhook endpoints managed at run time: an operator (or an application, through the admin API)
+//! adds, changes, disables and deletes the endpoints of a route that takes them
+//! (`[route.NAME.endpoints]`), and every ferry instance sharing the database picks the change up
+//! within [`REFRESH`]. Each endpoint is a destination of its route: its deliveries carry route
+//! `route/ep_…`, so they have their own status, attempts, history, breaker and failed-event
+//! operations, and are made by the route's endpoint template (`route/*`) with the endpoint's own
+//! URL, secret and headers.
+//!
+//! A stored endpoint is read as untrusted input: a body that does not decode, or a URL the
+//! route's `origins` no longer allow, costs that endpoint its deliveries, never anyone else's.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use chrono::{DateTime, Utc};
+use rand::Rng as _;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{
+    DESTINATION_SEPARATOR, ENDPOINT_ID_PREFIX, EndpointsSettings, EventTypes, Ordering, Settings, TEMPLATE_URL,
+    normalize_origin, origin_matches,
+};
+use crate::ops::{OpError, Ops};
+use crate::store::StoredEndpoint;
+
+/// How often a relay reads the endpoints again: a change made anywhere reaches every instance
+/// within this long.
+pub const REFRESH: Duration = Duration::from_secs(1);
+
+/// How long the previous secret keeps signing after a rotation when the operator says nothing.
+pub const KEEP_PREVIOUS: Duration = Duration::from_secs(24 * 3600);
+
+/// Longest the previous secret may keep signing after a rotation.
+pub const MAX_KEEP_PREVIOUS: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Most endpoints one route may have.
+pub const MAX_PER_ROUTE: usize = 10_000;
+
+/// Longest URL accepted.
+const MAX_URL: usize = 2048;
+/// Most event-type patterns per endpoint, and the longest one.
+const MAX_EVENT_TYPES: usize = 100;
+const MAX_EVENT_TYPE: usize = 200;
+/// Most static headers per endpoint, and the longest value.
+const MAX_HEADERS: usize = 50;
+const MAX_HEADER_VALUE: usize = 4096;
+const MAX_DESCRIPTION: usize = 500;
+/// How the signing secrets ferry makes and accepts begin (the Standard Webhooks format).
+const SECRET_PREFIX: &str = "whsec_";
+/// Random bytes in a secret ferry makes, and the fewest and most in one it is given.
+const SECRET_BYTES: usize = 32;
+const MIN_SECRET_BYTES: usize = 16;
+const MAX_SECRET_BYTES: usize = 64;
+/// Headers each request sets itself, or that would change how it travels.
+const RESERVED_HEADERS: [&str; 5] = ["host", "content-length", "content-type", "transfer-encoding", "connection"];
+
+/// One stored endpoint, decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Endpoint {
+    pub id: String,
+    pub route: String,
+    pub body: EndpointBody,
+}
+
+/// What is stored of an endpoint besides its id and route (as JSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointBody {
+    pub url: String,
+    #[serde(default)]
+    pub description: String,
+    /// Exact event types or patterns with `*`; none: every event of the route.
+    #[serde(default)]
+    pub event_types: Vec<String>,
+    /// Sent with every request, by lowercase name.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    pub secret: String,
+    /// The secret before the last rotation, which also signs until `previous_secret_until`.
+    #[serde(default)]
+    pub previous_secret: Option<String>,
+    #[serde(default)]
+    pub previous_secret_until: Option<DateTime<Utc>>,
+    pub enabled: bool,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// What a front-end was given to create or change an endpoint; `None`: not given (on a change:
+/// kept as it is).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointInput {
+    pub url: Option<String>,
+    pub description: Option<String>,
+    pub event_types: Option<Vec<String>>,
+    pub headers: Option<BTreeMap<String, String>>,
+    /// A signing secret of the caller's (`whsec_` and base64); only at creation, else ferry makes one.
+    pub secret: Option<String>,
+    pub enabled: Option<bool>,
+}
+
+/// An endpoint as a front-end shows it. The secret is masked except in the answer to the
+/// request that made it (creation, rotation): it is shown once.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EndpointView {
+    pub id: String,
+    pub route: String,
+    /// The route its deliveries carry (`route/id`): for `ferry failed … --route`, breakers, metrics.
+    pub delivery_route: String,
+    pub url: String,
+    pub description: String,
+    pub event_types: Vec<String>,
+    pub headers: BTreeMap<String, String>,
+    pub enabled: bool,
+    /// The signing secret: whole once, then masked (`whsec_…` and its last four characters).
+    pub secret: String,
+    /// Until when the secret before the last rotation still signs as well.
+    pub previous_secret_until: Option<DateTime<Utc>>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl Endpoint {
+    /// Reads a stored endpoint; the error says what is wrong with the row.
+    pub fn decode(stored: &StoredEndpoint) -> Result<Endpoint, String> {
+        if !stored.id.starts_with(ENDPOINT_ID_PREFIX) || stored.id.contains(DESTINATION_SEPARATOR) {
+            return Err(format!("endpoint id {:?} is not one ferry makes", stored.id));
+        }
+        let body: EndpointBody = serde_json::from_str(&stored.body)
+            .map_err(|e| format!("endpoint {} cannot be read from the database: {e}", stored.id))?;
+        Ok(Endpoint { id: stored.id.clone(), route: stored.route.clone(), body })
+    }
+
+    fn encode(&self) -> StoredEndpoint {
+        StoredEndpoint {
+            id: self.id.clone(),
+            route: self.route.clone(),
+            body: serde_json::to_string(&self.body).unwrap_or_default(),
+        }
+    }
+
+    /// The route its deliveries carry: `route/id`.
+    pub fn delivery_route(&self) -> String {
+        format!("{}{DESTINATION_SEPARATOR}{}", self.route, self.id)
+    }
+
+    /// The endpoint as shown, its secret whole (`reveal`) or masked.
+    pub fn view(&self, reveal: bool) -> EndpointView {
+        let b = &self.body;
+        EndpointView {
+            id: self.id.clone(),
+            route: self.route.clone(),
+            delivery_route: self.delivery_route(),
+            url: b.url.clone(),
+            description: b.description.clone(),
+            event_types: b.event_types.clone(),
+            headers: b.headers.clone(),
+            enabled: b.enabled,
+            secret: if reveal { b.secret.clone() } else { mask(&b.secret) },
+            previous_secret_until: b.previous_secret.as_ref().and(b.previous_secret_until),
+            created_at: b.created_at,
+            updated_at: b.updated_at,
+        }
+    }
+
+    /// The config its deliveries are made with at `now`: the template's, then the endpoint's
+    /// URL, secrets (the previous one while it still signs) and headers.
+    fn plugin_config(&self, template: &[(String, String)], now: DateTime<Utc>) -> Vec<(String, String)> {
+        let b = &self.body;
+        let mut config: Vec<(String, String)> =
+            template.iter().filter(|(k, v)| !(k == "url" && v == TEMPLATE_URL)).cloned().collect();
+        config.push(("url".into(), b.url.clone()));
+        config.push(("secret".into(), b.secret.clone()));
+        if let (Some(previous), Some(until)) = (&b.previous_secret, b.previous_secret_until)
+            && until > now
+        {
+            config.push(("secret_previous".into(), previous.clone()));
+        }
+        config.extend(b.headers.iter().map(|(name, value)| (format!("header.{name}"), value.clone())));
+        config
+    }
+}
+
+/// `secret` as shown after its creation: the prefix and its last four characters.
+fn mask(secret: &str) -> String {
+    let tail: String = secret.chars().rev().take(4).collect::<Vec<_>>().into_iter().rev().collect();
+    format!("{SECRET_PREFIX}…{tail}")
+}
+
+/// A fresh endpoint id: the prefix and 20 hex digits (80 random bits).
+fn new_id() -> String {
+    let bits: u128 = rand::rng().random();
+    format!("{ENDPOINT_ID_PREFIX}{:020x}", bits >> 48)
+}
+
+/// A fresh signing secret: the prefix and 32 random bytes in base64.
+fn new_secret() -> String {
+    let bytes: [u8; SECRET_BYTES] = rand::rng().random();
+    format!("{SECRET_PREFIX}{}", base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+/// Checks a secret given by a caller.
+fn check_secret(secret: &str, field: &str) -> Result<(), String> {
+    let decoded = secret
+        .strip_prefix(SECRET_PREFIX)
+        .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64).ok())
+        .ok_or_else(|| {
+            format!("{field} must be {SECRET_PREFIX} followed by base64, as ferry makes them (leave it out to get one)")
+        })?;
+    if !(MIN_SECRET_BYTES..=MAX_SECRET_BYTES).contains(&decoded.len()) {
+        return Err(format!(
+            "{field} holds {} bytes; a signing secret holds {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES}",
+            decoded.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Why `url` cannot be an endpoint of `route`, whose endpoints may point at `origins`.
+pub fn check_url(route: &str, url: &str, origins: &[String]) -> Result<(), String> {
+    if url.len() > MAX_URL {
+        return Err(format!("url is {} bytes long; at most {MAX_URL} are accepted", url.len()));
+    }
+    let uri: http::Uri = url.parse().map_err(|e| format!("url {url:?} is not a URL: {e}"))?;
+    let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
+        return Err(format!("url {url:?} must be absolute, as in https://hooks.example.com/ferry"));
+    };
+    let origin = normalize_origin(&format!("{scheme}://{authority}")).map_err(|e| format!("url: {e}"))?;
+    if !origins.iter().any(|pattern| origin_matches(pattern, &origin)) {
+        return Err(format!(
+            "url {url:?} is not allowed: its origin {origin} matches none of route.{route}.endpoints.origins ({})",
+            origins.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+fn check_headers(headers: &BTreeMap<String, String>) -> Result<BTreeMap<String, String>, String> {
+    if headers.len() > MAX_HEADERS {
+        return Err(format!("headers has {} entries; at most {MAX_HEADERS} are accepted", headers.len()));
+    }
+    let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+    let mut checked = BTreeMap::new();
+    for (name, value) in headers {
+        let lower = name.to_ascii_lowercase();
+        if lower.is_empty() || !lower.chars().all(token) {
+            return Err(format!("headers: {name:?} is not a header name"));
+        }
+        if RESERVED_HEADERS.contains(&lower.as_str()) || lower.starts_with("webhook-") {
+            return Err(format!("headers: {name:?} is set by each request itself and cannot be given"));
+        }
+        if value.len() > MAX_HEADER_VALUE || value.chars().any(|c| c.is_control() && c != '\t') {
+            return Err(format!(
+                "headers.{name}: a header value is at most {MAX_HEADER_VALUE} bytes without control characters"
+            ));
+        }
+        checked.insert(lower, value.clone());
+    }
+    Ok(checked)
+}
+
+fn check_event_types(patterns: &[String]) -> Result<(), String> {
+    if patterns.len() > MAX_EVENT_TYPES {
+        return Err(format!("event_types has {} entries; at most {MAX_EVENT_TYPES} are accepted", patterns.len()));
+    }
+    if let Some(long) = patterns.iter().find(|p| p.len() > MAX_EVENT_TYPE) {
+        return Err(format!("event_types: {long:?} is longer than {MAX_EVENT_TYPE} bytes"));
+    }
+    EventTypes::new(patterns).map(drop).map_err(|e| format!("event_types: {e}"))
+}
+
+fn check_description(text: &str) -> Result<(), String> {
+    if text.len() > MAX_DESCRIPTION || text.chars().any(char::is_control) {
+        return Err(format!("description is at most {MAX_DESCRIPTION} bytes without control characters"));
+    }
+    Ok(())
+}
+
+impl EndpointInput {
+    /// Applies the fields given to `body`, checking each against the route's `origins`.
+    fn apply(self, route: &str, origins: &[String], body: &mut EndpointBody) -> Result<(), String> {
+        if let Some(url) = self.url {
+            check_url(route, &url, origins)?;
+            body.url = url;
+        }
+        if let Some(description) = self.description {
+            check_description(&description)?;
+            body.description = description;
+        }
+        if let Some(patterns) = self.event_types {
+            check_event_types(&patterns)?;
+            body.event_types = patterns;
+        }
+        if let Some(headers) = self.headers {
+            body.headers = check_headers(&headers)?;
+        }
+        if let Some(enabled) = self.enabled {
+            body.enabled = enabled;
+        }
+        Ok(())
+    }
+}
+
+impl Ops {
+    /// The endpoint settings of `route`, or why it takes no endpoints.
+    fn endpoints_settings(&self, route: &str) -> Result<Arc<EndpointsSettings>, OpError> {
+        let settings = self.settings();
+        match settings.fan_outs.get(route).and_then(|f| f.endpoints.clone()) {
+            Some(endpoints) => Ok(endpoints),
+            None if settings.is_configured(route) => Err(OpError::Invalid(format!(
+                "route {route:?} does not take endpoints: give it a [route.{route}.endpoints] table with the plugin and the origins its endpoints may have"
+            ))),
+            None => Err(OpError::NotFound(format!("no route {route:?} is configured"))),
+        }
+    }
+
+    /// Creates an endpoint of `route`; the answer shows its secret, the only time it is shown.
+    pub async fn create_endpoint(&self, route: &str, input: EndpointInput) -> Result<EndpointView, OpError> {
+        let endpoints = self.endpoints_settings(route)?;
+        let url_field = self.front.name("url");
+        if input.url.is_none() {
+            return Err(OpError::Invalid(format!("{url_field} is required: where the endpoint's requests go")));
+        }
+        let secret = match input.secret.clone() {
+            Some(secret) => {
+                check_secret(&secret, &self.front.name("secret")).map_err(OpError::Invalid)?;
+                secret
+            }
+            None => new_secret(),
+        };
+        if self.store.endpoints(Some(route)).await?.len() >= MAX_PER_ROUTE {
+            return Err(OpError::Conflict(format!("route {route:?} has {MAX_PER_ROUTE} endpoints, the most it may")));
+        }
+        let now = self.clock.now();
+        let mut body = EndpointBody {
+            url: String::new(),
+            description: String::new(),
+            event_types: Vec::new(),
+            headers: BTreeMap::new(),
+            secret,
+            previous_secret: None,
+            previous_secret_until: None,
+            enabled: true,
+            created_at: now,
+            updated_at: now,
+        };
+        let input = EndpointInput { secret: None, ..input };
+        input.apply(route, &endpoints.origins, &mut body).map_err(OpError::Invalid)?;
+        let endpoint = Endpoint { id: new_id(), route: route.to_string(), body };
+        if !self.store.insert_endpoint(&endpoint.encode()).await? {
+            return Err(OpError::Conflict(format!("endpoint id {} is taken; try again", endpoint.id)));
+        }
+        Ok(endpoint.view(true))
+    }
+
+    /// The endpoints of `route` (of every route: `None`), secrets masked.
+    pub async fn list_endpoints(&self, route: Option<&str>) -> Result<Vec<EndpointView>, OpError> {
+        if let Some(route) = route {
+            self.endpoints_settings(route)?;
+        }
+        let stored = self.store.endpoints(route).await?;
+        let mut views = Vec::with_capacity(stored.len());
+        for row in &stored {
+            match Endpoint::decode(row) {
+                Ok(endpoint) => views.push(endpoint.view(false)),
+                Err(why) => tracing::warn!("{why}; not listed"),
+            }
+        }
+        Ok(views)
+    }
+
+    async fn load_endpoint(&self, id: &str) -> Result<(Endpoint, String), OpError> {
+        let stored = self
+            .store
+            .endpoint(id)
+            .await?
+            .ok_or_else(|| OpError::NotFound(format!("endpoint {id:?} does not exist")))?;
+        let endpoint = Endpoint::decode(&stored).map_err(OpError::Conflict)?;
+        Ok((endpoint, stored.body))
+    }
+
+    /// Endpoint `id`, its secret masked.
+    pub async fn show_endpoint(&self, id: &str) -> Result<EndpointView, OpError> {
+        Ok(self.load_endpoint(id).await?.0.view(false))
+    }
+
+    /// Changes the fields of endpoint `id` that `input` gives (its secret changes only by
+    /// rotation); answers with the endpoint, its secret masked.
+    pub async fn update_endpoint(&self, id: &str, input: EndpointInput) -> Result<EndpointView, OpError> {
+        if input.secret.is_some() {
+            return Err(OpError::Invalid(format!(
+                "{} cannot be changed here: rotate it, so the previous one keeps signing for a while",
+                self.front.name("secret")
+            )));
+        }
+        self.change_endpoint(id, false, |route, origins, body| input.apply(route, origins, body)).await
+    }
+
+    /// Enables or disables endpoint `id`.
+    pub async fn set_endpoint_enabled(&self, id: &str, enabled: bool) -> Result<EndpointView, OpError> {
+        self.update_endpoint(id, EndpointInput { enabled: Some(enabled), ..EndpointInput::default() }).await
+    }
+
+    /// Gives endpoint `id` a new signing secret (`secret`, or one ferry makes); the old one keeps
+    /// signing as well for `keep_previous`. Answers with the new secret, shown this once.
+    pub async fn rotate_endpoint_secret(
+        &self,
+        id: &str,
+        secret: Option<String>,
+        keep_previous: Duration,
+    ) -> Result<EndpointView, OpError> {
+        if let Some(secret) = &secret {
+            check_secret(secret, &self.front.name("secret")).map_err(OpError::Invalid)?;
+        }
+        let now = self.clock.now();
+        self.change_endpoint(id, true, |_, _, body| {
+            let until = crate::clock::later(now, keep_previous);
+            body.previous_secret = (until > now).then(|| body.secret.clone());
+            body.previous_secret_until = (until > now).then_some(until);
+            body.secret = secret.unwrap_or_else(new_secret);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Reads endpoint `id`, changes it with `change` and writes it back unless it changed
+    /// meanwhile (then it is an error to try again).
+    async fn change_endpoint(
+        &self,
+        id: &str,
+        reveal: bool,
+        change: impl FnOnce(&str, &[String], &mut EndpointBody) -> Result<(), String>,
+    ) -> Result<EndpointView, OpError> {
+        let (mut endpoint, before) = self.load_endpoint(id).await?;
+        let endpoints = self.endpoints_settings(&endpoint.route)?;
+        change(&endpoint.route, &endpoints.origins, &mut endpoint.body).map_err(OpError::Invalid)?;
+        endpoint.body.updated_at = self.clock.now();
+        if !self.store.update_endpoint(&endpoint.encode(), &before).await? {
+            return Err(OpError::Conflict(format!(
+                "endpoint {id} was changed or deleted meanwhile; look and try again"
+            )));
+        }
+        Ok(endpoint.view(reveal))
+    }
+
+    /// Deletes endpoint `id`. Its deliveries not yet made end FAILED (`no_transport`) when next
+    /// claimed, kept for inspection like any other.
+    pub async fn delete_endpoint(&self, id: &str) -> Result<EndpointView, OpError> {
+        let (endpoint, _) = self.load_endpoint(id).await?;
+        if !self.store.delete_endpoint(id).await? {
+            return Err(OpError::NotFound(format!("endpoint {id:?} does not exist")));
+        }
+        Ok(endpoint.view(false))
+    }
+}
+
+/// One endpoint as the relay delivers to it.
+#[derive(Debug)]
+pub struct LiveEndpoint {
+    pub id: String,
+    /// `route/id`.
+    pub delivery_route: String,
+    pub event_types: EventTypes,
+    pub enabled: bool,
+    /// The config of its plugin instances; `Err`: why it cannot be delivered to (a URL the
+    /// route's origins no longer allow).
+    pub config: Result<Arc<[(String, String)]>, String>,
+}
+
+/// Every endpoint of the routes that take them, as read at one moment.
+#[derive(Debug, Default)]
+pub struct EndpointTable {
+    by_route: HashMap<String, Vec<Arc<LiveEndpoint>>>,
+    by_delivery: HashMap<String, Arc<LiveEndpoint>>,
+}
+
+impl EndpointTable {
+    /// The table of `stored` under `settings` at `now`. Rows that cannot be read are left out
+    /// and returned with why, as are the endpoints of routes that no longer take any.
+    pub fn build(settings: &Settings, stored: &[StoredEndpoint], now: DateTime<Utc>) -> (EndpointTable, Vec<String>) {
+        let mut table = EndpointTable::default();
+        let mut unusable = Vec::new();
+        for row in stored {
+            let endpoint = match Endpoint::decode(row) {
+                Ok(endpoint) => endpoint,
+                Err(why) => {
+                    unusable.push(why);
+                    continue;
+                }
+            };
+            let Some(endpoints) = settings.fan_outs.get(&endpoint.route).and_then(|f| f.endpoints.as_ref()) else {
+                continue;
+            };
+            let Some(template) = settings.routes.get(&endpoints.template) else { continue };
+            let event_types = match EventTypes::new(&endpoint.body.event_types) {
+                Ok(types) => types,
+                Err(why) => {
+                    unusable.push(format!("endpoint {}: event_types: {why}", endpoint.id));
+                    continue;
+                }
+            };
+            let config = check_url(&endpoint.route, &endpoint.body.url, &endpoints.origins)
+                .map(|()| Arc::from(endpoint.plugin_config(&template.plugin_config, now)));
+            let live = Arc::new(LiveEndpoint {
+                id: endpoint.id.clone(),
+                delivery_route: endpoint.delivery_route(),
+                event_types,
+                enabled: endpoint.body.enabled,
+                config,
+            });
+            table.by_delivery.insert(live.delivery_route.clone(), live.clone());
+            table.by_route.entry(endpoint.route).or_default().push(live);
+        }
+        (table, unusable)
+    }
+
+    /// The endpoint whose deliveries carry `delivery_route`.
+    pub fn get(&self, delivery_route: &str) -> Option<&Arc<LiveEndpoint>> {
+        self.by_delivery.get(delivery_route)
+    }
+
+    /// The delivery routes of `route`'s enabled endpoints that receive `event_type`.
+    pub fn routes_for<'a>(&'a self, route: &str, event_type: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.by_route
+            .get(route)
+            .into_iter()
+            .flatten()
+            .filter(move |e| e.enabled && e.event_types.matches(event_type))
+            .map(|e| e.delivery_route.as_str())
+    }
+
+    /// The delivery routes of disabled endpoints: their deliveries wait until they are enabled.
+    pub fn disabled(&self) -> impl Iterator<Item = &str> {
+        self.by_delivery.values().filter(|e| !e.enabled).map(|e| e.delivery_route.as_str())
+    }
+
+    /// The delivery routes of the endpoints of ordered routes, and of those the ones a FAILED
+    /// delivery blocks: each endpoint delivers in its route's order.
+    pub fn ordered(&self, settings: &Settings) -> (Vec<String>, Vec<String>) {
+        let (mut ordered, mut blocking) = (Vec::new(), Vec::new());
+        for (route, endpoints) in &self.by_route {
+            if let Some(Ordering::Ordered { failed_blocks_key }) = settings.fan_outs.get(route).map(|f| f.ordering) {
+                let names = endpoints.iter().map(|e| e.delivery_route.clone());
+                if failed_blocks_key {
+                    blocking.extend(names.clone());
+                }
+                ordered.extend(names);
+            }
+        }
+        (ordered, blocking)
+    }
+
+    /// How many endpoints the table holds.
+    pub fn len(&self) -> usize {
+        self.by_delivery.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_delivery.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_must_match_the_route_origins() {
+        let origins = vec!["https://*.example.com:443".to_string(), "http://127.0.0.1:8080".to_string()];
+        assert!(check_url("r", "https://a.example.com/hook", &origins).is_ok());
+        assert!(check_url("r", "https://a.b.example.com:443/x?y=1", &origins).is_ok());
+        assert!(check_url("r", "http://127.0.0.1:8080/", &origins).is_ok());
+        for bad in [
+            "https://example.com/hook",
+            "http://a.example.com/hook",
+            "https://a.example.com:8443/",
+            "https://evil.com/?https://a.example.com",
+            "https://a.example.com@evil.com/",
+            "http://127.0.0.1:8081/",
+            "/relative",
+            "not a url",
+        ] {
+            let err = check_url("r", bad, &origins).unwrap_err();
+            assert!(err.contains("url"), "{bad}: {err}");
+        }
+        let err = check_url("orders", "https://evil.com/", &origins).unwrap_err();
+        assert!(err.contains("route.orders.endpoints.origins"), "{err}");
+    }
+
+    #[test]
+    fn secrets_are_made_checked_and_masked() {
+        let made = new_secret();
+        assert!(check_secret(&made, "secret").is_ok(), "{made}");
+        assert_ne!(made, new_secret());
+        assert!(check_secret("whsec_c2hvcnQ=", "secret").unwrap_err().contains("16 to 64"));
+        assert!(check_secret("hunter2hunter2hunter2", "secret").unwrap_err().contains("whsec_"));
+        let masked = mask(&made);
+        assert!(masked.starts_with("whsec_…") && made.ends_with(&masked["whsec_…".len()..]), "{masked}");
+        assert_eq!(masked.chars().count(), "whsec_…".chars().count() + 4);
+    }
+
+    #[test]
+    fn headers_are_checked() {
+        let ok = BTreeMap::from([("X-Tenant".to_string(), "a b".to_string())]);
+        assert_eq!(check_headers(&ok).unwrap(), BTreeMap::from([("x-tenant".to_string(), "a b".to_string())]));
+        for (name, value) in [("Host", "x"), ("webhook-signature", "x"), ("bad name", "x"), ("x-a", "a\r\nb: c")] {
+            let headers = BTreeMap::from([(name.to_string(), value.to_string())]);
+            assert!(check_headers(&headers).is_err(), "{name}: {value:?}");
+        }
+    }
+
+    #[test]
+    fn ids_are_fresh_and_route_safe() {
+        let id = new_id();
+        assert!(id.starts_with(ENDPOINT_ID_PREFIX) && id.len() == ENDPOINT_ID_PREFIX.len() + 20, "{id}");
+        assert_ne!(id, new_id());
+        let bad = StoredEndpoint { id: "orders/x".into(), route: "r".into(), body: "{}".into() };
+        assert!(Endpoint::decode(&bad).is_err());
+        let garbage = StoredEndpoint { id: new_id(), route: "r".into(), body: "{not json".into() };
+        assert!(Endpoint::decode(&garbage).unwrap_err().contains("cannot be read"));
+    }
+
+    #[test]
+    fn the_previous_secret_signs_only_until_its_time() {
+        let now = Utc::now();
+        let body = EndpointBody {
+            url: "https://a.example.com/".into(),
+            description: String::new(),
+            event_types: Vec::new(),
+            headers: BTreeMap::from([("x-a".to_string(), "1".to_string())]),
+            secret: "new".into(),
+            previous_secret: Some("old".into()),
+            previous_secret_until: Some(now + chrono::Duration::seconds(60)),
+            enabled: true,
+            created_at: now,
+            updated_at: now,
+        };
+        let endpoint = Endpoint { id: new_id(), route: "r".into(), body };
+        let template = vec![("timeout_ms".to_string(), "500".to_string()), ("url".to_string(), TEMPLATE_URL.into())];
+        let config = endpoint.plugin_config(&template, now);
+        let get = |k: &str| config.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("url"), Some("https://a.example.com/"));
+        assert_eq!(config.iter().filter(|(k, _)| k == "url").count(), 1, "the template's stand-in URL is gone");
+        assert_eq!((get("secret"), get("secret_previous")), (Some("new"), Some("old")));
+        assert_eq!((get("timeout_ms"), get("header.x-a")), (Some("500"), Some("1")));
+        let later = endpoint.plugin_config(&template, now + chrono::Duration::seconds(61));
+        assert!(!later.iter().any(|(k, _)| k == "secret_previous"), "the previous secret no longer signs");
+    }
+}

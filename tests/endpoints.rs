@@ -1,0 +1,436 @@
+//! Webhook endpoints managed at run time, delivered by the `http` plugin compiled from
+//! `plugins/http` to a real HTTP receiver: the admin API's operations, what each endpoint
+//! receives (its event types, headers and signatures, the previous secret while a rotation
+//! lasts), disabling, deleting, its own retries and failed-event operations, and one route with
+//! 1,000 endpoints.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::NewEvent;
+use ferry::clock::Clock as _;
+use ferry::endpoints::REFRESH;
+use ferry::event::Status;
+use ferry::ops::{FrontEnd, Ops};
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::common::{Backend, Receiver, Stepped, TestDb, eventually, fleet, plugins_dir};
+use crate::http::policy;
+
+const TOKEN: &str = "test-admin-token-0123456789";
+
+/// Ferry on a manual clock with the admin API, the http plugin, route `hooks` taking endpoints
+/// at the receiver's origin, and route `plain` with a URL of its own.
+struct Hooks {
+    s: Stepped,
+    base: String,
+    http: reqwest::Client,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Hooks {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Hooks {
+    /// The configuration (TOML after the database section) of ferry on `db` for `receiver`.
+    fn config(db: &TestDb, receiver: &Receiver) -> String {
+        let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
+        let origin = format!("http://{}", receiver.addr);
+        format!(
+            r#"
+            [admin]
+            listen = "127.0.0.1:0"
+            token = "{TOKEN}"
+            [plugins]
+            dir = {plugins:?}
+            [sandbox.http]
+            http = ["{origin}"]
+            [retry]
+            max_attempts = 2
+            jitter = "none"
+            [route.plain]
+            plugin = "http"
+            config = {{ url = "{origin}/plain" }}
+            [route.hooks.endpoints]
+            origins = ["{origin}"]
+            config = {{ timeout_ms = "5000" }}
+            "#
+        )
+    }
+
+    async fn start(db: TestDb, receiver: &Receiver) -> Hooks {
+        let config = Hooks::config(&db, receiver);
+        let s = Stepped::start(db, &config).await;
+        let shutdown = CancellationToken::new();
+        let (address, _task) = s.ferry.admin().expect("admin API").serve(shutdown.clone()).await.expect("binds");
+        Hooks { s, base: format!("http://{address}"), http: reqwest::Client::new(), shutdown }
+    }
+
+    async fn call(&self, method: Method, path: &str, body: Option<Value>) -> (StatusCode, Value) {
+        let mut request = self.http.request(method, format!("{}{path}", self.base)).bearer_auth(TOKEN);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("the API answers");
+        let status = response.status();
+        let text = response.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (StatusCode, Value) {
+        self.call(Method::POST, path, Some(body)).await
+    }
+
+    async fn get(&self, path: &str) -> (StatusCode, Value) {
+        self.call(Method::GET, path, None).await
+    }
+
+    /// Creates an endpoint of `hooks`, expecting success.
+    async fn create(&self, body: Value) -> Value {
+        let (status, endpoint) = self.post("/v1/routes/hooks/endpoints", body).await;
+        assert_eq!(status, StatusCode::CREATED, "{endpoint}");
+        endpoint
+    }
+
+    /// Emits events to `hooks`, waits for endpoint changes to be read, and runs relay cycles
+    /// until nothing is due; returns the ids.
+    async fn emit_and_deliver(&self, types: &[&str]) -> Vec<i64> {
+        tokio::time::sleep(REFRESH + Duration::from_millis(100)).await;
+        let mut ids = Vec::new();
+        for event_type in types {
+            let event = NewEvent::new("hooks", *event_type, format!(r#"{{"type":"{event_type}"}}"#));
+            ids.push(self.s.db.store.insert(&event, self.s.clock.now()).await.unwrap());
+        }
+        self.cycles().await;
+        ids
+    }
+
+    async fn cycles(&self) {
+        for _ in 0..4 {
+            self.s.ferry.relay.cycle(&CancellationToken::new()).await.expect("relay cycle");
+        }
+    }
+}
+
+/// The requests the receiver got at `path`, by event type.
+fn received(receiver: &Receiver, path: &str) -> Vec<String> {
+    let requests = receiver.requests();
+    let at = requests.iter().filter(|r| r.path == path);
+    at.map(|r| serde_json::from_slice::<Value>(&r.body).unwrap()["type"].as_str().unwrap().to_string()).collect()
+}
+
+/// Whether the last request at `path` carries a valid signature by each of `secrets`, in order.
+fn signed_by(receiver: &Receiver, path: &str, secrets: &[&str]) -> bool {
+    let requests = receiver.requests();
+    let r = requests.iter().rev().find(|r| r.path == path).expect("a request");
+    let id = r.header("webhook-id").unwrap();
+    let timestamp: u64 = r.header("webhook-timestamp").unwrap().parse().unwrap();
+    let expected: Vec<String> =
+        secrets.iter().map(|s| policy::sign(&policy::secret_bytes(s).unwrap(), id, timestamp, &r.body)).collect();
+    r.header("webhook-signature").unwrap().split(' ').collect::<Vec<_>>() == expected
+}
+
+async fn endpoints_are_managed_at_run_time(db: TestDb) {
+    let receiver = Receiver::start().await;
+    let hooks = Hooks::start(db, &receiver).await;
+
+    // Created while ferry runs: the secret is shown this once, whole.
+    let a = hooks
+        .create(json!({ "url": receiver.url("/a"), "event_types": ["order.*"], "headers": { "X-Tenant": "acme" } }))
+        .await;
+    let a_id = a["id"].as_str().unwrap().to_string();
+    let a_secret = a["secret"].as_str().unwrap().to_string();
+    assert!(a_id.starts_with("ep_") && a_secret.starts_with("whsec_") && a_secret.len() > 40, "{a}");
+    assert_eq!(a["delivery_route"].as_str(), Some(format!("hooks/{a_id}").as_str()));
+    assert_eq!(a["headers"], json!({ "x-tenant": "acme" }));
+    let b = hooks.create(json!({ "url": receiver.url("/b"), "description": "everything" })).await;
+    let b_id = b["id"].as_str().unwrap().to_string();
+
+    // Shown afterwards, the secret is masked; listed too.
+    let (status, shown) = hooks.get(&format!("/v1/endpoints/{a_id}")).await;
+    assert_eq!(status, StatusCode::OK);
+    let masked = shown["secret"].as_str().unwrap();
+    assert!(
+        masked != a_secret
+            && masked.starts_with("whsec_…")
+            && a_secret.ends_with(masked.strip_prefix("whsec_…").unwrap()),
+        "{masked}"
+    );
+    let (_, listed) = hooks.get("/v1/routes/hooks/endpoints").await;
+    let ids: Vec<&str> = listed.as_array().unwrap().iter().map(|e| e["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 2);
+    assert!(ids.contains(&a_id.as_str()) && ids.contains(&b_id.as_str()));
+    assert!(!listed.to_string().contains(&a_secret), "no secret in a listing");
+
+    // What cannot be an endpoint is refused, naming why.
+    let (status, error) = hooks.post("/v1/routes/hooks/endpoints", json!({ "url": "http://evil.example.com/" })).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+    assert!(error.to_string().contains("route.hooks.endpoints.origins"), "{error}");
+    let (status, error) = hooks.post("/v1/routes/plain/endpoints", json!({ "url": receiver.url("/x") })).await;
+    assert!(status == StatusCode::BAD_REQUEST && error.to_string().contains("does not take endpoints"), "{error}");
+    let (status, _) = hooks.post("/v1/routes/nowhere/endpoints", json!({ "url": receiver.url("/x") })).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let bad_header = json!({ "url": receiver.url("/x"), "headers": { "webhook-signature": "forged" } });
+    let (status, _) = hooks.post("/v1/routes/hooks/endpoints", bad_header).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    // Each endpoint receives the event types it subscribes to, with its headers, signed with
+    // its own secret.
+    let first = hooks.emit_and_deliver(&["order.created", "user.created"]).await;
+    assert_eq!(received(&receiver, "/a"), ["order.created"]);
+    let mut at_b = received(&receiver, "/b");
+    at_b.sort();
+    assert_eq!(at_b, ["order.created", "user.created"]);
+    let to_a = receiver.requests().into_iter().find(|r| r.path == "/a").unwrap();
+    assert_eq!(to_a.header("x-tenant"), Some("acme"));
+    assert!(signed_by(&receiver, "/a", &[&a_secret]));
+    let (_, event) = hooks.get(&format!("/v1/events/{}", first[0])).await;
+    assert_eq!((event["status"].as_str(), event["deliveries"].as_array().map(Vec::len)), (Some("SENT"), Some(2)));
+
+    // Disabled, an endpoint is handed no new events, and what was handed to it before waits;
+    // enabled again, it gets what waited.
+    let now = hooks.s.clock.now();
+    let held = hooks.s.db.store.insert(&NewEvent::new("hooks", "order.held", r#"{"type":"order.held"}"#), now).await;
+    hooks.s.ferry.relay.cycle(&CancellationToken::new()).await.expect("handed on");
+    let (status, disabled) = hooks.post(&format!("/v1/endpoints/{a_id}/disable"), json!({})).await;
+    assert_eq!((status, disabled["enabled"].as_bool()), (StatusCode::OK, Some(false)));
+    let paid = hooks.emit_and_deliver(&["order.paid"]).await;
+    assert_eq!(received(&receiver, "/a"), ["order.created"], "a disabled endpoint receives nothing");
+    assert_eq!(received(&receiver, "/b").len(), 4);
+    let (_, event) = hooks.get(&format!("/v1/events/{}", paid[0])).await;
+    assert_eq!(event["deliveries"].as_array().map(Vec::len), Some(1), "{event}");
+    let (_, event) = hooks.get(&format!("/v1/events/{}", held.unwrap())).await;
+    let a_route = format!("hooks/{a_id}");
+    let waiting = event["deliveries"].as_array().unwrap().iter().find(|d| d["route"] == a_route.as_str()).unwrap();
+    assert_eq!(waiting["status"], "PENDING", "{event}");
+    let (_, copy) = hooks.get(&format!("/v1/events/{}", waiting["id"])).await;
+    assert!(copy["waiting"].to_string().contains("is disabled"), "{copy}");
+    hooks.post(&format!("/v1/endpoints/{a_id}/enable"), json!({})).await;
+    hooks.emit_and_deliver(&[]).await;
+    assert_eq!(received(&receiver, "/a"), ["order.created", "order.held"]);
+
+    // A rotated secret signs at once; the previous one too until its time is up.
+    let (status, rotated) =
+        hooks.post(&format!("/v1/endpoints/{a_id}/rotate-secret"), json!({ "keep_previous": "1h" })).await;
+    assert_eq!(status, StatusCode::OK, "{rotated}");
+    let new_secret = rotated["secret"].as_str().unwrap().to_string();
+    assert!(new_secret != a_secret && new_secret.starts_with("whsec_"));
+    assert!(rotated["previous_secret_until"].is_string(), "{rotated}");
+    hooks.emit_and_deliver(&["order.shipped"]).await;
+    assert_eq!(received(&receiver, "/a"), ["order.created", "order.held", "order.shipped"]);
+    assert!(signed_by(&receiver, "/a", &[&new_secret, &a_secret]), "both secrets sign, the new one first");
+    hooks.post(&format!("/v1/endpoints/{a_id}/rotate-secret"), json!({ "keep_previous": "0s" })).await;
+
+    // Changes are checked like creations; the secret changes only by rotation.
+    let a_path = format!("/v1/endpoints/{a_id}");
+    let patch = |body: Value| hooks.call(Method::PATCH, &a_path, Some(body));
+    let (status, _) = patch(json!({ "url": "http://evil.example.com/" })).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, _) = patch(json!({ "secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw" })).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let (status, changed) = patch(json!({ "event_types": ["user.*"] })).await;
+    assert_eq!((status, changed["event_types"].clone()), (StatusCode::OK, json!(["user.*"])));
+
+    // An endpoint that fails is retried and failed on its own; the other is not sent it again.
+    let (status, _) = hooks
+        .call(Method::PATCH, &format!("/v1/endpoints/{b_id}"), Some(json!({ "url": receiver.url("/fail") })))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    hooks.emit_and_deliver(&["user.deleted"]).await;
+    hooks.s.clock.advance(Duration::from_secs(600));
+    hooks.cycles().await;
+    assert_eq!(received(&receiver, "/fail").len(), 2, "two attempts at the failing endpoint");
+    assert_eq!(received(&receiver, "/a").iter().filter(|t| *t == "user.deleted").count(), 1, "once, not re-sent");
+    let b_route = format!("hooks/{b_id}");
+    let (_, count) = hooks.get(&format!("/v1/failed/count?route={}", b_route.replace('/', "%2F"))).await;
+    assert_eq!(count["failed"], 1, "{count}");
+    let (_, breakers) = hooks.get("/v1/breakers").await;
+    let breaker = breakers.as_array().unwrap().iter().find(|b| b["route"] == b_route.as_str()).expect("its breaker");
+    assert_eq!(breaker["consecutive_failures"], 2, "{breaker}");
+    assert!(breakers.as_array().unwrap().iter().all(|b| b["route"] != format!("hooks/{a_id}").as_str()));
+    // Fixed and resent, it is delivered.
+    hooks.call(Method::PATCH, &format!("/v1/endpoints/{b_id}"), Some(json!({ "url": receiver.url("/b") }))).await;
+    let (status, _) = hooks.post("/v1/failed/resend", json!({ "route": b_route })).await;
+    assert_eq!(status, StatusCode::OK);
+    hooks.emit_and_deliver(&[]).await;
+    assert_eq!(received(&receiver, "/b").last().map(String::as_str), Some("user.deleted"));
+
+    // Deleted, an endpoint is gone; a delivery made for it before ends FAILED, kept.
+    hooks.s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap();
+    let held = hooks.s.db.store.insert(&NewEvent::new("hooks", "user.x", "{}"), hooks.s.clock.now()).await.unwrap();
+    hooks.s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap();
+    let (status, _) = hooks.call(Method::DELETE, &format!("/v1/endpoints/{b_id}"), None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = hooks.get(&format!("/v1/endpoints/{b_id}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    hooks.emit_and_deliver(&[]).await;
+    let (_, event) = hooks.get(&format!("/v1/events/{held}")).await;
+    let to_b = event["deliveries"].as_array().unwrap().iter().find(|d| d["route"] == b_route.as_str()).unwrap();
+    assert_eq!(to_b["status"], "FAILED", "{event}");
+    let copy = hooks.s.db.store.get(to_b["id"].as_i64().unwrap()).await.unwrap().unwrap();
+    assert!(copy.last_error.as_deref().unwrap_or_default().contains("deleted"), "{:?}", copy.last_error);
+}
+
+crate::both_backends!(endpoints_are_managed_at_run_time);
+
+/// Two instances share the outbox. One hands an event on to an endpoint created a moment ago;
+/// the other, whose endpoint table was read before that, claims the delivery: it reads the
+/// endpoints again and delivers, rather than failing the delivery as if the endpoint were gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_made_a_moment_ago_is_delivered_by_every_instance() {
+    let receiver = Receiver::start().await;
+    let hooks = Hooks::start(TestDb::new(Backend::Postgres).await, &receiver).await;
+    let config = hooks.s.db.config(&Hooks::config(&hooks.s.db, &receiver));
+    let other = ferry::service::Ferry::start(&config, hooks.s.clock.clone()).await.expect("second instance");
+    let never = CancellationToken::new();
+    other.relay.cycle(&never).await.expect("the other instance reads the endpoints: none yet");
+
+    let endpoint = hooks.create(json!({ "url": receiver.url("/new") })).await;
+    let now = hooks.s.clock.now();
+    let id = hooks.s.db.store.insert(&NewEvent::new("hooks", "a.b", r#"{"type":"a.b"}"#), now).await.unwrap();
+    hooks.s.ferry.relay.cycle(&never).await.expect("this instance hands the event on");
+    let stats = other.relay.cycle(&never).await.expect("the other delivers");
+    assert_eq!((stats.claimed, stats.sent, stats.failed), (1, 1, 0), "{stats:?}");
+    assert_eq!(received(&receiver, "/new"), ["a.b"]);
+    let (_, event) = hooks.get(&format!("/v1/events/{id}")).await;
+    assert_eq!(event["deliveries"][0]["route"].as_str(), endpoint["delivery_route"].as_str());
+    assert_eq!(event["deliveries"][0]["status"], "SENT", "{event}");
+}
+
+/// One route with 1,000 endpoints, each with its own filter, and 10,000 events: every endpoint
+/// receives exactly the events it subscribes to, none twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_endpoints_each_receive_what_they_subscribe_to() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new(Backend::Postgres).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
+    let origin = format!("http://{}", receiver.addr);
+    let config = db.config(&format!(
+        r#"
+        [relay]
+        batch_size = 500
+        [plugins]
+        dir = {plugins:?}
+        [sandbox.http]
+        http = ["{origin}"]
+        instances = 8
+        [route.hooks.endpoints]
+        origins = ["{origin}"]
+        "#
+    ));
+    let ferry = ferry::service::Ferry::start(&config, Arc::new(ferry::clock::SystemClock)).await.expect("starts");
+    let ops = Ops::new(ferry.settings.get(), ferry.store.clone(), ferry.clock.clone(), FrontEnd::Api);
+    let expected = fleet::populate(&ops, &db.store, &origin, ferry.clock.now()).await;
+    let total: usize = expected.iter().sum();
+
+    let started = Instant::now();
+    let shutdown = CancellationToken::new();
+    let relay = {
+        let token = shutdown.clone();
+        tokio::spawn(async move { ferry.relay.run(token).await })
+    };
+    eventually(Duration::from_secs(600), "every delivery made", || async {
+        (receiver.received() >= total).then_some(())
+    })
+    .await;
+    let took = started.elapsed();
+    shutdown.cancel();
+    relay.await.unwrap();
+    println!("{} endpoints, {} events, {total} deliveries in {took:.1?}", fleet::ENDPOINTS, fleet::EVENTS);
+
+    let mut got: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for r in receiver.requests() {
+        got.entry(r.path.clone()).or_default().push(r.header("webhook-id").unwrap().to_string());
+    }
+    for (i, want) in expected.iter().enumerate() {
+        let ids = got.get(&format!("/ep/{i}")).cloned().unwrap_or_default();
+        assert_eq!(ids.len(), *want, "endpoint {i} receives exactly what it subscribes to");
+        assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len(), "endpoint {i}: none twice");
+    }
+    assert_eq!(got.values().map(Vec::len).sum::<usize>(), total, "nothing anywhere else");
+    assert_eq!(crate::common::count(&db.store, Status::Pending).await, 0);
+    assert_eq!(crate::common::count(&db.store, Status::Failed).await, 0);
+}
+
+/// `ferry endpoints` through the binary: the same operations, the secret printed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endpoints_through_the_command_line() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let config = db.dir.path().join("ferry.toml");
+    let routes = "[route.hooks.endpoints]\norigins = [\"https://*.example.com\"]\n[route.plain]\nplugin = \"log\"\n";
+    std::fs::write(&config, format!("[database]\nurl = {:?}\n{routes}", db.url)).unwrap();
+    let ferry = |args: &[&str]| crate::e2e::run_ferry(&config, args);
+    let json = |text: &str| -> Value { serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}")) };
+
+    let (code, out, err) = ferry(&[
+        "endpoints",
+        "create",
+        "hooks",
+        "--url",
+        "https://a.example.com/in",
+        "--event-type",
+        "order.*",
+        "--header",
+        "X-Tenant=acme",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("created; its signing secret is shown this once"), "{out}");
+    let secret_line = out.lines().find(|l| l.starts_with("secret:")).unwrap();
+    let a_secret = secret_line.split_whitespace().nth(1).unwrap().to_string();
+    assert!(a_secret.starts_with("whsec_") && a_secret.len() > 40, "{out}");
+
+    let (code, out, err) =
+        ferry(&["--json", "endpoints", "create", "hooks", "--url", "https://b.example.com/in", "--disabled"]);
+    assert_eq!(code, Some(0), "{err}");
+    let b = json(&out);
+    let b_id = b["id"].as_str().unwrap().to_string();
+    assert_eq!((b["enabled"].as_bool(), b["event_types"].clone()), (Some(false), json!([])));
+
+    // Listed and shown, secrets are masked.
+    let (_, out, _) = ferry(&["endpoints", "list", "hooks"]);
+    assert!(out.contains(&b_id) && out.contains("disabled") && out.contains("order.*"), "{out}");
+    assert!(!out.contains(&a_secret));
+    let (_, out, _) = ferry(&["--json", "endpoints", "show", &b_id]);
+    assert!(json(&out)["secret"].as_str().unwrap().starts_with("whsec_…"), "{out}");
+
+    // Changed: only what is given; a filter can be dropped again.
+    let (_, out, _) = ferry(&["--json", "endpoints", "update", &b_id, "--event-type", "user.*"]);
+    assert_eq!(
+        (json(&out)["event_types"].clone(), json(&out)["url"].clone()),
+        (json!(["user.*"]), json!("https://b.example.com/in"))
+    );
+    let (_, out, _) = ferry(&["--json", "endpoints", "update", &b_id, "--all-event-types"]);
+    assert_eq!(json(&out)["event_types"], json!([]));
+    let (_, out, _) = ferry(&["--json", "endpoints", "enable", &b_id]);
+    assert_eq!(json(&out)["enabled"], true);
+
+    // Errors name the input; codes as for every command.
+    let (code, out, _) = ferry(&["--json", "endpoints", "update", &b_id, "--url", "https://evil.com/"]);
+    assert_eq!(code, Some(1));
+    assert_eq!(json(&out)["error"]["code"], "bad_request");
+    assert!(out.contains("route.hooks.endpoints.origins"), "{out}");
+    let (code, out, _) = ferry(&["--json", "endpoints", "create", "plain", "--url", "https://a.example.com/"]);
+    assert!(code == Some(1) && out.contains("does not take endpoints"), "{out}");
+    let (code, out, _) =
+        ferry(&["--json", "endpoints", "create", "hooks", "--url", "https://a.example.com/", "--header", "novalue"]);
+    assert!(code == Some(1) && out.contains("NAME=VALUE"), "{out}");
+
+    // Rotated: a new secret, printed this once, the previous one signing for a while.
+    let (code, out, err) = ferry(&["--json", "endpoints", "rotate-secret", &b_id, "--keep-previous", "2h"]);
+    assert_eq!(code, Some(0), "{err}");
+    let rotated = json(&out);
+    assert!(rotated["secret"].as_str().unwrap().len() > 40 && rotated["previous_secret_until"].is_string(), "{out}");
+    assert_ne!(rotated["secret"], b["secret"]);
+
+    // Deleted: gone.
+    let (code, _, err) = ferry(&["endpoints", "delete", &b_id]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, _) = ferry(&["--json", "endpoints", "show", &b_id]);
+    assert_eq!((code, json(&out)["error"]["code"].clone()), (Some(1), json!("not_found")));
+}

@@ -142,13 +142,17 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
 
     // Created while ferry runs: the secret is shown this once, whole.
     let a = hooks
-        .create(json!({ "url": receiver.url("/a"), "event_types": ["order.*"], "headers": { "X-Tenant": "acme" } }))
+        .create(json!({
+            "url": receiver.url("/a"),
+            "event_types": ["order.*"],
+            "headers": { "X-Tenant": "acme", "Authorization": "Bearer s3cr3t" }
+        }))
         .await;
     let a_id = a["id"].as_str().unwrap().to_string();
     let a_secret = a["secret"].as_str().unwrap().to_string();
     assert!(a_id.starts_with("ep_") && a_secret.starts_with("whsec_") && a_secret.len() > 40, "{a}");
     assert_eq!(a["delivery_route"].as_str(), Some(format!("hooks/{a_id}").as_str()));
-    assert_eq!(a["headers"], json!({ "x-tenant": "acme" }));
+    assert_eq!(a["headers"], json!({ "x-tenant": "acme", "authorization": "***" }), "secret-looking values masked");
     let b = hooks.create(json!({ "url": receiver.url("/b"), "description": "everything" })).await;
     let b_id = b["id"].as_str().unwrap().to_string();
 
@@ -176,9 +180,27 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
     assert!(status == StatusCode::BAD_REQUEST && error.to_string().contains("does not take endpoints"), "{error}");
     let (status, _) = hooks.post("/v1/routes/nowhere/endpoints", json!({ "url": receiver.url("/x") })).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    let bad_header = json!({ "url": receiver.url("/x"), "headers": { "webhook-signature": "forged" } });
-    let (status, _) = hooks.post("/v1/routes/hooks/endpoints", bad_header).await;
-    assert_eq!(status, StatusCode::BAD_REQUEST);
+    for header in ["webhook-signature", "Host", "keep-alive", "Transfer-Encoding"] {
+        let bad_header = json!({ "url": receiver.url("/x"), "headers": { header: "forged" } });
+        let (status, _) = hooks.post("/v1/routes/hooks/endpoints", bad_header).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{header}");
+    }
+    let upper = format!("HTTP://{}/x", receiver.addr);
+    for url in [upper.as_str(), &receiver.url("/x#frag"), &receiver.url("/x y")] {
+        let (status, error) = hooks.post("/v1/routes/hooks/endpoints", json!({ "url": url })).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{url}: {error}");
+    }
+
+    // A row edited by hand into something ferry cannot use costs that endpoint only: it is
+    // handed nothing, shown as a conflict naming why, and can be deleted.
+    let garbage = ferry::store::StoredEndpoint {
+        id: "ep_00000000000000000bad".into(),
+        route: "hooks".into(),
+        body: r#"{"url": "http://evil.example.com/", "secret": 7}"#.into(),
+    };
+    assert!(hooks.s.db.store.insert_endpoint(&garbage).await.unwrap());
+    let (status, error) = hooks.get(&format!("/v1/endpoints/{}", garbage.id)).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{error}");
 
     // Each endpoint receives the event types it subscribes to, with its headers, signed with
     // its own secret.
@@ -188,10 +210,12 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
     at_b.sort();
     assert_eq!(at_b, ["order.created", "user.created"]);
     let to_a = receiver.requests().into_iter().find(|r| r.path == "/a").unwrap();
-    assert_eq!(to_a.header("x-tenant"), Some("acme"));
+    assert_eq!((to_a.header("x-tenant"), to_a.header("authorization")), (Some("acme"), Some("Bearer s3cr3t")));
     assert!(signed_by(&receiver, "/a", &[&a_secret]));
     let (_, event) = hooks.get(&format!("/v1/events/{}", first[0])).await;
     assert_eq!((event["status"].as_str(), event["deliveries"].as_array().map(Vec::len)), (Some("SENT"), Some(2)));
+    let (status, _) = hooks.call(Method::DELETE, &format!("/v1/endpoints/{}", garbage.id), None).await;
+    assert_eq!(status, StatusCode::OK, "an unusable row can be deleted");
 
     // Disabled, an endpoint is handed no new events, and what was handed to it before waits;
     // enabled again, it gets what waited.
@@ -225,7 +249,19 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
     hooks.emit_and_deliver(&["order.shipped"]).await;
     assert_eq!(received(&receiver, "/a"), ["order.created", "order.held", "order.shipped"]);
     assert!(signed_by(&receiver, "/a", &[&new_secret, &a_secret]), "both secrets sign, the new one first");
+    let (status, error) =
+        hooks.post(&format!("/v1/endpoints/{a_id}/rotate-secret"), json!({ "keep_previous": "31d" })).await;
+    assert!(status == StatusCode::BAD_REQUEST && error.to_string().contains("at most"), "{error}");
     hooks.post(&format!("/v1/endpoints/{a_id}/rotate-secret"), json!({ "keep_previous": "0s" })).await;
+
+    // Two changes made from the same reading: the second is refused, not lost over the first.
+    let before = hooks.s.db.store.endpoint(&a_id).await.unwrap().unwrap();
+    hooks.call(Method::PATCH, &format!("/v1/endpoints/{a_id}"), Some(json!({ "description": "first" }))).await;
+    let second = ferry::store::StoredEndpoint {
+        body: before.body.replace("\"description\":\"\"", "\"description\":\"second\""),
+        ..before.clone()
+    };
+    assert!(!hooks.s.db.store.update_endpoint(&second, &before.body).await.unwrap(), "compared and set");
 
     // Changes are checked like creations; the secret changes only by rotation.
     let a_path = format!("/v1/endpoints/{a_id}");

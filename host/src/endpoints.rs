@@ -36,7 +36,7 @@ pub const KEEP_PREVIOUS: Duration = Duration::from_secs(24 * 3600);
 pub const MAX_KEEP_PREVIOUS: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// Most endpoints one route may have.
-pub const MAX_PER_ROUTE: usize = 10_000;
+pub const MAX_PER_ROUTE: usize = 1000;
 
 /// Longest URL accepted.
 const MAX_URL: usize = 2048;
@@ -53,8 +53,9 @@ const SECRET_PREFIX: &str = "whsec_";
 const SECRET_BYTES: usize = 32;
 const MIN_SECRET_BYTES: usize = 16;
 const MAX_SECRET_BYTES: usize = 64;
-/// Headers each request sets itself, or that would change how it travels.
-const RESERVED_HEADERS: [&str; 5] = ["host", "content-length", "content-type", "transfer-encoding", "connection"];
+/// Headers each request sets itself (besides those wasi:http forbids a guest to set, which
+/// would change how it travels).
+const RESERVED_HEADERS: [&str; 2] = ["content-length", "content-type"];
 
 /// One stored endpoint, decoded.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,9 +65,9 @@ pub struct Endpoint {
     pub body: EndpointBody,
 }
 
-/// What is stored of an endpoint besides its id and route (as JSON).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// What is stored of an endpoint besides its id and route (as JSON). Fields it does not know are
+/// ignored, so an instance still running an older ferry reads rows a newer one wrote.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct EndpointBody {
     pub url: String,
     #[serde(default)]
@@ -86,6 +87,16 @@ pub struct EndpointBody {
     pub enabled: bool,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+}
+
+impl std::fmt::Debug for EndpointBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EndpointBody")
+            .field("url", &self.url)
+            .field("event_types", &self.event_types)
+            .field("enabled", &self.enabled)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What a front-end was given to create or change an endpoint; `None`: not given (on a change:
@@ -123,14 +134,30 @@ pub struct EndpointView {
     pub updated_at: DateTime<Utc>,
 }
 
+/// An endpoint that was deleted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeletedEndpoint {
+    pub id: String,
+    pub route: String,
+    pub delivery_route: String,
+}
+
 impl Endpoint {
     /// Reads a stored endpoint; the error says what is wrong with the row.
+    /// Reads a stored endpoint and checks it as an input (a row may have been edited by hand);
+    /// the error says what is wrong with the row.
     pub fn decode(stored: &StoredEndpoint) -> Result<Endpoint, String> {
-        if !stored.id.starts_with(ENDPOINT_ID_PREFIX) || stored.id.contains(DESTINATION_SEPARATOR) {
-            return Err(format!("endpoint id {:?} is not one ferry makes", stored.id));
+        if !is_id(&stored.id) {
+            return Err(format!("endpoint id {:?} is not one ferry makes", crate::untrusted::clean(&stored.id, 100)));
         }
-        let body: EndpointBody = serde_json::from_str(&stored.body)
-            .map_err(|e| format!("endpoint {} cannot be read from the database: {e}", stored.id))?;
+        let unusable = |why: String| format!("endpoint {} cannot be used as stored: {why}", stored.id);
+        let body: EndpointBody = serde_json::from_str(&stored.body).map_err(|e| unusable(e.to_string()))?;
+        check_stored_url(&body.url).map_err(unusable)?;
+        check_description(&body.description).map_err(unusable)?;
+        check_event_types(&body.event_types).map_err(unusable)?;
+        if check_headers(&body.headers).map_err(unusable)? != body.headers {
+            return Err(unusable("header names are not lowercase".into()));
+        }
         Ok(Endpoint { id: stored.id.clone(), route: stored.route.clone(), body })
     }
 
@@ -157,7 +184,14 @@ impl Endpoint {
             url: b.url.clone(),
             description: b.description.clone(),
             event_types: b.event_types.clone(),
-            headers: b.headers.clone(),
+            headers: b
+                .headers
+                .iter()
+                .map(|(name, value)| {
+                    let shown = if crate::config::secret_word(name) { "***".to_string() } else { value.clone() };
+                    (name.clone(), shown)
+                })
+                .collect(),
             enabled: b.enabled,
             secret: if reveal { b.secret.clone() } else { mask(&b.secret) },
             previous_secret_until: b.previous_secret.as_ref().and(b.previous_secret_until),
@@ -190,6 +224,12 @@ fn mask(secret: &str) -> String {
     format!("{SECRET_PREFIX}…{tail}")
 }
 
+/// Whether `id` is one ferry makes: the prefix and 20 lowercase hex digits.
+pub fn is_id(id: &str) -> bool {
+    id.strip_prefix(ENDPOINT_ID_PREFIX)
+        .is_some_and(|hex| hex.len() == 20 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+}
+
 /// A fresh endpoint id: the prefix and 20 hex digits (80 random bits).
 fn new_id() -> String {
     let bits: u128 = rand::rng().random();
@@ -219,11 +259,25 @@ fn check_secret(secret: &str, field: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Why `url` cannot be an endpoint of `route`, whose endpoints may point at `origins`.
-pub fn check_url(route: &str, url: &str, origins: &[String]) -> Result<(), String> {
+/// Why `url` is not a URL an endpoint may have, whatever its origin: at most [`MAX_URL`] bytes,
+/// `http://` or `https://` in lowercase (as the plugins read it), no fragment, nothing that is not
+/// printable ASCII.
+fn check_stored_url(url: &str) -> Result<(), String> {
     if url.len() > MAX_URL {
         return Err(format!("url is {} bytes long; at most {MAX_URL} are accepted", url.len()));
     }
+    if !url.starts_with("http://") && !url.starts_with("https://") {
+        return Err(format!("url {:?} must begin with http:// or https://", crate::untrusted::clean(url, 200)));
+    }
+    if url.contains('#') || !url.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("url must be printable ASCII without spaces or a #fragment (percent-encode the rest)".into());
+    }
+    Ok(())
+}
+
+/// Why `url` cannot be an endpoint of `route`, whose endpoints may point at `origins`.
+pub fn check_url(route: &str, url: &str, origins: &[String]) -> Result<(), String> {
+    check_stored_url(url)?;
     let uri: http::Uri = url.parse().map_err(|e| format!("url {url:?} is not a URL: {e}"))?;
     let (Some(scheme), Some(authority)) = (uri.scheme_str(), uri.authority()) else {
         return Err(format!("url {url:?} must be absolute, as in https://hooks.example.com/ferry"));
@@ -249,7 +303,8 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<BTreeMap<String, 
         if lower.is_empty() || !lower.chars().all(token) {
             return Err(format!("headers: {name:?} is not a header name"));
         }
-        if RESERVED_HEADERS.contains(&lower.as_str()) || lower.starts_with("webhook-") {
+        let forbidden = wasmtime_wasi_http::DEFAULT_FORBIDDEN_HEADERS.iter().any(|h| h.as_str() == lower);
+        if forbidden || RESERVED_HEADERS.contains(&lower.as_str()) || lower.starts_with("webhook-") {
             return Err(format!("headers: {name:?} is set by each request itself and cannot be given"));
         }
         if value.len() > MAX_HEADER_VALUE || value.chars().any(|c| c.is_control() && c != '\t') {
@@ -415,6 +470,13 @@ impl Ops {
         if let Some(secret) = &secret {
             check_secret(secret, &self.front.name("secret")).map_err(OpError::Invalid)?;
         }
+        if keep_previous > MAX_KEEP_PREVIOUS {
+            return Err(OpError::Invalid(format!(
+                "{} is at most {}",
+                self.front.name("keep_previous"),
+                crate::config::format_duration(MAX_KEEP_PREVIOUS)
+            )));
+        }
         let now = self.clock.now();
         self.change_endpoint(id, true, |_, _, body| {
             let until = crate::clock::later(now, keep_previous);
@@ -448,26 +510,42 @@ impl Ops {
 
     /// Deletes endpoint `id`. Its deliveries not yet made end FAILED (`no_transport`) when next
     /// claimed, kept for inspection like any other.
-    pub async fn delete_endpoint(&self, id: &str) -> Result<EndpointView, OpError> {
-        let (endpoint, _) = self.load_endpoint(id).await?;
+    pub async fn delete_endpoint(&self, id: &str) -> Result<DeletedEndpoint, OpError> {
+        // A row that cannot be used can be deleted all the same: it is read for its route only.
+        let stored = self
+            .store
+            .endpoint(id)
+            .await?
+            .ok_or_else(|| OpError::NotFound(format!("endpoint {id:?} does not exist")))?;
         if !self.store.delete_endpoint(id).await? {
             return Err(OpError::NotFound(format!("endpoint {id:?} does not exist")));
         }
-        Ok(endpoint.view(false))
+        let delivery_route = format!("{}{DESTINATION_SEPARATOR}{}", stored.route, stored.id);
+        Ok(DeletedEndpoint { id: stored.id, route: stored.route, delivery_route })
     }
 }
 
 /// One endpoint as the relay delivers to it.
-#[derive(Debug)]
 pub struct LiveEndpoint {
     pub id: String,
     /// `route/id`.
     pub delivery_route: String,
     pub event_types: EventTypes,
+    /// Whether it is handed events and its deliveries are made; false also for an endpoint
+    /// whose row cannot be used, whose deliveries wait until it is fixed or deleted.
     pub enabled: bool,
-    /// The config of its plugin instances; `Err`: why it cannot be delivered to (a URL the
-    /// route's origins no longer allow).
+    /// The config of its plugin instances (its secrets among them); `Err`: why it cannot be
+    /// delivered to (a row that cannot be used, a URL the route's origins no longer allow).
     pub config: Result<Arc<[(String, String)]>, String>,
+}
+
+impl std::fmt::Debug for LiveEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveEndpoint")
+            .field("delivery_route", &self.delivery_route)
+            .field("enabled", &self.enabled)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Every endpoint of the routes that take them, as read at one moment.
@@ -478,41 +556,47 @@ pub struct EndpointTable {
 }
 
 impl EndpointTable {
-    /// The table of `stored` under `settings` at `now`. Rows that cannot be read are left out
-    /// and returned with why, as are the endpoints of routes that no longer take any.
+    /// The table of `stored` under `settings` at `now`, with why each row that cannot be used
+    /// cannot: such a row's endpoint is held (handed nothing, its deliveries waiting) until it is
+    /// fixed or deleted. Rows of routes that take no endpoints are left out: their deliveries
+    /// fail as having no route.
     pub fn build(settings: &Settings, stored: &[StoredEndpoint], now: DateTime<Utc>) -> (EndpointTable, Vec<String>) {
         let mut table = EndpointTable::default();
         let mut unusable = Vec::new();
         for row in stored {
-            let endpoint = match Endpoint::decode(row) {
-                Ok(endpoint) => endpoint,
+            let Some(endpoints) = settings.fan_outs.get(&row.route).and_then(|f| f.endpoints.as_ref()) else {
+                continue;
+            };
+            let Some(template) = settings.routes.get(&endpoints.template) else { continue };
+            let live = match Endpoint::decode(row) {
+                Ok(endpoint) => LiveEndpoint {
+                    id: endpoint.id.clone(),
+                    delivery_route: endpoint.delivery_route(),
+                    // Checked by `decode`.
+                    event_types: EventTypes::new(&endpoint.body.event_types).unwrap_or_default(),
+                    enabled: endpoint.body.enabled,
+                    config: check_url(&endpoint.route, &endpoint.body.url, &endpoints.origins)
+                        .map(|()| Arc::from(endpoint.plugin_config(&template.plugin_config, now))),
+                },
+                Err(why) if is_id(&row.id) => {
+                    unusable.push(why.clone());
+                    let delivery_route = format!("{}{DESTINATION_SEPARATOR}{}", row.route, row.id);
+                    LiveEndpoint {
+                        id: row.id.clone(),
+                        delivery_route,
+                        event_types: EventTypes::default(),
+                        enabled: false,
+                        config: Err(why),
+                    }
+                }
                 Err(why) => {
                     unusable.push(why);
                     continue;
                 }
             };
-            let Some(endpoints) = settings.fan_outs.get(&endpoint.route).and_then(|f| f.endpoints.as_ref()) else {
-                continue;
-            };
-            let Some(template) = settings.routes.get(&endpoints.template) else { continue };
-            let event_types = match EventTypes::new(&endpoint.body.event_types) {
-                Ok(types) => types,
-                Err(why) => {
-                    unusable.push(format!("endpoint {}: event_types: {why}", endpoint.id));
-                    continue;
-                }
-            };
-            let config = check_url(&endpoint.route, &endpoint.body.url, &endpoints.origins)
-                .map(|()| Arc::from(endpoint.plugin_config(&template.plugin_config, now)));
-            let live = Arc::new(LiveEndpoint {
-                id: endpoint.id.clone(),
-                delivery_route: endpoint.delivery_route(),
-                event_types,
-                enabled: endpoint.body.enabled,
-                config,
-            });
+            let live = Arc::new(live);
             table.by_delivery.insert(live.delivery_route.clone(), live.clone());
-            table.by_route.entry(endpoint.route).or_default().push(live);
+            table.by_route.entry(row.route.clone()).or_default().push(live);
         }
         (table, unusable)
     }
@@ -619,8 +703,18 @@ mod tests {
         assert_ne!(id, new_id());
         let bad = StoredEndpoint { id: "orders/x".into(), route: "r".into(), body: "{}".into() };
         assert!(Endpoint::decode(&bad).is_err());
+        assert!(
+            is_id(&id) && !is_id("ep_0123") && !is_id("ep_0123456789ABCDEF0123") && !is_id("ep_../../0123456789ab")
+        );
         let garbage = StoredEndpoint { id: new_id(), route: "r".into(), body: "{not json".into() };
-        assert!(Endpoint::decode(&garbage).unwrap_err().contains("cannot be read"));
+        assert!(Endpoint::decode(&garbage).unwrap_err().contains("cannot be used as stored"));
+        // A row edited by hand is checked as an input would be.
+        let forged = r#"{"url":"http://a.example.com/","secret":"whsec_x","enabled":true,
+            "created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z","headers":{"host":"evil"}}"#;
+        let forged = StoredEndpoint { id: new_id(), route: "r".into(), body: forged.into() };
+        assert!(Endpoint::decode(&forged).unwrap_err().contains("host"));
+        let fine = StoredEndpoint { body: forged.body.replace(r#""host":"evil""#, r#""x-a":"1""#), ..forged.clone() };
+        assert!(Endpoint::decode(&fine).is_ok(), "{:?}", Endpoint::decode(&fine));
     }
 
     #[test]

@@ -264,7 +264,8 @@ fn warnings(settings: &Settings, registry: &Registry) -> Vec<String> {
         let Some(endpoints) = &fan_out.endpoints else { continue };
         let Some(template) = settings.routes.get(&endpoints.template) else { continue };
         let grant = &settings.plugin(&template.plugin).sandbox.http;
-        for origin in endpoints.origins.iter().filter(|o| !grant.contains(*o)) {
+        let granted = |origin: &String| grant.iter().any(|g| g == origin || crate::config::origin_matches(g, origin));
+        for origin in endpoints.origins.iter().filter(|o| !granted(o)) {
             warnings.push(format!(
                 "route.{}.endpoints.origins: {origin} is not among sandbox.{}.http, so the plugin may not reach endpoints there; \
                  grant it the same origins",

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::Admin;
 use super::extract::{ApiError, Body, Params, RouteName};
 use crate::config::parse_duration;
-use crate::endpoints::{EndpointInput, EndpointView};
+use crate::endpoints::{DeletedEndpoint, EndpointInput, EndpointView};
 
 /// The `{id}` of an endpoint path.
 pub(super) struct EndpointId(String);
@@ -107,6 +107,6 @@ pub(super) async fn rotate_secret(
 pub(super) async fn delete(
     State(admin): State<Admin>,
     EndpointId(id): EndpointId,
-) -> Result<Json<EndpointView>, ApiError> {
+) -> Result<Json<DeletedEndpoint>, ApiError> {
     Ok(Json(admin.ops.delete_endpoint(&id).await?))
 }

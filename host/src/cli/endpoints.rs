@@ -35,7 +35,16 @@ pub(super) async fn run(config: &Config, command: EndpointsCommand, json: bool) 
             ops.rotate_endpoint_secret(&id, secret, keep_previous).await,
             "secret rotated; the new one is shown this once",
         ),
-        EndpointsCommand::Delete { id } => (ops.delete_endpoint(&id).await, "deleted"),
+        EndpointsCommand::Delete { id } => {
+            let deleted = ops.delete_endpoint(&id).await.map_err(failed)?;
+            return say(json, &deleted, |d| {
+                format!(
+                    "endpoint {} of route {} deleted; its deliveries not yet made end FAILED",
+                    d.id,
+                    untrusted(&d.route)
+                )
+            });
+        }
     };
     let view = view.map_err(failed)?;
     say(json, &view, |v| {

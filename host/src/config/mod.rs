@@ -20,7 +20,7 @@ pub use self::settings::{
     DESTINATION_SEPARATOR, Destination, ENDPOINT_ID_PREFIX, ENDPOINT_TEMPLATE, EndpointsSettings, EventTypes, FanOut,
     Ordering, PluginSettings, RouteSettings, Sandbox, Settings, TEMPLATE_URL,
 };
-pub use self::sources::{ConfigShown, Setting, Sources};
+pub use self::sources::{ConfigShown, Setting, Sources, secret_word};
 pub use self::units::{
     ByteSize, ConfigValue, Dur, MaxAttempts, Retention, format_duration, normalize_origin, normalize_origin_pattern,
     origin_matches, parse_duration, parse_size,

@@ -159,7 +159,8 @@ fn redact_any_url(url: &str) -> String {
     crate::store::mask_url(url, true, MASK, |name| secret_word(name) || name.eq_ignore_ascii_case("sig"))
 }
 
-fn secret_word(name: &str) -> bool {
+/// Whether a key or header `name` says it holds a secret (`api_key`, `Authorization`, …).
+pub fn secret_word(name: &str) -> bool {
     const SECRET_WORDS: [&str; 10] =
         ["secret", "password", "passwd", "token", "key", "credential", "sasl", "auth", "bearer", "dsn"];
     let name = name.to_ascii_lowercase();
@@ -172,7 +173,9 @@ fn secret(path: &[&str]) -> bool {
     match path {
         ["admin", "token"] => true,
         ["sandbox", _, "env", ..] => true,
-        ["route", _, "config", name, ..] | ["route", _, "destinations", _, "config", name, ..] => secret_word(name),
+        ["route", _, "config", name, ..]
+        | ["route", _, "destinations", _, "config", name, ..]
+        | ["route", _, "endpoints", "config", name, ..] => secret_word(name),
         _ => false,
     }
 }
@@ -229,6 +232,7 @@ mod tests {
         assert!(secret(&["admin", "token"]));
         assert!(secret(&["sandbox", "http", "env", "API_KEY"]));
         assert!(secret(&["route", "hooks", "config", "signing_secret"]));
+        assert!(secret(&["route", "hooks", "endpoints", "config", "api_key"]));
         assert!(secret(&["route", "k", "config", "sasl_password"]));
         assert!(secret(&["route", "k", "config", "Authorization"]));
         assert!(!secret(&["route", "hooks", "config", "url"]));

@@ -183,8 +183,17 @@ impl RouteTransport {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             // Instances of a replaced version are dropped here.
             idle.retain(|i| i.hash == plugin.hash);
-            let same = idle.iter().rposition(|i| i.config.as_ref().map(|c| &c[..]) == config.map(|c| &c[..]));
-            same.map(|at| idle.remove(at))
+            match idle.iter().rposition(|i| i.config.as_ref().map(|c| &c[..]) == config.map(|c| &c[..])) {
+                Some(at) => Some(idle.remove(at)),
+                None => {
+                    // A new instance for another config (an endpoint's): the oldest idle ones give
+                    // way, so the route never holds more than its `instances` at once.
+                    let room = self.slots.available_permits();
+                    let excess = idle.len().saturating_sub(room);
+                    idle.drain(..excess);
+                    None
+                }
+            }
         };
         match reusable {
             Some(instance) => Ok(instance),

@@ -59,34 +59,36 @@ impl Relay {
         }
         let now = self.clock.now();
         let mut outcomes = Vec::new();
-        let handed = match self.store.fan_out(token, now, &items).await {
-            Ok(handed) => handed,
-            Err(error) => {
-                tracing::warn!(
-                    "handing {} events on to their destinations failed, trying one by one: {error}",
-                    items.len()
-                );
-                let mut handed = Vec::new();
-                for (item, event) in items.iter().zip(&parents) {
-                    let error = match self.store.fan_out(token, now, std::slice::from_ref(item)).await {
-                        Ok(one) => {
-                            handed.extend(one);
-                            continue;
-                        }
-                        Err(error) => error,
-                    };
-                    let call = self.call_log(&event.route, now, Duration::ZERO, None, None);
-                    let why = reason(&format!("its copies for the destinations could not be written: {error}"));
-                    outcomes.push(match error.is_refusal() {
-                        true => self.fail(routes, event, &call, FailureReason::InvalidEvent, why),
-                        false => {
-                            self.retry_or_fail(routes, event, &call, now, why, None, FailureReason::AttemptsExhausted)
-                        }
-                    });
+        let mut handed = Vec::new();
+        for part in copy_runs(&items) {
+            let (items, parents) = (&items[part.clone()], &parents[part]);
+            let error = match self.store.fan_out(token, now, items).await {
+                Ok(done) => {
+                    handed.extend(done);
+                    continue;
                 }
-                handed
+                Err(error) => error,
+            };
+            tracing::warn!(
+                "handing {} events on to their destinations failed, trying one by one: {error}",
+                items.len()
+            );
+            for (item, event) in items.iter().zip(parents) {
+                let error = match self.store.fan_out(token, now, std::slice::from_ref(item)).await {
+                    Ok(one) => {
+                        handed.extend(one);
+                        continue;
+                    }
+                    Err(error) => error,
+                };
+                let call = self.call_log(&event.route, now, Duration::ZERO, None, None);
+                let why = reason(&format!("its copies for the destinations could not be written: {error}"));
+                outcomes.push(match error.is_refusal() {
+                    true => self.fail(routes, event, &call, FailureReason::InvalidEvent, why),
+                    false => self.retry_or_fail(routes, event, &call, now, why, None, FailureReason::AttemptsExhausted),
+                });
             }
-        };
+        }
         self.count_handed_on(&parents, &items, &handed);
         // Events neither handed on nor given an outcome: their claim had been recovered meanwhile.
         let fenced_off = items.len().saturating_sub(handed.len() + outcomes.len());
@@ -144,6 +146,21 @@ impl Relay {
             let why = match (routes.transport(route), endpoint()) {
                 (Some(transport), _) => {
                     return self.deliver_isolating(routes, transport, None, batch, lease_ends).await;
+                }
+                // Claimed under an older table: its deliveries wait (no attempt counted), and the
+                // next claims hold them.
+                (None, Some((_, Some(endpoint)))) if !endpoint.enabled => {
+                    let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
+                    let at = crate::clock::truncate_ms(crate::clock::later(self.clock.now(), MIN_DEFERRAL));
+                    let why = match &endpoint.config {
+                        Ok(_) => format!("endpoint {} is disabled", endpoint.id),
+                        Err(why) => reason(why),
+                    };
+                    let wait = |event: &&ClaimedEvent| {
+                        let disposition = Disposition::Deferred { at, error: why.clone() };
+                        self.complete(routes, event, &call, disposition)
+                    };
+                    return batch.iter().map(wait).collect();
                 }
                 (None, Some((transport, Some(endpoint)))) => match &endpoint.config {
                     Ok(config) => {
@@ -340,7 +357,43 @@ impl Relay {
     }
 }
 
+/// Most copies one statement writes when handing events on: a route with many endpoints has
+/// each event's copies written a few hundred events at a time, not a whole batch at once.
+const MAX_COPIES_PER_STATEMENT: usize = 10_000;
+
+/// `items` split into runs of consecutive events whose copies number at most
+/// [`MAX_COPIES_PER_STATEMENT`] (or one event, however many it has).
+fn copy_runs(items: &[(i64, Vec<String>)]) -> Vec<std::ops::Range<usize>> {
+    let mut runs = Vec::new();
+    let (mut start, mut copies) = (0, 0);
+    for (i, (_, routes)) in items.iter().enumerate() {
+        if i > start && copies + routes.len() > MAX_COPIES_PER_STATEMENT {
+            runs.push(start..i);
+            (start, copies) = (i, 0);
+        }
+        copies += routes.len();
+    }
+    if start < items.len() {
+        runs.push(start..items.len());
+    }
+    runs
+}
+
 /// A failure reason as stored: a plugin chooses its text, so it is bounded and escaped.
 fn reason(text: &str) -> String {
     crate::untrusted::clean(text, crate::untrusted::MAX_REASON)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_are_written_in_bounded_runs() {
+        let item = |copies: usize| (1, vec![String::new(); copies]);
+        assert_eq!(copy_runs(&[]), Vec::<std::ops::Range<usize>>::new());
+        assert_eq!(copy_runs(&[item(2), item(0), item(3)]).len(), 1, "one run");
+        let many = [item(6000), item(4000), item(1), item(20_000), item(5)];
+        assert_eq!(copy_runs(&many), [0..2, 2..3, 3..4, 4..5], "an event over the bound is a run of its own");
+    }
 }

@@ -358,12 +358,35 @@ impl Relay {
             }
             events = claimed;
         }
-        let (events, handed_on) = self.hand_on(&routes, &endpoints, &token, events).await?;
+        let (mut events, handed_on) = self.hand_on(&routes, &endpoints, &token, events).await?;
         // Deliveries to an endpoint this table does not have: made by another instance for one
-        // created since this one last read them (or deleted since). Read again before judging.
+        // created since this one last read them (or deleted since). Read again before judging;
+        // should that fail, or the endpoint's route be ordered (it was claimed without its order),
+        // they are handed back, no attempt counted, for a later cycle.
         let settings = &routes.settings;
-        if events.iter().any(|e| settings.endpoints_of(&e.route).is_some() && endpoints.get(&e.route).is_none()) {
-            endpoints = self.endpoint_table(&routes, true).await?;
+        let unknown = |table: &EndpointTable, e: &ClaimedEvent| {
+            settings.endpoints_of(&e.route).is_some() && table.get(&e.route).is_none()
+        };
+        if events.iter().any(|e| unknown(&endpoints, e)) {
+            let claimed_with = endpoints.clone();
+            let read = match self.endpoint_table(&routes, true).await {
+                Ok(fresh) => {
+                    endpoints = fresh;
+                    true
+                }
+                Err(error) => {
+                    tracing::warn!("reading the webhook endpoints failed; their deliveries are handed back: {error}");
+                    false
+                }
+            };
+            let (back, rest): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) = events.into_iter().partition(|e| {
+                unknown(&claimed_with, e) && (!read || (!unknown(&endpoints, e) && ordered_parent(settings, &e.route)))
+            });
+            if !back.is_empty() {
+                let ids: Vec<i64> = back.iter().map(|e| e.id).collect();
+                self.store.release(&token, &ids, self.clock.now()).await?;
+            }
+            events = rest;
         }
         if events.is_empty() {
             return Ok(handed_on);
@@ -523,7 +546,7 @@ impl Relay {
             // The table read last serves until the next try, a second later, so other routes do
             // not wait on this. Before any was read, the cycle fails: handing events on to no
             // endpoint would lose them.
-            (Err(e), Some(cached)) if Arc::ptr_eq(&cached.settings, settings) => {
+            (Err(e), Some(cached)) if !fresh && Arc::ptr_eq(&cached.settings, settings) => {
                 tracing::error!("reading the webhook endpoints failed, trying again in a second: {e}");
                 cached.read_at = std::time::Instant::now();
                 return Ok(cached.table.clone());
@@ -686,6 +709,12 @@ impl Outcomes {
 /// A count as a metric takes it.
 fn count(n: usize) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+/// Whether the route of the endpoint delivery route `route` (`route/ep_…`) is ordered.
+fn ordered_parent(settings: &Settings, route: &str) -> bool {
+    let parent = route.split_once(crate::config::DESTINATION_SEPARATOR).map(|(parent, _)| parent);
+    parent.and_then(|p| settings.fan_outs.get(p)).is_some_and(|f| f.ordering != crate::config::Ordering::Unordered)
 }
 
 /// A fresh, unguessable claim token.

@@ -22,8 +22,8 @@ use crate::http::policy;
 
 const TOKEN: &str = "test-admin-token-0123456789";
 
-/// Ferry on a manual clock with the admin API, the http plugin, route `hooks` taking endpoints
-/// at the receiver's origin, and route `plain` with a URL of its own.
+/// Ferry on a manual clock with the admin API, the http plugin, route `hooks` (ordered) taking
+/// endpoints at the receiver's origin, and route `plain` with a URL of its own.
 struct Hooks {
     s: Stepped,
     base: String,
@@ -57,6 +57,8 @@ impl Hooks {
             [route.plain]
             plugin = "http"
             config = {{ url = "{origin}/plain" }}
+            [route.hooks]
+            ordered = true
             [route.hooks.endpoints]
             origins = ["{origin}"]
             config = {{ timeout_ms = "5000" }}
@@ -313,11 +315,38 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
     assert!(copy.last_error.as_deref().unwrap_or_default().contains("deleted"), "{:?}", copy.last_error);
 }
 
-crate::both_backends!(endpoints_are_managed_at_run_time);
+/// On an ordered route, each endpoint delivers a key's events in order, and a delivery that ends
+/// FAILED holds back that endpoint's later events of the key, not the other endpoints'.
+async fn each_endpoint_keeps_the_order_of_a_key(db: TestDb) {
+    let receiver = Receiver::start().await;
+    let hooks = Hooks::start(db, &receiver).await;
+    hooks.create(json!({ "url": receiver.url("/fail") })).await;
+    let ok = hooks.create(json!({ "url": receiver.url("/ok") })).await;
+    tokio::time::sleep(REFRESH + Duration::from_millis(100)).await;
+    for event_type in ["first", "second"] {
+        let event = NewEvent::new("hooks", event_type, format!(r#"{{"type":"{event_type}"}}"#)).with_key("k");
+        hooks.s.db.store.insert(&event, hooks.s.clock.now()).await.unwrap();
+    }
+    for _ in 0..3 {
+        hooks.cycles().await;
+        hooks.s.clock.advance(Duration::from_secs(600));
+    }
+    assert_eq!(received(&receiver, "/ok"), ["first", "second"]);
+    assert_eq!(received(&receiver, "/fail"), ["first", "first"], "the key waits behind its first event");
+    let ok_route = ok["delivery_route"].as_str().unwrap();
+    let (_, failed) = hooks.get("/v1/failed").await;
+    let failed = failed["events"].as_array().cloned().unwrap_or_default();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0]["route"] != ok_route && failed[0]["event_type"] == "first", "{failed:?}");
+}
 
-/// Two instances share the outbox. One hands an event on to an endpoint created a moment ago;
-/// the other, whose endpoint table was read before that, claims the delivery: it reads the
-/// endpoints again and delivers, rather than failing the delivery as if the endpoint were gone.
+crate::both_backends!(endpoints_are_managed_at_run_time, each_endpoint_keeps_the_order_of_a_key);
+
+/// Two instances share the outbox. One hands events on to an endpoint created a moment ago; the
+/// other, whose endpoint table was read before that, claims the deliveries: it reads the
+/// endpoints again and delivers, rather than failing them as if the endpoint were gone, except a
+/// keyed event of the ordered route, claimed without its order, which it hands back to claim
+/// again in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_made_a_moment_ago_is_delivered_by_every_instance() {
     let receiver = Receiver::start().await;
@@ -330,10 +359,15 @@ async fn an_endpoint_made_a_moment_ago_is_delivered_by_every_instance() {
     let endpoint = hooks.create(json!({ "url": receiver.url("/new") })).await;
     let now = hooks.s.clock.now();
     let id = hooks.s.db.store.insert(&NewEvent::new("hooks", "a.b", r#"{"type":"a.b"}"#), now).await.unwrap();
-    hooks.s.ferry.relay.cycle(&never).await.expect("this instance hands the event on");
+    let keyed = NewEvent::new("hooks", "k.b", r#"{"type":"k.b"}"#).with_key("k");
+    hooks.s.db.store.insert(&keyed, now).await.unwrap();
+    hooks.s.ferry.relay.cycle(&never).await.expect("this instance hands the events on");
     let stats = other.relay.cycle(&never).await.expect("the other delivers");
     assert_eq!((stats.claimed, stats.sent, stats.failed), (1, 1, 0), "{stats:?}");
-    assert_eq!(received(&receiver, "/new"), ["a.b"]);
+    assert_eq!(received(&receiver, "/new"), ["a.b"], "the keyed event, claimed without its order, was handed back");
+    let stats = other.relay.cycle(&never).await.expect("the other delivers the keyed event in order");
+    assert_eq!((stats.claimed, stats.sent, stats.failed), (1, 1, 0), "{stats:?}");
+    assert_eq!(received(&receiver, "/new"), ["a.b", "k.b"]);
     let (_, event) = hooks.get(&format!("/v1/events/{id}")).await;
     assert_eq!(event["deliveries"][0]["route"].as_str(), endpoint["delivery_route"].as_str());
     assert_eq!(event["deliveries"][0]["status"], "SENT", "{event}");

@@ -718,6 +718,41 @@ mod tests {
     }
 
     #[test]
+    fn the_table_checks_each_row_against_the_settings_in_effect() {
+        let text = "[route.hooks.endpoints]\norigins = [\"https://*.example.com\"]\n";
+        let settings = crate::config::Config::from_toml_str(text, "t").unwrap().settings().unwrap();
+        let row = |id: &str, url: &str| StoredEndpoint {
+            id: id.into(),
+            route: "hooks".into(),
+            body: format!(
+                r#"{{"url":"{url}","secret":"whsec_x","enabled":true,"event_types":["a.*"],
+                    "created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z","added_later":1}}"#
+            ),
+        };
+        let (ok, moved, broken) = ("ep_0000000000000000000a", "ep_0000000000000000000b", "ep_0000000000000000000c");
+        let stored = [
+            row(ok, "https://a.example.com/in"),
+            // Saved when the origins allowed it; they no longer do.
+            row(moved, "https://elsewhere.org/in"),
+            StoredEndpoint { body: "{".into(), ..row(broken, "") },
+            // A route that takes no endpoints (any more).
+            StoredEndpoint { route: "gone".into(), ..row("ep_0000000000000000000d", "https://a.example.com/") },
+        ];
+        let (table, unusable) = EndpointTable::build(&settings, &stored, Utc::now());
+        assert_eq!(table.len(), 3);
+        assert_eq!(unusable.len(), 1, "{unusable:?}");
+        let live = |id: &str| table.get(&format!("hooks/{id}")).unwrap();
+        assert!(live(ok).enabled && live(ok).config.is_ok(), "unknown fields of a newer ferry are ignored");
+        assert!(live(moved).config.as_ref().unwrap_err().contains("endpoints.origins"));
+        assert!(!live(broken).enabled && live(broken).config.is_err(), "held until fixed or deleted");
+        assert_eq!(table.disabled().collect::<Vec<_>>(), [format!("hooks/{broken}")]);
+        let mut to: Vec<&str> = table.routes_for("hooks", "a.b").collect();
+        to.sort_unstable();
+        assert_eq!(to, [format!("hooks/{ok}"), format!("hooks/{moved}")]);
+        assert_eq!(table.routes_for("hooks", "b.a").count(), 0);
+    }
+
+    #[test]
     fn the_previous_secret_signs_only_until_its_time() {
         let now = Utc::now();
         let body = EndpointBody {

@@ -361,8 +361,8 @@ impl Relay {
         let (mut events, handed_on) = self.hand_on(&routes, &endpoints, &token, events).await?;
         // Deliveries to an endpoint this table does not have: made by another instance for one
         // created since this one last read them (or deleted since). Read again before judging;
-        // should that fail, or the endpoint's route be ordered (it was claimed without its order),
-        // they are handed back, no attempt counted, for a later cycle.
+        // should that fail, or the endpoint's route be ordered and the event keyed (it was claimed without its
+        // order), they are handed back, no attempt counted, for a later cycle.
         let settings = &routes.settings;
         let unknown = |table: &EndpointTable, e: &ClaimedEvent| {
             settings.endpoints_of(&e.route).is_some() && table.get(&e.route).is_none()
@@ -380,7 +380,8 @@ impl Relay {
                 }
             };
             let (back, rest): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) = events.into_iter().partition(|e| {
-                unknown(&claimed_with, e) && (!read || (!unknown(&endpoints, e) && ordered_parent(settings, &e.route)))
+                let unordered_claim = e.ordering_key.is_some() && ordered_parent(settings, &e.route);
+                unknown(&claimed_with, e) && (!read || (!unknown(&endpoints, e) && unordered_claim))
             });
             if !back.is_empty() {
                 let ids: Vec<i64> = back.iter().map(|e| e.id).collect();

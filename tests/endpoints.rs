@@ -504,3 +504,36 @@ async fn endpoints_through_the_command_line() {
     let (code, out, _) = ferry(&["--json", "endpoints", "show", &b_id]);
     assert_eq!((code, json(&out)["error"]["code"].clone()), (Some(1), json!("not_found")));
 }
+
+/// `ferry config check` starts the endpoint template (its plugin and `init`) and warns about
+/// endpoint origins the plugin's sandbox does not grant, a wildcard grant covering its subdomains.
+#[test]
+fn config_check_covers_the_endpoint_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugins = plugins_dir(dir.path(), &["ferry_transport_http"]);
+    let config = dir.path().join("ferry.toml");
+    let write = |origins: &str, template: &str| {
+        let text = format!(
+            "[database]\nurl = \"sqlite://{}\"\n[plugins]\ndir = {plugins:?}\n[sandbox.http]\nhttp = [\"https://*.example.com\"]\n\
+             [route.hooks.endpoints]\norigins = [{origins}]\nconfig = {{ {template} }}\n",
+            dir.path().join("never-created.db").display()
+        );
+        std::fs::write(&config, text).unwrap();
+    };
+    write("\"https://a.example.com\", \"https://*.example.com\"", "timeout_ms = \"500\"");
+    let (code, text, stderr) = crate::e2e::run_ferry(&config, &["config", "check"]);
+    assert_eq!(code, Some(0), "{text}{stderr}");
+    assert!(text.contains("hooks/*") && !text.contains("warning"), "{text}");
+
+    write("\"https://hooks.other.org\"", "timeout_ms = \"500\"");
+    let (_, text, _) = crate::e2e::run_ferry(&config, &["config", "check"]);
+    assert!(
+        text.contains("route.hooks.endpoints.origins: https://hooks.other.org:443 is not among sandbox.http.http"),
+        "{text}"
+    );
+
+    write("\"https://a.example.com\"", "timeout_ms = \"not a number\"");
+    let (code, text, _) = crate::e2e::run_ferry(&config, &["config", "check"]);
+    assert_eq!(code, Some(1), "the template's config is checked by the plugin's init: {text}");
+    assert!(text.contains("timeout_ms"), "{text}");
+}

@@ -1,21 +1,21 @@
 //! Events per second through ferry on PostgreSQL, for each bundled transport delivering to a real
-//! receiver on this machine: `log` into a file, `http` into a local HTTP server, `kafka` into a
+//! receiver on this machine: `log` into a file, `http` into nginx (keep-alive, 204), `kafka` into a
 //! tansu broker, and `kafka-tls` into a tansu broker behind a TLS front (stunnel), with lz4
 //! compression and the idempotent producer; and, in the same run, the accept-all `scripted` test transport, which answers
 //! success without sending anything: each transport's figure is also given as a ratio to it.
 //!
 //! Run: `cargo bench --bench transports [-- --events N --batch-size N --only PLUGIN,PLUGIN]`
-//! (needs PostgreSQL as for the tests, the built plugins from `scripts/build-plugins`, and tansu
-//! from `scripts/ensure-tansu`). Each figure is the time from the commit of N events to the moment
-//! the last of them is SENT, with ferry already running and its plugins loaded. Prints a markdown
-//! table and writes `target/bench/transports.json`.
+//! (needs PostgreSQL as for the tests, the built plugins from `scripts/build-plugins`, tansu from
+//! `scripts/ensure-tansu` and Debian's nginx, which `scripts/bench` installs). Each figure is the
+//! time from the commit of N events to the moment the last of them is SENT, with ferry already
+//! running and its plugins loaded. Prints a markdown table and writes `target/bench/transports.json`.
 
 use ferry_testkit as common;
 
 use std::time::{Duration, Instant};
 
 use common::broker::broker;
-use common::{Receiver, Running, TestDb, plugins_dir};
+use common::{Running, TestDb, plugins_dir};
 use ferry::NewEvent;
 use ferry::event::Status;
 
@@ -30,6 +30,9 @@ struct Options {
     /// Measure only these (comma-separated: accept-all, log, http, kafka, kafka-tls).
     #[arg(long)]
     only: Option<String>,
+    /// The `http` plugin's `concurrency`: requests in flight at once within a batch.
+    #[arg(long, default_value_t = 32)]
+    http_concurrency: u32,
     /// Passed by `cargo bench` to every benchmark binary.
     #[arg(long, hide = true)]
     bench: bool,
@@ -44,7 +47,7 @@ type Guard = Box<dyn std::any::Any + Send>;
 
 /// What points `plugin` at its receiver: the plugin's sandbox table, the route's `config` value,
 /// and what to keep alive.
-async fn plugin_setup(plugin: &str, db: &TestDb) -> (String, String, Guard) {
+async fn plugin_setup(plugin: &str, db: &TestDb, options: &Options) -> (String, String, Guard) {
     match plugin {
         "accept-all" => (String::new(), "{}".into(), Box::new(())),
         "log" => {
@@ -52,9 +55,10 @@ async fn plugin_setup(plugin: &str, db: &TestDb) -> (String, String, Guard) {
             (format!("dirs = {{ \"/out\" = {out:?} }}"), "{ output = \"/out/events.jsonl\" }".into(), Box::new(()))
         }
         "http" => {
-            let receiver = Receiver::start().await;
+            let receiver = common::nginx::Nginx::start();
             let sandbox = format!("http = [\"http://{}\"]", receiver.addr);
-            let config = format!("{{ url = \"{}\", concurrency = \"32\" }}", receiver.url("/bench"));
+            let config =
+                format!("{{ url = \"{}\", concurrency = \"{}\" }}", receiver.url("/bench"), options.http_concurrency);
             (sandbox, config, Box::new(receiver))
         }
         "kafka" => {
@@ -90,7 +94,7 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
     };
     let plugins = plugins_dir(db.dir.path(), &[crate_name.as_str()]);
     let name = common::plugin_name(&crate_name);
-    let (sandbox, config, _receiver) = plugin_setup(plugin, &db).await;
+    let (sandbox, config, _receiver) = plugin_setup(plugin, &db, options).await;
     let text = format!(
         "[relay]\nbatch_size = {}\n[plugins]\ndir = {plugins:?}\n[sandbox.{name}]\n{sandbox}\n\
          [route.bench]\nplugin = \"{name}\"\nconfig = {config}\n",
@@ -122,6 +126,35 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
     options.events as f64 / elapsed.as_secs_f64()
 }
 
+/// Requests per second a plain HTTP client (reqwest, no ferry, no database) gets through to the
+/// same kind of receiver the `http` figure uses: `events` POSTs of the same bodies, on as many
+/// keep-alive connections as the plugin's `concurrency`. Independent of ferry, it bounds what any
+/// route that makes one request per event can reach on this machine.
+async fn plain_client(options: &Options) -> f64 {
+    let receiver = common::nginx::Nginx::start();
+    let client = reqwest::Client::new();
+    let connections = options.http_concurrency as usize;
+    let started = Instant::now();
+    let workers = (0..connections).map(|w| {
+        let (client, url) = (client.clone(), receiver.url("/bench"));
+        async move {
+            for n in (w..options.events).step_by(connections) {
+                let body = format!("{{\"n\":{n},\"padding\":\"{}\"}}", "x".repeat(200));
+                let response = client
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("answered");
+                assert!(response.status().is_success(), "{}", response.status());
+            }
+        }
+    });
+    futures::future::join_all(workers).await;
+    options.events as f64 / started.elapsed().as_secs_f64()
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let options = options();
@@ -144,13 +177,35 @@ async fn main() {
         let receiver = match *plugin {
             "accept-all" => "none (answers success)",
             "log" => "JSON lines file",
-            "http" => "local HTTP/1.1 server",
+            "http" => "nginx, keep-alive, 204",
             "kafka-tls" => "tansu behind stunnel (TLS), 3 partitions, lz4",
             _ => "tansu broker, 3 partitions",
         };
         let shown = ratio(*rate).map_or("–".to_string(), |r| format!("{r:.2}×"));
         println!("| {plugin} | {receiver} | {} | {} | {rate:.0} | {shown} |", options.events, options.batch_size);
     }
+    // With accept-all and http measured: how close http comes to what the machine allows. A route
+    // making one request per event pays at least accept-all's cost per event plus the plain
+    // client's per request, so its rate is at most 1 / (1/accept-all + 1/plain).
+    let http = results.iter().find(|(p, _)| *p == "http").map(|(_, r)| *r);
+    let bound = match (accept_all, http) {
+        (Some(accept_all), Some(http)) => {
+            let plain = plain_client(&options).await;
+            eprintln!("plain client: {plain:.0} requests/s");
+            let bound = plain / (accept_all + plain);
+            println!();
+            println!("| http against what the machine allows | |\n| --- | ---: |");
+            println!("| plain client into nginx, {} connections, requests/s | {plain:.0} |", options.http_concurrency);
+            println!("| most an `http` route can reach, ÷ accept-all: plain ÷ (accept-all + plain) | {bound:.2}× |");
+            println!("| `http` ÷ that bound | {:.2} |", http / accept_all / bound);
+            Some(serde_json::json!({
+                "plain_client_requests_per_second": plain.round(),
+                "http_bound_ratio_to_accept_all": (bound * 1000.0).round() / 1000.0,
+                "http_ratio_to_bound": ((http / accept_all / bound) * 1000.0).round() / 1000.0,
+            }))
+        }
+        _ => None,
+    };
     let json = serde_json::json!({
         "events": options.events,
         "batch_size": options.batch_size,
@@ -159,6 +214,7 @@ async fn main() {
             "events_per_second": r.round(),
             "ratio_to_accept_all": ratio(*r),
         })).collect::<Vec<_>>(),
+        "http_bound": bound,
     });
     let out = common::repo_root().join("target/bench");
     std::fs::create_dir_all(&out).expect("create target/bench");

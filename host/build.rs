@@ -1,6 +1,7 @@
 //! Records the commit ferry is built from, for `ferry --version`: `git rev-parse` when the source is
 //! a git checkout, `unknown` otherwise (a source archive, or no git installed). The build script
-//! re-runs when HEAD moves, not on every change to the index, so `git status` never rebuilds ferry.
+//! re-runs when HEAD moves, not on every change to the index, so `git status` never rebuilds ferry;
+//! and when a migration is added or changed, so the embedded migrations are never stale.
 
 use std::process::Command;
 
@@ -33,5 +34,8 @@ fn main() {
             }
         }
     }
+    // The migrations `sqlx::migrate!` embeds: a new file must rebuild ferry (stable Rust does not
+    // let the macro tell cargo itself). Cargo watches a directory's files, recursively.
+    println!("cargo:rerun-if-changed=../migrations");
     println!("cargo:rerun-if-changed=build.rs");
 }

@@ -364,3 +364,143 @@ async fn the_deferred_migration_keeps_the_history_on_sqlite() {
     let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM ferry_attempts").fetch_one(&pool).await.unwrap();
     assert_eq!(left, 0);
 }
+
+/// Upgrading a SQLite database through migration 0009, which rebuilds `ferry_events` and
+/// `ferry_attempts` with their CHECK constraints written without IN lists (cheaper for SQLite to
+/// evaluate): every row and every column is kept as it was, the id sequences carry on, the
+/// indexes and the trigger are the same, the constraints still refuse what they refused, and
+/// deleting an event still takes its history with it.
+#[tokio::test]
+async fn the_checks_migration_keeps_every_row_and_constraint_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("old.db").display());
+    let options: sqlx::sqlite::SqliteConnectOptions = url.parse().unwrap();
+    let open = || sqlx::SqlitePool::connect_with(options.clone().create_if_missing(true).foreign_keys(true));
+    let pool = open().await.unwrap();
+    let mut before = sqlx::migrate!("../migrations/sqlite");
+    before.migrations = std::borrow::Cow::Owned(before.migrations.iter().filter(|m| m.version <= 8).cloned().collect());
+    before.run(&pool).await.unwrap();
+    // One row in each status, with every optional column set somewhere, history, and the highest
+    // ids of both tables deleted (they were handed out and must not be handed out again).
+    sqlx::raw_sql(
+        "INSERT INTO ferry_events (route, event_type, ordering_key, payload, headers, status, attempts, max_attempts,
+                                   processed_at, sent_started_at, sent_duration_ms, sent_plugin, sent_plugin_hash)
+         VALUES ('r', 'sent', 'k1', x'7b7d', '{\"a\":\"b\"}', 'SENT', 1, 6, 1800000000000, 1800000000000, 3, 'http',
+                 'abc');
+         INSERT INTO ferry_events (route, event_type, payload, status, attempts, processed_at, last_error,
+                                   failure_reason)
+         VALUES ('r', 'failed', x'00ff', 'FAILED', 2, 1800000000001, 'HTTP 400', 'operator');
+         INSERT INTO ferry_events (route, event_type, payload, status, attempts, claimed_by, claim_token, lease_until)
+         VALUES ('r', 'held', x'01', 'PROCESSING', 1, 'host-1', 'token-1', 1800000000002);
+         INSERT INTO ferry_events (route, event_type, payload, parent_id) VALUES ('r/d', 'copy', x'02', 1);
+         INSERT INTO ferry_events (route, event_type, payload) VALUES ('r', 'purged', x'03');
+         DELETE FROM ferry_events WHERE event_type = 'purged';
+         INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome, reason, error, plugin,
+                                     plugin_hash, instance)
+         VALUES (2, 1, 1800000000000, 5, 'failed', 'operator', 'HTTP 400', 'http', 'abc', 'host-1'),
+                (2, 1, 1800000000000, 5, 'deferred', NULL, 'later', 'http', 'abc', 'host-1');
+         DELETE FROM ferry_attempts WHERE outcome = 'deferred';",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Every column of every row, quoted, and every index and trigger as SQLite keeps them.
+    let snapshot = |pool: sqlx::SqlitePool| async move {
+        let mut rows = Vec::new();
+        for table in ["ferry_events", "ferry_attempts"] {
+            let columns: Vec<String> = sqlx::query_scalar(&format!("SELECT name FROM pragma_table_info('{table}')"))
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+            let quoted: Vec<String> = columns.iter().map(|c| format!("quote({c})")).collect();
+            let query = format!("SELECT {} FROM {table} ORDER BY id", quoted.join(" || ',' || "));
+            rows.push((table, columns, sqlx::query_scalar::<_, String>(&query).fetch_all(&pool).await.unwrap()));
+        }
+        let objects: Vec<(String, String)> = sqlx::query_as(
+            "SELECT name, sql FROM sqlite_master WHERE type IN ('index', 'trigger') AND sql IS NOT NULL ORDER BY name",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        (rows, objects)
+    };
+    let old = snapshot(pool.clone()).await;
+    assert_eq!(old.0[0].2.len(), 4, "{:?}", old.0);
+    pool.close().await;
+
+    let store = ferry::store::connect(&url, 1, false).await.unwrap();
+    store.migrate().await.unwrap();
+    let pool = open().await.unwrap();
+    let new = snapshot(pool.clone()).await;
+    assert_eq!(new.0, old.0, "the same columns in the same order, and the same rows");
+    let normalize = |objects: &[(String, String)]| -> Vec<(String, String)> {
+        objects.iter().map(|(n, s)| (n.clone(), s.replace("IF NOT EXISTS ", "").split_whitespace().collect())).collect()
+    };
+    assert_eq!(normalize(&new.1), normalize(&old.1), "the same indexes and trigger");
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name IN ('ferry_events', 'ferry_attempts')",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(tables.len(), 2);
+    assert!(tables.iter().all(|sql| !sql.contains(" IN (")), "no CHECK is written with an IN list: {tables:?}");
+
+    // Ids carry on after the highest ever handed out.
+    let event: i64 = sqlx::query_scalar(
+        "INSERT INTO ferry_events (route, event_type, payload) VALUES ('r', 't', x'7b7d') RETURNING id",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(event, 6, "event ids are not reused");
+    let history = "INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome)
+                   VALUES (?1, 1, 1800000000000, 1, ?2) RETURNING id";
+    let attempt: i64 = sqlx::query_scalar(history).bind(event).bind("deferred").fetch_one(&pool).await.unwrap();
+    assert_eq!(attempt, 3, "history ids are not reused");
+
+    // The constraints refuse what they refused before, and admit every value ferry writes.
+    for (statement, refused) in [
+        ("UPDATE ferry_events SET status = 'LOST' WHERE id = 6", true),
+        ("UPDATE ferry_events SET status = 'pending' WHERE id = 6", true),
+        ("UPDATE ferry_events SET status = 'FAILED', failure_reason = 'gone' WHERE id = 6", true),
+        ("UPDATE ferry_events SET attempts = -1 WHERE id = 6", true),
+        ("UPDATE ferry_events SET headers = '[]' WHERE id = 6", true),
+        ("UPDATE ferry_attempts SET outcome = 'lost' WHERE id = 3", true),
+        ("UPDATE ferry_events SET status = 'PROCESSING' WHERE id = 6", false),
+        ("UPDATE ferry_events SET status = 'SENT' WHERE id = 6", false),
+        ("UPDATE ferry_events SET status = 'FAILED', failure_reason = 'invalid_event' WHERE id = 6", false),
+        ("UPDATE ferry_events SET status = 'PENDING', failure_reason = NULL WHERE id = 6", false),
+        ("UPDATE ferry_attempts SET outcome = 'retry' WHERE id = 3", false),
+    ] {
+        let result = sqlx::query(statement).execute(&pool).await;
+        assert_eq!(result.is_err(), refused, "{statement}: {result:?}");
+    }
+    let unrepresentable =
+        "INSERT INTO ferry_events (route, event_type, payload, event_time) VALUES ('r', 't', x'00', 'x')";
+    assert!(sqlx::query(unrepresentable).execute(&pool).await.is_err(), "the INSERT trigger is back");
+
+    // The store claims from the rebuilt table, and deleting an event takes its history with it.
+    let now = chrono::Utc::now();
+    let claimed = store
+        .claim(&Claim {
+            now,
+            limit: 10,
+            lease_until: now + chrono::Duration::minutes(1),
+            instance: "test".into(),
+            token: "after-0009".into(),
+            ordered_routes: Vec::new(),
+            blocking_routes: Vec::new(),
+            paused_routes: Vec::new(),
+            only_route: None,
+            max_payload: 1 << 20,
+        })
+        .await
+        .unwrap();
+    let ids: Vec<i64> = claimed.iter().map(|e| e.id).collect();
+    assert_eq!(ids, [4, 6], "the PENDING copy and the new event");
+    sqlx::query("DELETE FROM ferry_events WHERE id = 2").execute(&pool).await.unwrap();
+    let left: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM ferry_attempts WHERE event_id = 2").fetch_one(&pool).await.unwrap();
+    assert_eq!(left, 0, "the foreign key names the new table");
+}

@@ -5,6 +5,7 @@
 pub mod broker;
 pub mod chaos;
 pub mod fleet;
+pub mod nginx;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,74 @@
+//! Debian's nginx as an HTTP receiver for benchmarks: a fast keep-alive HTTP/1.1 server in its own
+//! process, independent of ferry, that answers every request 204 without keeping anything. The
+//! test receiver ([`crate::Receiver`]) records what it gets, so it is the one to check deliveries
+//! with; this one measures what sending costs when the receiver costs little.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One nginx master with one worker, on a free port of 127.0.0.1, stopped when dropped.
+pub struct Nginx {
+    pub addr: SocketAddr,
+    process: Child,
+    _dir: tempfile::TempDir,
+}
+
+/// Where Debian installs it; `scripts/bench` installs the package when it is missing.
+fn binary() -> &'static str {
+    if std::path::Path::new("/usr/sbin/nginx").exists() { "/usr/sbin/nginx" } else { "nginx" }
+}
+
+impl Nginx {
+    pub fn start() -> Nginx {
+        let dir = tempfile::tempdir().expect("nginx directory");
+        let port = crate::broker::free_port();
+        let prefix = dir.path().display();
+        // Bodies are read into memory and dropped; a connection serves requests until the client
+        // closes it, as a webhook receiver behind a load balancer would.
+        let config = format!(
+            "daemon off;\nworker_processes 1;\npid {prefix}/nginx.pid;\nerror_log {prefix}/error.log warn;\n\
+             events {{ worker_connections 1024; }}\n\
+             http {{\n  access_log off;\n  keepalive_requests 10000000;\n  keepalive_timeout 300s;\n\
+               client_body_buffer_size 64k;\n  client_body_temp_path {prefix}/body;\n\
+               proxy_temp_path {prefix}/proxy;\n  fastcgi_temp_path {prefix}/fastcgi;\n\
+               uwsgi_temp_path {prefix}/uwsgi;\n  scgi_temp_path {prefix}/scgi;\n\
+               server {{\n    listen 127.0.0.1:{port};\n    location / {{ return 204; }}\n  }}\n}}\n"
+        );
+        let file = dir.path().join("nginx.conf");
+        std::fs::write(&file, config).expect("write nginx.conf");
+        let process = Command::new(binary())
+            .args(["-e", &format!("{prefix}/error.log"), "-p"])
+            .arg(dir.path())
+            .arg("-c")
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nginx runs (Debian: apt-get install nginx-light; scripts/bench installs it)");
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nginx did not listen on {addr} within 30 s; its log: {}",
+                std::fs::read_to_string(dir.path().join("error.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Nginx { addr, process, _dir: dir }
+    }
+
+    /// `http://<addr><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // The master stops its worker on SIGTERM ("fast shutdown"); a kill would leave the worker.
+        let _ = Command::new("kill").arg(self.process.id().to_string()).status();
+        let _ = self.process.wait();
+    }
+}

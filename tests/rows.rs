@@ -6,7 +6,7 @@
 
 use ferry::NewEvent;
 use ferry::clock::Clock as _;
-use ferry::event::{FailureReason, Status};
+use ferry::event::{AttemptOutcome, FailureReason, Status};
 use ferry::store::{Claim, EndEvent};
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::Value;
@@ -311,19 +311,40 @@ async fn the_readme_insert_works_with_the_system_sqlite3() {
     assert!((now - stored.0).abs() < 60_000 && stored.0 == stored.1, "defaults are now, in milliseconds: {stored:?}");
 }
 
+/// A SQLite file migrated only up to `version`, as an older ferry left it.
+struct OldSqlite {
+    _dir: tempfile::TempDir,
+    url: String,
+}
+
+impl OldSqlite {
+    async fn at(version: i64) -> OldSqlite {
+        let dir = tempfile::tempdir().unwrap();
+        let old = OldSqlite { url: format!("sqlite://{}", dir.path().join("old.db").display()), _dir: dir };
+        let pool = old.open().await.unwrap();
+        let mut before = sqlx::migrate!("../migrations/sqlite");
+        before.migrations =
+            std::borrow::Cow::Owned(before.migrations.iter().filter(|m| m.version <= version).cloned().collect());
+        before.run(&pool).await.unwrap();
+        pool.close().await;
+        old
+    }
+
+    /// A pool on it with foreign keys on, as ferry opens it.
+    async fn open(&self) -> Result<sqlx::SqlitePool, sqlx::Error> {
+        let options: sqlx::sqlite::SqliteConnectOptions = self.url.parse()?;
+        sqlx::SqlitePool::connect_with(options.create_if_missing(true).foreign_keys(true)).await
+    }
+}
+
 /// Upgrading a SQLite database that has history: migration 0006 rebuilds `ferry_attempts` so it
 /// admits outcome `deferred`, keeping every row, its id, and the id sequence (ids are never
 /// reused).
 #[tokio::test]
 async fn the_deferred_migration_keeps_the_history_on_sqlite() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("old.db").display());
-    let options: sqlx::sqlite::SqliteConnectOptions = url.parse().unwrap();
-    let open = || sqlx::SqlitePool::connect_with(options.clone().create_if_missing(true).foreign_keys(true));
+    let old = OldSqlite::at(5).await;
+    let (url, open) = (&old.url, || old.open());
     let pool = open().await.unwrap();
-    let mut before = sqlx::migrate!("../migrations/sqlite");
-    before.migrations = std::borrow::Cow::Owned(before.migrations.iter().filter(|m| m.version <= 5).cloned().collect());
-    before.run(&pool).await.unwrap();
     let event: i64 = sqlx::query_scalar(
         "INSERT INTO ferry_events (route, event_type, payload) VALUES ('s', 't', x'7b7d') RETURNING id",
     )
@@ -342,7 +363,7 @@ async fn the_deferred_migration_keeps_the_history_on_sqlite() {
     assert!(insert(2, "deferred", "later").fetch_one(&pool).await.is_err(), "0005's CHECK refuses 'deferred'");
     pool.close().await;
 
-    let store = ferry::store::connect(&url, 1, false).await.unwrap();
+    let store = ferry::store::connect(url, 1, false).await.unwrap();
     store.migrate().await.unwrap();
     let rows = store.attempts(event).await.unwrap();
     let kept: Vec<(u32, &str, Option<&str>)> =
@@ -372,14 +393,9 @@ async fn the_deferred_migration_keeps_the_history_on_sqlite() {
 /// deleting an event still takes its history with it.
 #[tokio::test]
 async fn the_checks_migration_keeps_every_row_and_constraint_on_sqlite() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("old.db").display());
-    let options: sqlx::sqlite::SqliteConnectOptions = url.parse().unwrap();
-    let open = || sqlx::SqlitePool::connect_with(options.clone().create_if_missing(true).foreign_keys(true));
+    let old = OldSqlite::at(8).await;
+    let (url, open) = (&old.url, || old.open());
     let pool = open().await.unwrap();
-    let mut before = sqlx::migrate!("../migrations/sqlite");
-    before.migrations = std::borrow::Cow::Owned(before.migrations.iter().filter(|m| m.version <= 8).cloned().collect());
-    before.run(&pool).await.unwrap();
     // One row in each status, with every optional column set somewhere, history, and the highest
     // ids of both tables deleted (they were handed out and must not be handed out again).
     sqlx::raw_sql(
@@ -404,17 +420,31 @@ async fn the_checks_migration_keeps_every_row_and_constraint_on_sqlite() {
     .execute(&pool)
     .await
     .unwrap();
-    // Every column of every row, quoted, and every index and trigger as SQLite keeps them.
+    // Each table's columns (name, type, NOT NULL, default, key) and foreign keys, every column of
+    // every row, quoted, and every index and trigger as SQLite keeps them.
     let snapshot = |pool: sqlx::SqlitePool| async move {
         let mut rows = Vec::new();
         for table in ["ferry_events", "ferry_attempts"] {
-            let columns: Vec<String> = sqlx::query_scalar(&format!("SELECT name FROM pragma_table_info('{table}')"))
-                .fetch_all(&pool)
-                .await
-                .unwrap();
-            let quoted: Vec<String> = columns.iter().map(|c| format!("quote({c})")).collect();
+            let columns: Vec<(String, String)> = sqlx::query_as(
+                "SELECT name, quote(cid) || ',' || quote(type) || ',' || quote(\"notnull\") || ',' || quote(dflt_value)
+                        || ',' || quote(pk) FROM pragma_table_info(?1) ORDER BY cid",
+            )
+            .bind(table)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            let foreign: Vec<String> = sqlx::query_scalar(
+                "SELECT quote(\"table\") || ',' || quote(\"from\") || ',' || quote(\"to\") || ',' || quote(on_update)
+                        || ',' || quote(on_delete) FROM pragma_foreign_key_list(?1)",
+            )
+            .bind(table)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            let quoted: Vec<String> = columns.iter().map(|(c, _)| format!("quote({c})")).collect();
             let query = format!("SELECT {} FROM {table} ORDER BY id", quoted.join(" || ',' || "));
-            rows.push((table, columns, sqlx::query_scalar::<_, String>(&query).fetch_all(&pool).await.unwrap()));
+            let stored = sqlx::query_scalar::<_, String>(&query).fetch_all(&pool).await.unwrap();
+            rows.push((table, columns, foreign, stored));
         }
         let objects: Vec<(String, String)> = sqlx::query_as(
             "SELECT name, sql FROM sqlite_master WHERE type IN ('index', 'trigger') AND sql IS NOT NULL ORDER BY name",
@@ -425,14 +455,26 @@ async fn the_checks_migration_keeps_every_row_and_constraint_on_sqlite() {
         (rows, objects)
     };
     let old = snapshot(pool.clone()).await;
-    assert_eq!(old.0[0].2.len(), 4, "{:?}", old.0);
+    assert_eq!(old.0[0].3.len(), 4, "{:?}", old.0);
+    assert_eq!(old.0[1].2.len(), 1, "the history's foreign key: {:?}", old.0);
+    // History whose event was deleted on a connection without foreign keys (SQLite's default):
+    // the rebuild leaves it behind, as the cascade would have, rather than fail on it.
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("PRAGMA foreign_keys = OFF").execute(&mut *conn).await.unwrap();
+    sqlx::query(
+        "INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome) VALUES (99, 1, 0, 0, 'retry')",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    drop(conn);
     pool.close().await;
 
-    let store = ferry::store::connect(&url, 1, false).await.unwrap();
+    let store = ferry::store::connect(url, 1, false).await.unwrap();
     store.migrate().await.unwrap();
     let pool = open().await.unwrap();
     let new = snapshot(pool.clone()).await;
-    assert_eq!(new.0, old.0, "the same columns in the same order, and the same rows");
+    assert_eq!(new.0, old.0, "the same columns, foreign keys and rows (without the orphaned history row)");
     let normalize = |objects: &[(String, String)]| -> Vec<(String, String)> {
         objects.iter().map(|(n, s)| (n.clone(), s.replace("IF NOT EXISTS ", "").split_whitespace().collect())).collect()
     };
@@ -457,25 +499,46 @@ async fn the_checks_migration_keeps_every_row_and_constraint_on_sqlite() {
     let history = "INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome)
                    VALUES (?1, 1, 1800000000000, 1, ?2) RETURNING id";
     let attempt: i64 = sqlx::query_scalar(history).bind(event).bind("deferred").fetch_one(&pool).await.unwrap();
-    assert_eq!(attempt, 3, "history ids are not reused");
+    assert_eq!(attempt, 4, "history ids are not reused (3 went to the orphaned row)");
 
     // The constraints refuse what they refused before, and admit every value ferry writes.
-    for (statement, refused) in [
-        ("UPDATE ferry_events SET status = 'LOST' WHERE id = 6", true),
-        ("UPDATE ferry_events SET status = 'pending' WHERE id = 6", true),
-        ("UPDATE ferry_events SET status = 'FAILED', failure_reason = 'gone' WHERE id = 6", true),
-        ("UPDATE ferry_events SET attempts = -1 WHERE id = 6", true),
-        ("UPDATE ferry_events SET headers = '[]' WHERE id = 6", true),
-        ("UPDATE ferry_attempts SET outcome = 'lost' WHERE id = 3", true),
-        ("UPDATE ferry_events SET status = 'PROCESSING' WHERE id = 6", false),
-        ("UPDATE ferry_events SET status = 'SENT' WHERE id = 6", false),
-        ("UPDATE ferry_events SET status = 'FAILED', failure_reason = 'invalid_event' WHERE id = 6", false),
-        ("UPDATE ferry_events SET status = 'PENDING', failure_reason = NULL WHERE id = 6", false),
-        ("UPDATE ferry_attempts SET outcome = 'retry' WHERE id = 3", false),
-    ] {
-        let result = sqlx::query(statement).execute(&pool).await;
+    let mut statements: Vec<(String, bool)> = [
+        "UPDATE ferry_events SET status = 'LOST' WHERE id = 6",
+        "UPDATE ferry_events SET status = 'pending' WHERE id = 6",
+        "UPDATE ferry_events SET failure_reason = 'gone' WHERE id = 6",
+        "UPDATE ferry_events SET route = '' WHERE id = 6",
+        "UPDATE ferry_events SET event_type = '' WHERE id = 6",
+        "UPDATE ferry_events SET payload = NULL WHERE id = 6",
+        "UPDATE ferry_events SET attempts = -1 WHERE id = 6",
+        "UPDATE ferry_events SET max_attempts = -1 WHERE id = 6",
+        "UPDATE ferry_events SET headers = '[]' WHERE id = 6",
+        "UPDATE ferry_attempts SET outcome = 'lost' WHERE id = 4",
+        "UPDATE ferry_attempts SET attempt = -1 WHERE id = 4",
+        "UPDATE ferry_attempts SET duration_ms = -1 WHERE id = 4",
+        "UPDATE ferry_attempts SET event_id = 99 WHERE id = 4",
+    ]
+    .into_iter()
+    .map(|refused| (refused.to_string(), true))
+    .collect();
+    statements.extend(
+        Status::ALL.map(|s| (format!("UPDATE ferry_events SET status = '{}' WHERE id = 6", s.as_str()), false)),
+    );
+    statements.extend(
+        FailureReason::ALL
+            .map(|r| (format!("UPDATE ferry_events SET failure_reason = '{}' WHERE id = 6", r.as_str()), false)),
+    );
+    statements.extend(
+        [AttemptOutcome::Sent, AttemptOutcome::Retry, AttemptOutcome::Failed, AttemptOutcome::Deferred]
+            .map(|o| (format!("UPDATE ferry_attempts SET outcome = '{}' WHERE id = 4", o.as_str()), false)),
+    );
+    for (statement, refused) in statements {
+        let result = sqlx::query(&statement).execute(&pool).await;
         assert_eq!(result.is_err(), refused, "{statement}: {result:?}");
     }
+    sqlx::query("UPDATE ferry_events SET status = 'PENDING', failure_reason = NULL WHERE id = 6")
+        .execute(&pool)
+        .await
+        .unwrap();
     let unrepresentable =
         "INSERT INTO ferry_events (route, event_type, payload, event_time) VALUES ('r', 't', x'00', 'x')";
     assert!(sqlx::query(unrepresentable).execute(&pool).await.is_err(), "the INSERT trigger is back");

@@ -10,7 +10,8 @@
 --
 -- As in 0004 (which explains the steps): each table is renamed aside, created anew, copied and
 -- the old one dropped, ferry_attempts along with ferry_events so its foreign key names the new
--- table, and the id sequences carried over so no id is handed out twice.
+-- table, and the id sequences carried over so no id is handed out twice. Other writers wait for
+-- the copy only up to their busy timeout (README, "Emitting events", on upgrading).
 ALTER TABLE ferry_attempts RENAME TO ferry_attempts_0008;
 ALTER TABLE ferry_events RENAME TO ferry_events_0008;
 
@@ -63,7 +64,9 @@ CREATE TABLE ferry_attempts (
     plugin_hash TEXT,
     instance    TEXT
 );
-INSERT INTO ferry_attempts SELECT * FROM ferry_attempts_0008;
+-- History rows whose event is gone (deleted on a connection without foreign keys, SQLite's
+-- default) are what the cascade would have deleted; copying them would fail the foreign key.
+INSERT INTO ferry_attempts SELECT * FROM ferry_attempts_0008 WHERE event_id IN (SELECT id FROM ferry_events);
 DELETE FROM sqlite_sequence WHERE name = 'ferry_attempts';
 UPDATE sqlite_sequence SET name = 'ferry_attempts' WHERE name = 'ferry_attempts_0008';
 DROP TABLE ferry_attempts_0008;

@@ -24,8 +24,8 @@ impl Nginx {
         let dir = tempfile::tempdir().expect("nginx directory");
         let port = crate::broker::free_port();
         let prefix = dir.path().display();
-        // Bodies are read into memory and dropped; a connection serves requests until the client
-        // closes it, as a webhook receiver behind a load balancer would.
+        // Bodies are discarded; a connection serves requests until the client closes it, as a
+        // webhook receiver behind a load balancer would.
         let config = format!(
             "daemon off;\nworker_processes 1;\npid {prefix}/nginx.pid;\nerror_log {prefix}/error.log warn;\n\
              events {{ worker_connections 1024; }}\n\
@@ -45,18 +45,25 @@ impl Nginx {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("nginx runs (Debian: apt-get install nginx-light; scripts/bench installs it)");
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+            .expect("nginx runs (Debian: apt-get install nginx; scripts/bench installs it)");
+        let log_file = dir.path().join("error.log");
+        let log = || std::fs::read_to_string(&log_file).unwrap_or_default();
+        // Built before waiting, so a failed start still stops the process when the panic drops it.
+        let mut nginx = Nginx { addr: ([127, 0, 0, 1], port).into(), process, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(addr).is_err() {
+        while std::net::TcpStream::connect(nginx.addr).is_err() {
+            if let Ok(Some(status)) = nginx.process.try_wait() {
+                panic!("nginx exited ({status}) instead of listening on {}; its log: {}", nginx.addr, log());
+            }
             assert!(
                 Instant::now() < deadline,
-                "nginx did not listen on {addr} within 30 s; its log: {}",
-                std::fs::read_to_string(dir.path().join("error.log")).unwrap_or_default()
+                "nginx did not listen on {} within 30 s; its log: {}",
+                nginx.addr,
+                log()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Nginx { addr, process, _dir: dir }
+        nginx
     }
 
     /// `http://<addr><path>`.

@@ -4,8 +4,8 @@
 -- Why: SQLite evaluates `x IN ('a', 'b', 'c', ...)` of more than two constants by filling a
 -- temporary index with the list, and a CHECK on a column an UPDATE changes does that for every
 -- row written. Every claim and every outcome changes `status`, so each event paid for two such
--- indexes: measured under callgrind, about a quarter of the instructions of claiming and
--- completing an event, and more than that of an INSERT. The same test written with `=` and `OR`
+-- indexes: measured under callgrind, a sixth of the instructions of ferry's own claim and
+-- completion statements (BENCHMARKS.md), and more of an INSERT's. The same test written with `=` and `OR`
 -- compares in place. PostgreSQL does not build anything for these lists; its schema is unchanged.
 --
 -- As in 0004 (which explains the steps): each table is renamed aside, created anew, copied and

@@ -75,7 +75,10 @@ impl Nginx {
 impl Drop for Nginx {
     fn drop(&mut self) {
         // The master stops its worker on SIGTERM ("fast shutdown"); a kill would leave the worker.
-        let _ = Command::new("kill").arg(self.process.id().to_string()).status();
+        // Only while it runs: once reaped, its pid may be another process's.
+        if matches!(self.process.try_wait(), Ok(None)) {
+            let _ = Command::new("kill").arg(self.process.id().to_string()).status();
+        }
         let _ = self.process.wait();
     }
 }

@@ -173,7 +173,8 @@ async fn main() {
         results.push((plugin, rate));
     }
     let accept_all = results.iter().find(|(p, _)| *p == "accept-all").map(|(_, r)| *r);
-    let ratio = |rate: f64| accept_all.map(|a| ((rate / a) * 1000.0).round() / 1000.0);
+    let thousandths = |x: f64| (x * 1000.0).round() / 1000.0;
+    let ratio = |rate: f64| accept_all.map(|a| thousandths(rate / a));
     println!(
         "| plugin | receiver | events | batch size | events/s | ÷ accept-all |\n| --- | --- | ---: | ---: | ---: | ---: |"
     );
@@ -199,16 +200,17 @@ async fn main() {
             let plain = plain_client(&options).await;
             eprintln!("plain client: {plain:.0} requests/s");
             let bound = plain / (accept_all + plain);
+            let to_bound = http / accept_all / bound;
             println!();
             println!("| http against what the machine allows | |\n| --- | ---: |");
             println!("| plain client into nginx, {} connections, requests/s | {plain:.0} |", options.http_concurrency);
             println!("| most an `http` route can reach, ÷ accept-all: plain ÷ (accept-all + plain) | {bound:.2}× |");
-            println!("| `http` ÷ that bound | {:.2} |", http / accept_all / bound);
+            println!("| `http` ÷ that bound | {to_bound:.2} |");
             Some(serde_json::json!({
                 "connections": options.http_concurrency,
                 "plain_client_requests_per_second": plain.round(),
-                "http_bound_ratio_to_accept_all": (bound * 1000.0).round() / 1000.0,
-                "http_ratio_to_bound": ((http / accept_all / bound) * 1000.0).round() / 1000.0,
+                "http_bound_ratio_to_accept_all": thousandths(bound),
+                "http_ratio_to_bound": thousandths(to_bound),
             }))
         }
         _ => None,

@@ -342,9 +342,8 @@ impl OldSqlite {
 /// reused).
 #[tokio::test]
 async fn the_deferred_migration_keeps_the_history_on_sqlite() {
-    let old = OldSqlite::at(5).await;
-    let (url, open) = (&old.url, || old.open());
-    let pool = open().await.unwrap();
+    let file = OldSqlite::at(5).await;
+    let pool = file.open().await.unwrap();
     let event: i64 = sqlx::query_scalar(
         "INSERT INTO ferry_events (route, event_type, payload) VALUES ('s', 't', x'7b7d') RETURNING id",
     )
@@ -363,13 +362,13 @@ async fn the_deferred_migration_keeps_the_history_on_sqlite() {
     assert!(insert(2, "deferred", "later").fetch_one(&pool).await.is_err(), "0005's CHECK refuses 'deferred'");
     pool.close().await;
 
-    let store = ferry::store::connect(url, 1, false).await.unwrap();
+    let store = ferry::store::connect(&file.url, 1, false).await.unwrap();
     store.migrate().await.unwrap();
     let rows = store.attempts(event).await.unwrap();
     let kept: Vec<(u32, &str, Option<&str>)> =
         rows.iter().map(|a| (a.attempt, a.outcome.as_str(), a.error.as_deref())).collect();
     assert_eq!(kept, [(1, "retry", Some("HTTP 503"))]);
-    let pool = open().await.unwrap();
+    let pool = file.open().await.unwrap();
     assert_eq!(
         insert(2, "deferred", "later").fetch_one(&pool).await.unwrap(),
         3,
@@ -393,9 +392,8 @@ async fn the_deferred_migration_keeps_the_history_on_sqlite() {
 /// deleting an event still takes its history with it.
 #[tokio::test]
 async fn the_checks_migration_keeps_every_row_and_constraint_on_sqlite() {
-    let old = OldSqlite::at(8).await;
-    let (url, open) = (&old.url, || old.open());
-    let pool = open().await.unwrap();
+    let file = OldSqlite::at(8).await;
+    let pool = file.open().await.unwrap();
     // One row in each status, with every optional column set somewhere, history, and the highest
     // ids of both tables deleted (they were handed out and must not be handed out again).
     sqlx::raw_sql(
@@ -470,9 +468,9 @@ async fn the_checks_migration_keeps_every_row_and_constraint_on_sqlite() {
     drop(conn);
     pool.close().await;
 
-    let store = ferry::store::connect(url, 1, false).await.unwrap();
+    let store = ferry::store::connect(&file.url, 1, false).await.unwrap();
     store.migrate().await.unwrap();
-    let pool = open().await.unwrap();
+    let pool = file.open().await.unwrap();
     let new = snapshot(pool.clone()).await;
     assert_eq!(new.0, old.0, "the same columns, foreign keys and rows (without the orphaned history row)");
     let normalize = |objects: &[(String, String)]| -> Vec<(String, String)> {

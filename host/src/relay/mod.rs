@@ -361,8 +361,8 @@ impl Relay {
         let (mut events, handed_on) = self.hand_on(&routes, &endpoints, &token, events).await?;
         // Deliveries to an endpoint this table does not have: made by another instance for one
         // created since this one last read them (or deleted since). Read again before judging;
-        // should that fail, or the endpoint's route be ordered and the event keyed (it was claimed without its
-        // order), they are handed back, no attempt counted, for a later cycle.
+        // should that fail, or the endpoint's route be ordered and the event keyed (it was claimed
+        // without its order), they are handed back, no attempt counted, for a later cycle.
         let settings = &routes.settings;
         let unknown = |table: &EndpointTable, e: &ClaimedEvent| {
             settings.endpoints_of(&e.route).is_some() && table.get(&e.route).is_none()

@@ -108,6 +108,10 @@ async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Opt
     );
     let running = Running::start(&db.config(&config)).await;
     fill(&db, events).await;
+    // The floors start claiming the moment the events are committed; so does the relay, woken
+    // as an emit in its process wakes it (on PostgreSQL the commit's notification does too)
+    // rather than at the end of an idle wait. Its first claim wakes the other worker.
+    running.wake();
     let cpu_before = cpu_seconds();
     let started = Instant::now();
     // Watch ferry's own delivered counter rather than poll the table, which would take database

@@ -373,6 +373,7 @@ pub async fn emit_in_transaction(db: &TestDb, event: &ferry::NewEvent, commit: b
 /// A ferry relay running in the background of a test.
 pub struct Running {
     pub registry: Arc<ferry::plugins::Registry>,
+    waker: Arc<tokio::sync::Notify>,
     shutdown: tokio_util::sync::CancellationToken,
     relay: tokio::task::JoinHandle<()>,
 }
@@ -383,10 +384,16 @@ impl Running {
         let ferry =
             ferry::service::Ferry::start(config, Arc::new(ferry::clock::SystemClock)).await.expect("ferry starts");
         let registry = ferry.registry.clone();
+        let waker = ferry.relay.waker();
         let shutdown = tokio_util::sync::CancellationToken::new();
         let token = shutdown.clone();
         let relay = tokio::spawn(async move { ferry.relay.run(token).await });
-        Running { registry, shutdown, relay }
+        Running { registry, waker, shutdown, relay }
+    }
+
+    /// Wakes one idle worker, as an in-process emit does.
+    pub fn wake(&self) {
+        self.waker.notify_one();
     }
 
     /// Asks the relay to stop and waits until it has.

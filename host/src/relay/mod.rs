@@ -190,7 +190,8 @@ impl Relay {
         self.routes.set(Arc::new(routes));
     }
 
-    /// Wakes the relay if it is waiting idle; for code in this process that has just emitted.
+    /// Wakes one idle worker (or, with none waiting, the next to wait); for code in this process
+    /// that has just emitted.
     pub fn wake(&self) {
         self.wake.notify_one();
     }

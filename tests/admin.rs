@@ -371,6 +371,7 @@ async fn operations_through_the_api(db: TestDb) {
         r#"ferry_breaker_state{route="s"} 0"#,
         r#"ferry_breaker_state{route="t"} 0"#,
         "ferry_events_stuck 0",
+        "ferry_relay_idle_workers 0",
         r#"ferry_delivery_latency_seconds_count{route="s"} 2"#,
         r#"ferry_plugin_call_duration_seconds_count{plugin="scripted"}"#,
         "ferry_batch_size_count",

@@ -173,8 +173,11 @@ async fn one_wake_up_sets_every_worker_to_a_backlog(db: TestDb) {
         .replace("timeout = \"1s\"", "timeout = \"5s\"")
         .replace("config = { record = \"/out/i0.log\" }", "config = { record = \"/out/i0.log\", delay_ms = \"1000\" }");
     let running = Running::start(&db.config(&base)).await;
-    // Both workers finish their first (empty) cycle and wait.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = running.registry.metrics().idle_workers.clone();
+    eventually(Duration::from_secs(10), "both workers idle after their first, empty cycle", || async {
+        (idle.get() == 2).then_some(())
+    })
+    .await;
     match db.backend {
         // One commit: one notification, which wakes one worker.
         Backend::Postgres => bulk_insert(&db, "s", 4 * BATCH as usize).await,

@@ -101,6 +101,8 @@ pub struct Metrics {
     stuck: Gauge,
     last_attempt: Gauge,
     breaker_state: Family<RouteOnly, Gauge>,
+    /// Relay workers waiting for work now.
+    pub idle_workers: Gauge,
     /// The last hour minute by minute, for the dashboard.
     pub activity: crate::activity::Activity,
 }
@@ -196,6 +198,12 @@ impl Metrics {
             "Circuit breaker per route: 0 closed, 1 open, 2 half-open",
             breaker_state.clone(),
         );
+        let idle_workers = Gauge::default();
+        registry.register(
+            "ferry_relay_idle_workers",
+            "Relay workers waiting for work now; 0 for long under load means every worker is busy",
+            idle_workers.clone(),
+        );
         Self {
             registry,
             delivered,
@@ -217,6 +225,7 @@ impl Metrics {
             stuck,
             last_attempt,
             breaker_state,
+            idle_workers,
             activity: Default::default(),
         }
     }

@@ -5,7 +5,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -104,8 +103,6 @@ pub struct Relay {
     /// Cuts an idle wait short: notified by the database listener, by in-process emitters and by
     /// a worker that claimed a full batch (there may be more), for an idle one.
     wake: Arc<Notify>,
-    /// Workers waiting idle now.
-    idle_workers: AtomicUsize,
     metrics: Arc<Metrics>,
     health: Arc<RelayHealth>,
     /// Per route, when events ending FAILED were last logged and how many ended so since.
@@ -162,7 +159,6 @@ impl Relay {
             breaker_threshold: config.breaker.threshold,
             breaker_cooldown: config.breaker.cooldown.0,
             wake: Arc::new(Notify::new()),
-            idle_workers: AtomicUsize::new(0),
             metrics,
             health: Arc::new(RelayHealth::new(config.relay.workers, config.relay.lease.0)),
             failed_notices: std::sync::Mutex::default(),
@@ -248,13 +244,13 @@ impl Relay {
                     pause
                 }
             };
-            self.idle_workers.fetch_add(1, Ordering::SeqCst);
+            self.metrics.idle_workers.inc();
             tokio::select! {
                 _ = shutdown.cancelled() => {}
                 _ = tokio::time::sleep(pause) => {}
                 _ = self.wake.notified() => idle_pause = self.poll_interval,
             }
-            self.idle_workers.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.idle_workers.dec();
         }
     }
 
@@ -352,7 +348,7 @@ impl Relay {
         // A full batch leaves work behind, most likely: an idle worker is woken to claim it
         // rather than sleep out its wait. One wake-up (LISTEN/NOTIFY, an emit) thus sets every
         // worker to a backlog, one after the other.
-        if events.len() >= self.batch_size as usize && self.idle_workers.load(Ordering::SeqCst) > 0 {
+        if events.len() >= self.batch_size as usize && self.metrics.idle_workers.get() > 0 {
             self.wake.notify_one();
         }
         self.metrics.claim_duration.observe(claim_took.as_secs_f64());

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use chrono::{DateTime, TimeZone, Utc};
 use ferry::NewEvent;
 use ferry::event::{AttemptLog, CallLog, Completion, Disposition, FailureReason, Status};
-use ferry::store::{Claim, FailedFilter, ReasonFilter};
+use ferry::store::{Claim, EndEvent, FailedFilter, ReasonFilter};
 
 use crate::common::{Backend, TestDb, emit_in_transaction};
 
@@ -588,6 +588,36 @@ async fn successes_are_recorded_on_the_event_row(db: TestDb) {
     assert_eq!(history_rows(&db).await, 1);
 }
 
+/// A call's successes recorded by token may only ever mark SENT the call's own events, when a
+/// row of the batch was fenced off and another of the same route has no outcome: the number of
+/// rows written would match, but not the rows. Whether the call's ids are one run (counted) or
+/// not (the ids compared), the row without an outcome stays PROCESSING.
+async fn a_fenced_off_row_never_lets_another_be_marked_sent(db: TestDb) {
+    let s = &db.store;
+    let call_a = call("a", "pa", 10);
+    for (token, delivered) in [("one-run", [0, 1]), ("gap", [0, 2])] {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(s.insert(&NewEvent::new("a", "t", "{}"), t0()).await.unwrap());
+        }
+        assert_eq!(s.claim(&claim(t0(), 10, token)).await.unwrap().len(), 3);
+        // The first is handed back (as a lease recovery would): the claim no longer holds it.
+        assert_eq!(s.release(token, &ids[..1], t0()).await.unwrap(), 1);
+        let outcomes = delivered.map(|i| by(&call_a, ids[i], Disposition::Sent));
+        assert_eq!(s.complete(token, t0() + secs(1), &outcomes).await.unwrap(), 1, "{token}");
+        let [fenced, other] = delivered.map(|i| ids[i]);
+        let without_outcome = ids.iter().copied().find(|id| !delivered.map(|i| ids[i]).contains(id)).unwrap();
+        let status = |id| async move { s.get(id).await.unwrap().unwrap().status };
+        assert_eq!(status(fenced).await, Status::Pending, "{token}: the fenced-off row is not written");
+        assert_eq!(status(other).await, Status::Sent, "{token}");
+        assert_eq!(status(without_outcome).await, Status::Processing, "{token}: a row without an outcome");
+        // Leave nothing for the next round to claim.
+        s.release(token, &[without_outcome], t0()).await.unwrap();
+        s.end_event(fenced, EndEvent::Cancel, t0()).await.unwrap();
+        s.end_event(without_outcome, EndEvent::Cancel, t0()).await.unwrap();
+    }
+}
+
 async fn stats_describe_the_outbox(db: TestDb) {
     let s = &db.store;
     let now = t0() + secs(400);
@@ -680,6 +710,7 @@ crate::both_backends!(
     failed_groups_span_their_first_and_last_failure,
     history_is_written_with_outcomes_and_kept_across_resends,
     successes_are_recorded_on_the_event_row,
+    a_fenced_off_row_never_lets_another_be_marked_sent,
     stats_describe_the_outbox,
     breakers_count_open_probe_and_close,
     failed_events_are_counted_listed_resent_and_purged_by_filter,

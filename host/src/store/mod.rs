@@ -625,9 +625,34 @@ struct SentCall<'a> {
 }
 
 impl SentCall<'_> {
-    /// Whether `found` (the rows a statement by token wrote) are exactly the call's events.
-    fn is_exactly(&self, found: &[i64]) -> bool {
-        found.len() == self.ids.len() && found.iter().all(|id| self.ids.binary_search(id).is_ok())
+    /// The lowest and highest id of the call's events: the statement by token writes only rows
+    /// between them.
+    fn bounds(&self) -> (i64, i64) {
+        (self.ids.first().copied().unwrap_or(0), self.ids.last().copied().unwrap_or(-1))
+    }
+
+    /// Whether the call's events are every id between its bounds (the common case: one route's
+    /// events, claimed in order). Then the rows a statement by token and bounds wrote are a
+    /// subset of the call's events, so their number alone proves they are exactly the call's, and
+    /// no id needs to come back.
+    fn is_one_run(&self) -> bool {
+        self.ids.windows(2).all(|pair| pair[0].checked_add(1) == Some(pair[1]))
+    }
+
+    /// The statement that records the call by token, from `base` (which bounds the ids by
+    /// [`SentCall::bounds`]): as it is when the call is one run, with `RETURNING id` otherwise.
+    fn statement(&self, base: &'static str) -> std::borrow::Cow<'static, str> {
+        if self.is_one_run() { base.into() } else { format!("{base} RETURNING id").into() }
+    }
+
+    /// Whether a statement from [`SentCall::statement`] wrote exactly the call's events: `written`
+    /// rows, and `found` the ids it returned (none when the call is one run).
+    fn is_exactly(&self, written: u64, found: &[i64]) -> bool {
+        let expected = self.ids.len() as u64;
+        if self.is_one_run() {
+            return written == expected;
+        }
+        found.len() as u64 == expected && found.iter().all(|id| self.ids.binary_search(id).is_ok())
     }
 }
 
@@ -641,9 +666,10 @@ const MAX_CALLS_BY_TOKEN: usize = 8;
 /// successes are then recorded by id.
 ///
 /// Recording by token relies on every other row of the claim having left PROCESSING first (the
-/// retries and failures are written before the successes). The ids each statement returns must be
-/// exactly the call's: otherwise (a row the batch has no outcome for, a row fenced off) the
-/// transaction is rolled back and written again by id, so the shortcut never decides an outcome.
+/// retries and failures are written before the successes). Each statement must have written
+/// exactly the call's events (by count when they are one run of ids, by the ids it returns
+/// otherwise): if not (a row the batch has no outcome for, a row fenced off) the transaction is
+/// rolled back and written again by id, so the shortcut never decides an outcome.
 fn sent_by_call<'a>(sent: &[&'a Completion]) -> Option<Vec<SentCall<'a>>> {
     let mut calls: Vec<SentCall<'a>> = Vec::new();
     for completion in sent {

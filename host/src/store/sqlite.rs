@@ -184,7 +184,9 @@ impl RecordOutcomes for SqliteStore {
             .collect();
         for sent in by_token.unwrap_or_default() {
             let call = sent.call;
-            let ids = sqlx::query_scalar::<_, i64>(COMPLETE_SENT_BY_TOKEN)
+            let (first, last) = sent.bounds();
+            let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
+            let query = sqlx::query(&statement)
                 .bind(token)
                 .bind(now)
                 .bind(&call.route)
@@ -193,13 +195,20 @@ impl RecordOutcomes for SqliteStore {
                 .bind(duration_ms(call))
                 .bind(&call.plugin)
                 .bind(&call.plugin_hash)
-                .fetch_all(&mut *tx)
-                .await?;
-            if !sent.is_exactly(&ids) {
+                .bind(first)
+                .bind(last);
+            let (written, ids) = if sent.is_one_run() {
+                (query.execute(&mut *tx).await?.rows_affected(), Vec::new())
+            } else {
+                let ids: Vec<i64> =
+                    query.fetch_all(&mut *tx).await?.iter().map(|row| row.try_get(0)).collect::<Result<_, _>>()?;
+                (ids.len() as u64, ids)
+            };
+            if !sent.is_exactly(written, &ids) {
                 tx.rollback().await?;
                 return Ok(None);
             }
-            updated.extend(ids);
+            updated.extend(&sent.ids);
         }
         let deferred = deferrals_written(parts, &written);
         if !deferred.is_empty() {
@@ -268,14 +277,13 @@ const COMPLETE_SENT: &str = "UPDATE ferry_events
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
 
-/// Records as SENT, at ?2, the rows of route ?3 still held by claim ?1, delivered by one plugin
-/// call (?5 to ?8); returns their ids.
+/// Records as SENT, at ?2, the rows of route ?3 with ids from ?9 to ?10 still held by claim ?1,
+/// delivered by one plugin call (?5 to ?8). See `SentCall::statement`.
 const COMPLETE_SENT_BY_TOKEN: &str = "UPDATE ferry_events
      SET status = 'SENT', processed_at = ?2, last_status_at = ?2, claim_token = NULL, lease_until = NULL,
          max_attempts = COALESCE(max_attempts, ?4), sent_started_at = ?5, sent_duration_ms = ?6,
          sent_plugin = ?7, sent_plugin_hash = ?8
-     WHERE claim_token = ?1 AND status = 'PROCESSING' AND route = ?3
-     RETURNING id";
+     WHERE claim_token = ?1 AND status = 'PROCESSING' AND route = ?3 AND id BETWEEN ?9 AND ?10";
 
 const COMPLETE_RETRY: &str = "UPDATE ferry_events
      SET status = 'PENDING', next_attempt_at = u.at, last_error = u.error, last_status_at = ?2,

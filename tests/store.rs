@@ -588,10 +588,10 @@ async fn successes_are_recorded_on_the_event_row(db: TestDb) {
     assert_eq!(history_rows(&db).await, 1);
 }
 
-/// A call's successes recorded by token may only ever mark SENT the call's own events, when a
-/// row of the batch was fenced off and another of the same route has no outcome: the number of
-/// rows written would match, but not the rows. Whether the call's ids are one run (counted) or
-/// not (the ids compared), the row without an outcome stays PROCESSING.
+/// A call's successes recorded by token mark SENT only the call's own events when a row of the
+/// batch was fenced off and another of the same route has no outcome (so a statement by token
+/// and route alone would write as many rows, but not the same ones). Whether the call's ids are
+/// one run (counted) or not (the ids compared), the row without an outcome stays PROCESSING.
 async fn a_fenced_off_row_never_lets_another_be_marked_sent(db: TestDb) {
     let s = &db.store;
     let call_a = call("a", "pa", 10);
@@ -600,6 +600,7 @@ async fn a_fenced_off_row_never_lets_another_be_marked_sent(db: TestDb) {
         for _ in 0..3 {
             ids.push(s.insert(&NewEvent::new("a", "t", "{}"), t0()).await.unwrap());
         }
+        assert_eq!(ids[2], ids[0] + 2, "consecutive ids, so [0, 1] is one run and [0, 2] is not");
         assert_eq!(s.claim(&claim(t0(), 10, token)).await.unwrap().len(), 3);
         // The first is handed back (as a lease recovery would): the claim no longer holds it.
         assert_eq!(s.release(token, &ids[..1], t0()).await.unwrap(), 1);
@@ -612,9 +613,9 @@ async fn a_fenced_off_row_never_lets_another_be_marked_sent(db: TestDb) {
         assert_eq!(status(other).await, Status::Sent, "{token}");
         assert_eq!(status(without_outcome).await, Status::Processing, "{token}: a row without an outcome");
         // Leave nothing for the next round to claim.
-        s.release(token, &[without_outcome], t0()).await.unwrap();
-        s.end_event(fenced, EndEvent::Cancel, t0()).await.unwrap();
-        s.end_event(without_outcome, EndEvent::Cancel, t0()).await.unwrap();
+        for id in [fenced, without_outcome] {
+            assert!(s.end_event(id, EndEvent::Cancel, t0()).await.unwrap(), "{token}: event {id} cancelled");
+        }
     }
 }
 
@@ -726,3 +727,15 @@ crate::both_backends!(
     plain_sql_insert_gets_every_default,
     bad_rows_are_rejected_at_insert,
 );
+
+/// SQLite is compiled without memory statistics (`.cargo/config.toml`), so its allocations take
+/// no global mutex; a build that lost the setting would be slower without failing anything else.
+#[tokio::test]
+async fn sqlite_is_compiled_without_memory_statistics() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let options: Vec<String> = sqlx::query_scalar("SELECT compile_options FROM pragma_compile_options")
+        .fetch_all(db.sqlite.as_ref().unwrap().pool())
+        .await
+        .unwrap();
+    assert!(options.iter().any(|o| o == "DEFAULT_MEMSTATUS=0"), "compile options: {options:?}");
+}

@@ -614,7 +614,7 @@ struct Partitioned<'a> {
 }
 
 /// The successes of one plugin call, recorded with one statement that finds their rows by claim
-/// token and route instead of by id.
+/// token, route and the call's lowest and highest id instead of by id.
 #[derive(Debug)]
 struct SentCall<'a> {
     call: &'a CallLog,
@@ -622,37 +622,83 @@ struct SentCall<'a> {
     max_attempts: u32,
     /// The events the call delivered, sorted.
     ids: Vec<i64>,
+    /// Whether `ids` are every id from the lowest to the highest (the common case: one route's
+    /// events, claimed in order). Ids are unique (the primary key), so the rows the statement can
+    /// write are then a subset of the call's events, and their number alone proves they are
+    /// exactly them: no id needs to come back.
+    one_run: bool,
+}
+
+/// The number of rows a statement wrote, from either backend's result.
+trait RowsWritten {
+    fn rows_written(&self) -> u64;
+}
+
+impl RowsWritten for sqlx::sqlite::SqliteQueryResult {
+    fn rows_written(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+impl RowsWritten for sqlx::postgres::PgQueryResult {
+    fn rows_written(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+/// What a statement by token reports of the rows it wrote: their number, when the call is one
+/// run; otherwise their ids (`RETURNING id`).
+#[derive(Debug)]
+enum Wrote {
+    Counted(u64),
+    Returned(Vec<i64>),
 }
 
 impl SentCall<'_> {
-    /// The lowest and highest id of the call's events: the statement by token writes only rows
-    /// between them.
+    /// The lowest and highest id of the call's events, which bound the rows the statement may
+    /// write. A call has at least one event; (0, -1) would bound none.
     fn bounds(&self) -> (i64, i64) {
         (self.ids.first().copied().unwrap_or(0), self.ids.last().copied().unwrap_or(-1))
-    }
-
-    /// Whether the call's events are every id between its bounds (the common case: one route's
-    /// events, claimed in order). Then the rows a statement by token and bounds wrote are a
-    /// subset of the call's events, so their number alone proves they are exactly the call's, and
-    /// no id needs to come back.
-    fn is_one_run(&self) -> bool {
-        self.ids.windows(2).all(|pair| pair[0].checked_add(1) == Some(pair[1]))
     }
 
     /// The statement that records the call by token, from `base` (which bounds the ids by
     /// [`SentCall::bounds`]): as it is when the call is one run, with `RETURNING id` otherwise.
     fn statement(&self, base: &'static str) -> std::borrow::Cow<'static, str> {
-        if self.is_one_run() { base.into() } else { format!("{base} RETURNING id").into() }
+        if self.one_run { base.into() } else { format!("{base} RETURNING id").into() }
     }
 
-    /// Whether a statement from [`SentCall::statement`] wrote exactly the call's events: `written`
-    /// rows, and `found` the ids it returned (none when the call is one run).
-    fn is_exactly(&self, written: u64, found: &[i64]) -> bool {
-        let expected = self.ids.len() as u64;
-        if self.is_one_run() {
-            return written == expected;
+    /// Runs `query` (made from [`SentCall::statement`]) in `tx`: whether it wrote exactly the
+    /// call's events.
+    async fn write<'q, DB>(
+        &self,
+        tx: &mut sqlx::Transaction<'_, DB>,
+        query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>,
+    ) -> Result<bool, StoreError>
+    where
+        DB: sqlx::Database,
+        DB::QueryResult: RowsWritten,
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+        i64: Type<DB> + for<'r> Decode<'r, DB>,
+        usize: ColumnIndex<DB::Row>,
+    {
+        let wrote = if self.one_run {
+            Wrote::Counted(query.execute(&mut **tx).await?.rows_written())
+        } else {
+            let rows = query.fetch_all(&mut **tx).await?;
+            Wrote::Returned(rows.iter().map(|row| row.try_get(0)).collect::<Result<_, _>>()?)
+        };
+        Ok(self.is_exactly(&wrote))
+    }
+
+    /// Whether the statement wrote exactly the call's events.
+    fn is_exactly(&self, wrote: &Wrote) -> bool {
+        match wrote {
+            Wrote::Counted(rows) => self.one_run && *rows == self.ids.len() as u64,
+            Wrote::Returned(found) => {
+                found.len() == self.ids.len() && found.iter().all(|id| self.ids.binary_search(id).is_ok())
+            }
         }
-        found.len() as u64 == expected && found.iter().all(|id| self.ids.binary_search(id).is_ok())
     }
 }
 
@@ -679,10 +725,18 @@ fn sent_by_call<'a>(sent: &[&'a Completion]) -> Option<Vec<SentCall<'a>>> {
             Some(_) => return None,
             None if calls.iter().any(|c| c.call.route == call.route) => return None,
             None if calls.len() == MAX_CALLS_BY_TOKEN => return None,
-            None => calls.push(SentCall { call, max_attempts: completion.max_attempts, ids: vec![completion.id] }),
+            None => calls.push(SentCall {
+                call,
+                max_attempts: completion.max_attempts,
+                ids: vec![completion.id],
+                one_run: false,
+            }),
         }
     }
-    calls.iter_mut().for_each(|c| c.ids.sort_unstable());
+    for c in &mut calls {
+        c.ids.sort_unstable();
+        c.one_run = c.ids.windows(2).all(|pair| pair[0].checked_add(1) == Some(pair[1]));
+    }
     Some(calls)
 }
 

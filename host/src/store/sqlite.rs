@@ -197,14 +197,7 @@ impl RecordOutcomes for SqliteStore {
                 .bind(&call.plugin_hash)
                 .bind(first)
                 .bind(last);
-            let (written, ids) = if sent.is_one_run() {
-                (query.execute(&mut *tx).await?.rows_affected(), Vec::new())
-            } else {
-                let ids: Vec<i64> =
-                    query.fetch_all(&mut *tx).await?.iter().map(|row| row.try_get(0)).collect::<Result<_, _>>()?;
-                (ids.len() as u64, ids)
-            };
-            if !sent.is_exactly(written, &ids) {
+            if !sent.write(&mut tx, query).await? {
                 tx.rollback().await?;
                 return Ok(None);
             }

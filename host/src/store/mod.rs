@@ -646,14 +646,6 @@ impl RowsWritten for sqlx::postgres::PgQueryResult {
     }
 }
 
-/// What a statement by token reports of the rows it wrote: their number, when the call is one
-/// run; otherwise their ids (`RETURNING id`).
-#[derive(Debug)]
-enum Wrote {
-    Counted(u64),
-    Returned(Vec<i64>),
-}
-
 impl SentCall<'_> {
     /// The lowest and highest id of the call's events, which bound the rows the statement may
     /// write. A call has at least one event; (0, -1) would bound none.
@@ -682,23 +674,13 @@ impl SentCall<'_> {
         i64: Type<DB> + for<'r> Decode<'r, DB>,
         usize: ColumnIndex<DB::Row>,
     {
-        let wrote = if self.one_run {
-            Wrote::Counted(query.execute(&mut **tx).await?.rows_written())
-        } else {
-            let rows = query.fetch_all(&mut **tx).await?;
-            Wrote::Returned(rows.iter().map(|row| row.try_get(0)).collect::<Result<_, _>>()?)
-        };
-        Ok(self.is_exactly(&wrote))
-    }
-
-    /// Whether the statement wrote exactly the call's events.
-    fn is_exactly(&self, wrote: &Wrote) -> bool {
-        match wrote {
-            Wrote::Counted(rows) => self.one_run && *rows == self.ids.len() as u64,
-            Wrote::Returned(found) => {
-                found.len() == self.ids.len() && found.iter().all(|id| self.ids.binary_search(id).is_ok())
-            }
+        if self.one_run {
+            let rows = query.execute(&mut **tx).await?.rows_written();
+            return Ok(rows == self.ids.len() as u64);
         }
+        let rows = query.fetch_all(&mut **tx).await?;
+        let found: Vec<i64> = rows.iter().map(|row| row.try_get(0)).collect::<Result<_, _>>()?;
+        Ok(found.len() == self.ids.len() && found.iter().all(|id| self.ids.binary_search(id).is_ok()))
     }
 }
 

@@ -13,11 +13,13 @@
 //!   SQLite `Store::claim` and `Store::complete` in a loop. Ferry ÷ this one measures the relay's
 //!   overhead over its own statements.
 //!
-//! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite]` (needs PostgreSQL
-//! and pgbench as for the tests, and the plugins from `scripts/build-plugins`). Every figure is N
-//! events divided by the time from the moment they are all committed to the moment the last is
-//! SENT, measured in the same run. Prints a markdown table and writes
-//! `target/bench/throughput.json`.
+//! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite --batch N --rounds N]`
+//! (needs PostgreSQL and pgbench as for the tests, and the plugins from `scripts/build-plugins`).
+//! Every figure is N events divided by the time from the moment they are all committed to the
+//! moment the last is SENT. The three measurements alternate in rounds (3 by default), and each
+//! ratio is the median of the rounds' own ratios, with their range: on a shared machine the
+//! floors themselves move by more than the differences measured. Prints a markdown table and
+//! writes `target/bench/throughput.json`.
 
 use ferry_testkit as common;
 
@@ -32,7 +34,7 @@ use ferry::store::{Claim, Store};
 
 const BATCHES: [u32; 3] = [100, 500, 1000];
 
-/// `cargo bench --bench throughput -- [--events N] [--only postgres|sqlite] [--batch N]`
+/// `cargo bench --bench throughput -- [--events N] [--only postgres|sqlite] [--batch N] [--rounds N]`
 #[derive(clap::Parser)]
 struct Options {
     /// Events per measurement.
@@ -47,6 +49,10 @@ struct Options {
     /// Ferry's relay workers (default: ferry's default, 2, as the floors' two clients).
     #[arg(long)]
     workers: Option<u32>,
+    /// Rounds of the three measurements for each database and batch size. Each round's ratios
+    /// compare measurements taken moments apart; the report gives their median and range.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     /// Passed by `cargo bench` to every benchmark binary.
     #[arg(long, hide = true)]
     bench: bool,
@@ -321,6 +327,43 @@ async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
     }
 }
 
+/// One round: the three rates, in events per second, measured one after the other.
+struct Round {
+    minimal: f64,
+    own: f64,
+    ferry: f64,
+}
+
+/// The rounds of one database and batch size.
+struct Measured {
+    database: &'static str,
+    batch: u32,
+    rounds: Vec<Round>,
+}
+
+impl Measured {
+    /// The median of one rate over the rounds.
+    fn median(&self, rate: impl Fn(&Round) -> f64) -> f64 {
+        median(&sorted(self.rounds.iter().map(rate).collect()))
+    }
+
+    /// Ferry's rate over the floor `of` in each round, sorted.
+    fn ratios(&self, of: impl Fn(&Round) -> f64) -> Vec<f64> {
+        sorted(self.rounds.iter().map(|r| r.ferry / of(r)).collect())
+    }
+}
+
+fn sorted(mut values: Vec<f64>) -> Vec<f64> {
+    values.sort_by(f64::total_cmp);
+    values
+}
+
+/// The median of sorted `values` (the mean of the middle two when their number is even).
+fn median(values: &[f64]) -> f64 {
+    let n = values.len();
+    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let options = options();
@@ -329,42 +372,72 @@ async fn main() {
         .filter(|(_, name)| options.only.as_deref().is_none_or(|o| o == *name))
         .collect();
     let batches: Vec<u32> = options.batch.map_or(BATCHES.to_vec(), |b| vec![b]);
-    let mut rows = Vec::new();
+    let mut results = Vec::new();
     for (backend, name) in backends {
         for &batch in &batches {
-            // The floors and ferry alternate within one run, so all see the same machine.
-            let minimal = minimal_floor(backend, batch, options.events).await;
-            let own = floor(backend, batch, options.events).await;
-            let ferry_rate = through_ferry(backend, batch, options.events, options.workers).await;
-            eprintln!(
-                "{name} batch {batch}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {ferry_rate:.0}/s"
-            );
-            rows.push((name, batch, minimal, own, ferry_rate));
+            let mut rounds = Vec::new();
+            for round in 1..=options.rounds {
+                // The floors and ferry alternate within one round, so all see the same machine.
+                let minimal = minimal_floor(backend, batch, options.events).await;
+                let own = floor(backend, batch, options.events).await;
+                let ferry = through_ferry(backend, batch, options.events, options.workers).await;
+                eprintln!(
+                    "{name} batch {batch} round {round}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {ferry:.0}/s"
+                );
+                rounds.push(Round { minimal, own, ferry });
+            }
+            results.push(Measured { database: name, batch, rounds });
         }
     }
     println!(
-        "| database | batch size | minimal floor events/s | ferry's own floor events/s | ferry events/s | ferry / minimal floor | ferry / own floor |"
+        "| database | batch size | minimal floor events/s | ferry's own floor events/s | ferry events/s | ferry / minimal floor (range) | ferry / own floor (range) |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for (name, batch, minimal, own, ferry_rate) in &rows {
+    for r in &results {
+        let (to_minimal, to_own) = (r.ratios(|x| x.minimal), r.ratios(|x| x.own));
         println!(
-            "| {name} | {batch} | {minimal:.0} | {own:.0} | {ferry_rate:.0} | **{:.2}×** | {:.2}× |",
-            ferry_rate / minimal,
-            ferry_rate / own
+            "| {} | {} | {:.0} | {:.0} | {:.0} | **{:.2}×** ({:.2}–{:.2}) | {:.2}× ({:.2}–{:.2}) |",
+            r.database,
+            r.batch,
+            r.median(|x| x.minimal),
+            r.median(|x| x.own),
+            r.median(|x| x.ferry),
+            median(&to_minimal),
+            to_minimal[0],
+            to_minimal[to_minimal.len() - 1],
+            median(&to_own),
+            to_own[0],
+            to_own[to_own.len() - 1],
         );
     }
-    let ratio = |a: f64, b: f64| ((a / b) * 1000.0).round() / 1000.0;
+    println!();
+    println!(
+        "median of {} rounds; each ratio is the median of the rounds' own ratios, with their range",
+        options.rounds
+    );
+    let ratio = |x: f64| (x * 1000.0).round() / 1000.0;
     let json = serde_json::json!({
         "events": options.events,
-        "results": rows.iter().map(|(name, batch, minimal, own, ferry_rate)| serde_json::json!({
-            "database": name,
-            "batch_size": batch,
-            "minimal_floor_events_per_second": minimal.round(),
-            "floor_events_per_second": own.round(),
-            "ferry_events_per_second": ferry_rate.round(),
-            "ratio_to_minimal_floor": ratio(*ferry_rate, *minimal),
-            "ratio": ratio(*ferry_rate, *own),
-        })).collect::<Vec<_>>(),
+        "rounds": options.rounds,
+        "results": results.iter().map(|r| {
+            let (to_minimal, to_own) = (r.ratios(|x| x.minimal), r.ratios(|x| x.own));
+            serde_json::json!({
+                "database": r.database,
+                "batch_size": r.batch,
+                "minimal_floor_events_per_second": r.median(|x| x.minimal).round(),
+                "floor_events_per_second": r.median(|x| x.own).round(),
+                "ferry_events_per_second": r.median(|x| x.ferry).round(),
+                "ratio_to_minimal_floor": ratio(median(&to_minimal)),
+                "ratio_to_minimal_floor_range": [ratio(to_minimal[0]), ratio(to_minimal[to_minimal.len() - 1])],
+                "ratio": ratio(median(&to_own)),
+                "ratio_range": [ratio(to_own[0]), ratio(to_own[to_own.len() - 1])],
+                "rounds": r.rounds.iter().map(|x| serde_json::json!({
+                    "minimal_floor_events_per_second": x.minimal.round(),
+                    "floor_events_per_second": x.own.round(),
+                    "ferry_events_per_second": x.ferry.round(),
+                })).collect::<Vec<_>>(),
+            })
+        }).collect::<Vec<_>>(),
     });
     let out = repo_root().join("target/bench");
     std::fs::create_dir_all(&out).expect("create target/bench");

@@ -728,6 +728,21 @@ crate::both_backends!(
     bad_rows_are_rejected_at_insert,
 );
 
+/// `benches/callgrind-sqlite` reads ferry's claim and completion from the store's source and runs
+/// them on its own: it must still find them, and they must still deliver every event, or its
+/// counts would describe statements ferry no longer runs. (Run here without callgrind.)
+#[test]
+fn the_sqlite_cost_model_still_runs_ferrys_statements() {
+    for case in ["ferry", "minimal", "table"] {
+        let out = std::process::Command::new("python3")
+            .arg(crate::common::repo_root().join("benches/callgrind-sqlite"))
+            .args(["--run", case, "1200"])
+            .output()
+            .expect("python3 runs");
+        assert!(out.status.success(), "{case}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
 /// SQLite is compiled without memory statistics (`.cargo/config.toml`), so its allocations take
 /// no global mutex; a build that lost the setting would be slower without failing anything else.
 #[tokio::test]

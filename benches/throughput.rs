@@ -16,10 +16,11 @@
 //! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite --batch N --rounds N]`
 //! (needs PostgreSQL and pgbench as for the tests, and the plugins from `scripts/build-plugins`).
 //! Every figure is N events divided by the time from the moment they are all committed to the
-//! moment the last is SENT. The three measurements alternate in rounds (3 by default), and each
-//! ratio is the median of the rounds' own ratios, with their range: on a shared machine the
-//! floors themselves move by more than the differences measured. Prints a markdown table and
-//! writes `target/bench/throughput.json`.
+//! moment the last is SENT. The three measurements run one after the other in rounds (3 by
+//! default, each round starting with the next of them); each rate reported is the median of its
+//! rounds, and each ratio the median of the rounds' own ratios, with their range: on a shared
+//! machine the floors themselves move by more than the differences measured. Prints a markdown
+//! table and writes `target/bench/throughput.json`.
 
 use ferry_testkit as common;
 
@@ -377,10 +378,18 @@ async fn main() {
         for &batch in &batches {
             let mut rounds = Vec::new();
             for round in 1..=options.rounds {
-                // The floors and ferry alternate within one round, so all see the same machine.
-                let minimal = minimal_floor(backend, batch, options.events).await;
-                let own = floor(backend, batch, options.events).await;
-                let ferry = through_ferry(backend, batch, options.events, options.workers).await;
+                // The floors and ferry run one after the other in each round, so the three see
+                // the machine at nearly the same moment; each round starts with the next of them,
+                // so none is always the one that meets what the one before left behind (a
+                // checkpoint, a vacuum).
+                let (mut minimal, mut own, mut ferry) = (0.0, 0.0, 0.0);
+                for turn in 0..3 {
+                    match (round + turn) % 3 {
+                        1 => minimal = minimal_floor(backend, batch, options.events).await,
+                        2 => own = floor(backend, batch, options.events).await,
+                        _ => ferry = through_ferry(backend, batch, options.events, options.workers).await,
+                    }
+                }
                 eprintln!(
                     "{name} batch {batch} round {round}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {ferry:.0}/s"
                 );
@@ -412,13 +421,14 @@ async fn main() {
     }
     println!();
     println!(
-        "median of {} rounds; each ratio is the median of the rounds' own ratios, with their range",
+        "median of {} rounds: each rate is the median of its own, each ratio the median of the rounds' own ratios \
+         (with their range), so a ratio need not equal the quotient of the rates beside it",
         options.rounds
     );
     let ratio = |x: f64| (x * 1000.0).round() / 1000.0;
     let json = serde_json::json!({
         "events": options.events,
-        "rounds": options.rounds,
+        "rounds_run": options.rounds,
         "results": results.iter().map(|r| {
             let (to_minimal, to_own) = (r.ratios(|x| x.minimal), r.ratios(|x| x.own));
             serde_json::json!({

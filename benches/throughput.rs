@@ -380,8 +380,7 @@ async fn main() {
             for round in 1..=options.rounds {
                 // The floors and ferry run one after the other in each round, so the three see
                 // the machine at nearly the same moment; each round starts with the next of them,
-                // so none is always the one that meets what the one before left behind (a
-                // checkpoint, a vacuum).
+                // so each takes the first, second and third place in turn.
                 let (mut minimal, mut own, mut ferry) = (0.0, 0.0, 0.0);
                 for turn in 0..3 {
                     match (round + turn) % 3 {

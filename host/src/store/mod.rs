@@ -30,6 +30,8 @@ pub(crate) use self::stats::{ATTEMPTS_SQL, LATENCY_SQL, ROUTE_COUNTS_SQL, stats_
 pub use self::stats::{LATENCY_SAMPLES, Latency, Percentiles, Stats};
 /// What a `/metrics` scrape runs: public so a test can check their plans read no SENT rows.
 pub use self::stats::{UNFINISHED_COUNTS_SQL, WATCH_SQL};
+/// Each backend's claim: public so a test can check their plans.
+pub use self::{postgres::CLAIM_SQL as POSTGRES_CLAIM_SQL, sqlite::CLAIM_SQL as SQLITE_CLAIM_SQL};
 pub use crate::breaker::Breaker;
 use crate::event::{
     AttemptRecord, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, FailureReason, NewEvent, Status,
@@ -547,15 +549,17 @@ pub async fn connect(url: &str, max_connections: u32, create: bool) -> Result<Ar
     }
 }
 
-/// The statement of [`Store::ahead_in_key`], on either backend; it reads the `ferry_events_key`
-/// index (route, key, id over unfinished events).
-pub(crate) fn ahead_in_key_sql(failed_blocks: bool) -> &'static str {
+/// The statement of [`Store::ahead_in_key`], on either backend (public so a test can check its
+/// plan); it reads the `ferry_events_key` index (route, key, id over unfinished events). It states
+/// the index's condition (`status <> 'SENT'`) although the status list implies it: SQLite does not
+/// derive it, and would walk every older row by id instead.
+pub fn ahead_in_key_sql(failed_blocks: bool) -> &'static str {
     if failed_blocks {
         "SELECT id, status FROM ferry_events WHERE route = $1 AND ordering_key = $2 AND id < $3
-         AND status IN ('PENDING', 'PROCESSING', 'FAILED') ORDER BY id LIMIT 1"
+         AND status <> 'SENT' AND status IN ('PENDING', 'PROCESSING', 'FAILED') ORDER BY id LIMIT 1"
     } else {
         "SELECT id, status FROM ferry_events WHERE route = $1 AND ordering_key = $2 AND id < $3
-         AND status IN ('PENDING', 'PROCESSING') ORDER BY id LIMIT 1"
+         AND status <> 'SENT' AND status IN ('PENDING', 'PROCESSING') ORDER BY id LIMIT 1"
     }
 }
 

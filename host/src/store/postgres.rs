@@ -290,6 +290,37 @@ const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
 pub const SESSION_SETTINGS: [(&str, &str); 2] =
     [("plan_cache_mode", "force_custom_plan"), ("enable_bitmapscan", "off")];
 
+/// Claims up to $2 due events for instance $3 under token $4 until $5, at $1: not those of the
+/// paused routes $8, only those of $9 when given, and in an ordered route ($6) none queued behind
+/// an unfinished event of its key (or a FAILED one, in the blocking routes $7); payloads above $10
+/// bytes come back as their size only. The picked ids are handed to the UPDATE as an array, so it
+/// finds its rows by primary key however many the table holds: joined instead, PostgreSQL hashed
+/// the whole table for them when it held up to some tens of thousands of rows.
+pub const CLAIM_SQL: &str = "WITH picked AS (
+         SELECT e.id FROM ferry_events e
+         WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1
+           AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)
+           AND (e.ordering_key IS NULL OR NOT (e.route = ANY($6)) OR NOT EXISTS (
+                SELECT 1 FROM ferry_events p
+                WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
+                  AND (p.status IN ('PENDING', 'PROCESSING')
+                       OR (p.status = 'FAILED' AND p.route = ANY($7)))))
+         ORDER BY e.next_attempt_at, e.id
+         LIMIT $2
+         FOR UPDATE SKIP LOCKED
+     )
+     UPDATE ferry_events e
+     SET status = 'PROCESSING', last_status_at = $1,
+         -- Saturates: a hand-edited count at the limit must not fail the whole claim.
+         attempts = CASE WHEN e.attempts < 2147483647 THEN e.attempts + 1 ELSE e.attempts END,
+         claimed_by = $3, claim_token = $4, lease_until = $5
+     WHERE e.id = ANY(ARRAY(SELECT id FROM picked))
+     RETURNING e.id, e.route, e.event_type, e.ordering_key,
+               CASE WHEN octet_length(e.payload) <= $10 THEN e.payload END AS payload,
+               octet_length(e.payload)::bigint AS payload_size, e.content_type,
+               e.headers::text AS headers, e.attempts, e.max_attempts, e.event_time,
+               e.created_at, e.next_attempt_at";
+
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
@@ -316,44 +347,19 @@ impl Store for PostgresStore {
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let rows = sqlx::query(
-            "WITH picked AS (
-                 SELECT e.id FROM ferry_events e
-                 WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1
-                   AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)
-                   AND (e.ordering_key IS NULL OR NOT (e.route = ANY($6)) OR NOT EXISTS (
-                        SELECT 1 FROM ferry_events p
-                        WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
-                          AND (p.status IN ('PENDING', 'PROCESSING')
-                               OR (p.status = 'FAILED' AND p.route = ANY($7)))))
-                 ORDER BY e.next_attempt_at, e.id
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED
-             )
-             UPDATE ferry_events e
-             SET status = 'PROCESSING', last_status_at = $1,
-                 -- Saturates: a hand-edited count at the limit must not fail the whole claim.
-                 attempts = CASE WHEN e.attempts < 2147483647 THEN e.attempts + 1 ELSE e.attempts END,
-                 claimed_by = $3, claim_token = $4, lease_until = $5
-             FROM picked WHERE e.id = picked.id
-             RETURNING e.id, e.route, e.event_type, e.ordering_key,
-                       CASE WHEN octet_length(e.payload) <= $10 THEN e.payload END AS payload,
-                       octet_length(e.payload)::bigint AS payload_size, e.content_type,
-                       e.headers::text AS headers, e.attempts, e.max_attempts, e.event_time,
-                       e.created_at, e.next_attempt_at",
-        )
-        .bind(claim.now)
-        .bind(i64::from(claim.limit))
-        .bind(&claim.instance)
-        .bind(&claim.token)
-        .bind(claim.lease_until)
-        .bind(&claim.ordered_routes)
-        .bind(&claim.blocking_routes)
-        .bind(&claim.paused_routes)
-        .bind(&claim.only_route)
-        .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
-        .fetch_all(&self.pool)
-        .await?;
+        let rows = sqlx::query(CLAIM_SQL)
+            .bind(claim.now)
+            .bind(i64::from(claim.limit))
+            .bind(&claim.instance)
+            .bind(&claim.token)
+            .bind(claim.lease_until)
+            .bind(&claim.ordered_routes)
+            .bind(&claim.blocking_routes)
+            .bind(&claim.paused_routes)
+            .bind(&claim.only_route)
+            .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await?;
         Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, claim.max_payload)).collect()))
     }
 

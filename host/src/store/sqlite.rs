@@ -248,6 +248,36 @@ fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
+/// Claims up to ?2 due events for instance ?3 under token ?4 until ?5, at ?1: not those of the
+/// paused routes ?8 (JSON arrays, as ?6 and ?7), only those of ?9 when given, and in an ordered
+/// route (?6) none queued behind an unfinished event of its key (or a FAILED one, in the blocking
+/// routes ?7); payloads above ?10 bytes come back as their size only.
+///
+/// The look for an unfinished predecessor states the key index's own condition (`p.status <>
+/// 'SENT'`): SQLite uses a partial index only where the query states its condition, and does not
+/// derive it from the status tests beside it. Without it, SQLite walked every older row of the
+/// table by id for each keyed event of an ordered route: with 200 000 rows, 199 000 of them SENT,
+/// one claim took 59 seconds instead of 5 milliseconds (a test build).
+pub const CLAIM_SQL: &str = "UPDATE ferry_events
+     SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
+         claimed_by = ?3, claim_token = ?4, lease_until = ?5
+     WHERE id IN (
+         SELECT e.id FROM ferry_events e
+         WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1
+           AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)
+           AND (e.ordering_key IS NULL OR e.route NOT IN (SELECT value FROM json_each(?6)) OR NOT EXISTS (
+                SELECT 1 FROM ferry_events p
+                WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id AND p.status <> 'SENT'
+                  AND (p.status IN ('PENDING', 'PROCESSING')
+                       OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))
+         ORDER BY e.next_attempt_at, e.id
+         LIMIT ?2
+     )
+     RETURNING id, route, event_type, ordering_key,
+               CASE WHEN length(CAST(payload AS BLOB)) <= ?10 THEN CAST(payload AS BLOB) END AS payload,
+               length(CAST(payload AS BLOB)) AS payload_size, content_type,
+               headers, attempts, max_attempts, event_time, created_at, next_attempt_at";
+
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
      processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
@@ -363,39 +393,19 @@ impl Store for SqliteStore {
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
         let writing = self.writer.lock().await;
-        let rows = sqlx::query(
-            "UPDATE ferry_events
-             SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
-                 claimed_by = ?3, claim_token = ?4, lease_until = ?5
-             WHERE id IN (
-                 SELECT e.id FROM ferry_events e
-                 WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1
-                   AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)
-                   AND (e.ordering_key IS NULL OR e.route NOT IN (SELECT value FROM json_each(?6)) OR NOT EXISTS (
-                        SELECT 1 FROM ferry_events p
-                        WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
-                          AND (p.status IN ('PENDING', 'PROCESSING')
-                               OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))
-                 ORDER BY e.next_attempt_at, e.id
-                 LIMIT ?2
-             )
-             RETURNING id, route, event_type, ordering_key,
-                       CASE WHEN length(CAST(payload AS BLOB)) <= ?10 THEN CAST(payload AS BLOB) END AS payload,
-                       length(CAST(payload AS BLOB)) AS payload_size, content_type,
-                       headers, attempts, max_attempts, event_time, created_at, next_attempt_at",
-        )
-        .bind(ms(claim.now))
-        .bind(i64::from(claim.limit))
-        .bind(&claim.instance)
-        .bind(&claim.token)
-        .bind(ms(claim.lease_until))
-        .bind(serde_json::to_string(&claim.ordered_routes).expect("strings serialize"))
-        .bind(serde_json::to_string(&claim.blocking_routes).expect("strings serialize"))
-        .bind(serde_json::to_string(&claim.paused_routes).expect("strings serialize"))
-        .bind(&claim.only_route)
-        .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
-        .fetch_all(&self.pool)
-        .await?;
+        let rows = sqlx::query(CLAIM_SQL)
+            .bind(ms(claim.now))
+            .bind(i64::from(claim.limit))
+            .bind(&claim.instance)
+            .bind(&claim.token)
+            .bind(ms(claim.lease_until))
+            .bind(serde_json::to_string(&claim.ordered_routes).expect("strings serialize"))
+            .bind(serde_json::to_string(&claim.blocking_routes).expect("strings serialize"))
+            .bind(serde_json::to_string(&claim.paused_routes).expect("strings serialize"))
+            .bind(&claim.only_route)
+            .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await?;
         drop(writing);
         Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, claim.max_payload)).collect()))
     }

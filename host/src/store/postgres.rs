@@ -294,7 +294,7 @@ pub const SESSION_SETTINGS: [(&str, &str); 2] =
 /// paused routes $8, only those of $9 when given, and in an ordered route ($6) none queued behind
 /// an unfinished event of its key (or a FAILED one, in the blocking routes $7); payloads above $10
 /// bytes come back as their size only. The picked ids are handed to the UPDATE as an array, so it
-/// finds its rows by primary key however many the table holds: joined instead, PostgreSQL hashed
+/// finds its rows by primary key at any size the outbox reaches: joined instead, PostgreSQL hashed
 /// the whole table for them when it held up to some tens of thousands of rows.
 pub const CLAIM_SQL: &str = "WITH picked AS (
          SELECT e.id FROM ferry_events e

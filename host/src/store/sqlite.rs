@@ -255,8 +255,8 @@ fn ms(t: DateTime<Utc>) -> i64 {
 ///
 /// The look for an unfinished predecessor states the key index's own condition (`p.status <>
 /// 'SENT'`): SQLite uses a partial index only where the query states its condition, and does not
-/// derive it from the status tests beside it. Without it, SQLite walked every older row of the
-/// table by id for each keyed event of an ordered route: with 200 000 rows, 199 000 of them SENT,
+/// derive it from the status tests beside it. Without it, SQLite walked the older rows by id, up
+/// to all of them, for each keyed event of an ordered route: with 200 000 rows, 199 000 of them SENT,
 /// one claim took 59 seconds instead of 5 milliseconds (a test build).
 pub const CLAIM_SQL: &str = "UPDATE ferry_events
      SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,

@@ -716,18 +716,22 @@ async fn failed_groups_span_their_first_and_last_failure(db: TestDb) {
 /// (That PostgreSQL chose the hash at 20 000 rows follows from its default cost settings; with
 /// the array there is no join left to choose.)
 async fn the_claim_and_the_look_at_a_key_read_indexes(db: TestDb) {
+    let fill = match db.backend {
+        Backend::Postgres => {
+            "INSERT INTO ferry_events (route, event_type, payload, ordering_key)
+             SELECT 'r', 't', convert_to(repeat('x', 200), 'UTF8'), 'k' || (i % 100) FROM generate_series(1, 20000) i"
+        }
+        Backend::Sqlite => {
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 20000)
+             INSERT INTO ferry_events (route, event_type, payload, ordering_key)
+             SELECT 'r', 't', zeroblob(200), 'k' || (i % 100) FROM n"
+        }
+    };
+    execute(&db, fill).await.unwrap();
+    execute(&db, "ANALYZE").await.unwrap();
     let (claim, ahead) = match db.backend {
         Backend::Postgres => {
             use sqlx::Connection as _;
-            let pool = db.postgres.as_ref().unwrap().pool();
-            sqlx::query(
-                "INSERT INTO ferry_events (route, event_type, payload, ordering_key)
-                 SELECT 'r', 't', convert_to(repeat('x', 200), 'UTF8'), 'k' || (i % 100) FROM generate_series(1, 20000) i",
-            )
-            .execute(pool)
-            .await
-            .unwrap();
-            sqlx::query("ANALYZE ferry_events").execute(pool).await.unwrap();
             let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
             for (name, value) in ferry::store::postgres_session_settings() {
                 sqlx::query(&format!("SET {name} = {value}")).execute(&mut conn).await.unwrap();
@@ -751,15 +755,6 @@ async fn the_claim_and_the_look_at_a_key_read_indexes(db: TestDb) {
         }
         Backend::Sqlite => {
             let pool = db.sqlite.as_ref().unwrap().pool();
-            sqlx::query(
-                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 20000)
-                 INSERT INTO ferry_events (route, event_type, payload, ordering_key)
-                 SELECT 'r', 't', zeroblob(200), 'k' || (i % 100) FROM n",
-            )
-            .execute(pool)
-            .await
-            .unwrap();
-            sqlx::query("ANALYZE").execute(pool).await.unwrap();
             let explain = |sql: &str| format!("EXPLAIN QUERY PLAN {sql}");
             let plan =
                 |rows: Vec<(i64, i64, i64, String)>| rows.into_iter().map(|r| r.3).collect::<Vec<_>>().join("\n");

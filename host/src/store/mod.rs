@@ -34,7 +34,8 @@ pub use self::stats::{UNFINISHED_COUNTS_SQL, WATCH_SQL};
 pub use self::{postgres::CLAIM_SQL as POSTGRES_CLAIM_SQL, sqlite::CLAIM_SQL as SQLITE_CLAIM_SQL};
 pub use crate::breaker::Breaker;
 use crate::event::{
-    AttemptRecord, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, FailureReason, NewEvent, Status,
+    AttemptRecord, CLAIMED_COLUMNS, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, FailureReason,
+    NewEvent, Status,
 };
 pub use crate::report::FailedGroup;
 
@@ -574,6 +575,28 @@ fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
     counts
 }
 
+/// Decodes the rows a claim returned, in claim order. They are read by position, so the columns'
+/// names are checked first, once: a claim statement that returned others is a defect of ferry's,
+/// which fails the claim rather than read one column as another.
+fn claimed_events<R>(rows: &[R], max_payload: u64) -> Result<Vec<ClaimedEvent>, StoreError>
+where
+    R: Row,
+    for<'c> &'c str: ColumnIndex<R>,
+    for<'r> ClaimedRow: FromRow<'r, R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    if let Some(first) = rows.first() {
+        let names: Vec<&str> = first.columns().iter().map(sqlx::Column::name).collect();
+        if names != CLAIMED_COLUMNS {
+            return Err(StoreError::Database(sqlx::Error::Protocol(format!(
+                "the claim returned the columns {names:?}, not {CLAIMED_COLUMNS:?}"
+            ))));
+        }
+    }
+    Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, max_payload)).collect()))
+}
+
 /// Decodes one claimed row. A row that cannot be decoded (a column holding what ferry cannot
 /// represent) still comes back, as an event whose defect names the column, so the relay fails it
 /// alone instead of losing the whole batch.
@@ -912,5 +935,30 @@ mod tests {
         for (url, shown) in cases {
             assert_eq!(redact_url(url), shown, "{url}");
         }
+    }
+
+    /// Claimed rows are read by position: rows whose columns are not the claim's, in its order,
+    /// are refused before any is read, rather than decoded one column as another.
+    #[tokio::test]
+    async fn claimed_rows_are_read_only_with_the_claims_columns() {
+        use sqlx::Connection as _;
+        let mut db = sqlx::SqliteConnection::connect("sqlite::memory:").await.unwrap();
+        let row = |columns: &str| format!("SELECT {columns}");
+        let in_order = "7 AS id, 'r' AS route, 't' AS event_type, NULL AS ordering_key, x'7b7d' AS payload, \
+             2 AS payload_size, 'application/json' AS content_type, '{}' AS headers, 1 AS attempts, \
+             NULL AS max_attempts, 1000 AS event_time, 2000 AS created_at, 3000 AS next_attempt_at";
+        let rows = sqlx::query(&row(in_order)).fetch_all(&mut db).await.unwrap();
+        let events = super::claimed_events(&rows, 1024).unwrap();
+        assert_eq!(events.len(), 1);
+        let event = &events[0];
+        assert_eq!((event.id, event.route.as_str(), event.event_type.as_str()), (7, "r", "t"));
+        assert_eq!((event.payload.as_slice(), event.attempt, event.max_attempts), (&b"{}"[..], 1, None));
+        assert_eq!((event.event_time.timestamp_millis(), event.created_at.timestamp_millis()), (1000, 2000));
+        assert!(event.defect.is_none(), "{:?}", event.defect);
+        // Two columns of the same type swapped: by position, each would read as the other.
+        let swapped = in_order.replace("'r' AS route, 't' AS event_type", "'t' AS event_type, 'r' AS route");
+        let rows = sqlx::query(&row(&swapped)).fetch_all(&mut db).await.unwrap();
+        let error = super::claimed_events(&rows, 1024).unwrap_err().to_string();
+        assert!(error.contains("\"event_type\", \"route\"") && error.contains("not [\"id\", \"route\""), "{error}");
     }
 }

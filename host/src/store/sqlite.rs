@@ -20,8 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
     ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, UNFINISHED_COUNTS_SQL,
-    WATCH_SQL, claimed_event, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters,
-    deferrals_written, duration_ms, ids_in_order, in_claim_order, refund, stats_from,
+    WATCH_SQL, claimed_events, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters,
+    deferrals_written, duration_ms, ids_in_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -407,7 +407,7 @@ impl Store for SqliteStore {
             .fetch_all(&self.pool)
             .await?;
         drop(writing);
-        Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, claim.max_payload)).collect()))
+        claimed_events(&rows, claim.max_payload)
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {

@@ -578,6 +578,10 @@ fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
 /// Decodes the rows a claim returned, in claim order. They are read by position, so the columns'
 /// names are checked first, once: a claim statement that returned others is a defect of ferry's,
 /// which fails the claim rather than read one column as another.
+///
+/// A row that cannot be decoded (a column holding what ferry cannot represent) still comes back,
+/// as an event whose defect names the column, so the relay fails it alone instead of losing the
+/// whole batch.
 fn claimed_events<R>(rows: &[R], max_payload: u64) -> Result<Vec<ClaimedEvent>, StoreError>
 where
     R: Row,
@@ -594,21 +598,7 @@ where
             ))));
         }
     }
-    Ok(in_claim_order(rows.iter().map(|row| claimed_event(row, max_payload)).collect()))
-}
-
-/// Decodes one claimed row. A row that cannot be decoded (a column holding what ferry cannot
-/// represent) still comes back, as an event whose defect names the column, so the relay fails it
-/// alone instead of losing the whole batch.
-fn claimed_event<R>(row: &R, max_payload: u64) -> (DateTime<Utc>, ClaimedEvent)
-where
-    R: Row,
-    for<'c> &'c str: ColumnIndex<R>,
-    for<'r> ClaimedRow: FromRow<'r, R>,
-    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
-{
-    match ClaimedRow::from_row(row) {
+    let decode = |row: &R| match ClaimedRow::from_row(row) {
         Ok(decoded) => (decoded.next_attempt_at, decoded.into_event(max_payload)),
         Err(e) => {
             let id: i64 = row.try_get("id").unwrap_or(0);
@@ -621,7 +611,8 @@ where
             };
             (DateTime::<Utc>::MIN_UTC, ClaimedEvent::defective(id, route, defect))
         }
-    }
+    };
+    Ok(in_claim_order(rows.iter().map(decode).collect()))
 }
 
 /// Sorts claimed rows into claim order (due time, then id): RETURNING does not keep the

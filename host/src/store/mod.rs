@@ -577,7 +577,8 @@ fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
 
 /// Decodes the rows a claim returned, in claim order. They are read by position, so the columns'
 /// names are checked first, once: a claim statement that returned others is a defect of ferry's,
-/// which fails the claim rather than read one column as another.
+/// which fails the cycle rather than read one column as another (the claimed events come back
+/// when their lease expires).
 ///
 /// A row that cannot be decoded (a column holding what ferry cannot represent) still comes back,
 /// as an event whose defect names the column, so the relay fails it alone instead of losing the

@@ -1,7 +1,7 @@
-//! How column values become ferry's types, on both backends, so rows derive `FromRow` instead of
-//! being decoded by hand (the claimed row, read by position, implements it with these types):
-//! times (TIMESTAMPTZ on PostgreSQL, integer milliseconds on SQLite), counts (checked to fit),
-//! and the text enums (status, failure reason, attempt outcome).
+//! How column values become ferry's types, on both backends, so rows derive `FromRow` (the
+//! claimed row implements `FromRow` itself, by position, with these types): times (TIMESTAMPTZ on
+//! PostgreSQL, integer milliseconds on SQLite), counts (checked to fit), and the text enums
+//! (status, failure reason, attempt outcome).
 //!
 //! Every decoder refuses what ferry cannot represent (an `infinity` timestamp, a count of 2^63)
 //! with an error naming the value, never a panic: rows are untrusted data.

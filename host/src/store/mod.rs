@@ -934,12 +934,12 @@ mod tests {
     #[tokio::test]
     async fn claimed_rows_are_read_only_with_the_claims_columns() {
         use sqlx::Connection as _;
+        use sqlx::FromRow as _;
         let mut db = sqlx::SqliteConnection::connect("sqlite::memory:").await.unwrap();
-        let row = |columns: &str| format!("SELECT {columns}");
         let in_order = "7 AS id, 'r' AS route, 't' AS event_type, NULL AS ordering_key, x'7b7d' AS payload, \
              2 AS payload_size, 'application/json' AS content_type, '{}' AS headers, 1 AS attempts, \
              NULL AS max_attempts, 1000 AS event_time, 2000 AS created_at, 3000 AS next_attempt_at";
-        let rows = sqlx::query(&row(in_order)).fetch_all(&mut db).await.unwrap();
+        let rows = sqlx::query(&format!("SELECT {in_order}")).fetch_all(&mut db).await.unwrap();
         let events = super::claimed_events(&rows, 1024).unwrap();
         assert_eq!(events.len(), 1);
         let event = &events[0];
@@ -949,8 +949,16 @@ mod tests {
         assert!(event.defect.is_none(), "{:?}", event.defect);
         // Two columns of the same type swapped: by position, each would read as the other.
         let swapped = in_order.replace("'r' AS route, 't' AS event_type", "'t' AS event_type, 'r' AS route");
-        let rows = sqlx::query(&row(&swapped)).fetch_all(&mut db).await.unwrap();
+        let rows = sqlx::query(&format!("SELECT {swapped}")).fetch_all(&mut db).await.unwrap();
+        let unchecked = super::ClaimedRow::from_row(&rows[0]).unwrap().into_event(1024);
+        assert_eq!((unchecked.route.as_str(), unchecked.event_type.as_str()), ("t", "r"), "read by position");
         let error = super::claimed_events(&rows, 1024).unwrap_err().to_string();
         assert!(error.contains("\"event_type\", \"route\"") && error.contains("not [\"id\", \"route\""), "{error}");
+        // A value that does not decode is named by its column, as when columns were read by name.
+        let unreadable = in_order.replace("1000 AS event_time", "'yesterday' AS event_time");
+        let rows = sqlx::query(&format!("SELECT {unreadable}")).fetch_all(&mut db).await.unwrap();
+        let events = super::claimed_events(&rows, 1024).unwrap();
+        let defect = events[0].defect.as_deref().unwrap_or_default();
+        assert!(defect.starts_with("event 7: column event_time cannot be read"), "{defect}");
     }
 }

@@ -586,24 +586,26 @@ fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
 fn claimed_events<R>(rows: &[R], max_payload: u64) -> Result<Vec<ClaimedEvent>, StoreError>
 where
     R: Row,
-    for<'c> &'c str: ColumnIndex<R>,
+    usize: ColumnIndex<R>,
     for<'r> ClaimedRow: FromRow<'r, R>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
 {
     if let Some(first) = rows.first() {
-        let names: Vec<&str> = first.columns().iter().map(sqlx::Column::name).collect();
-        if names != CLAIMED_COLUMNS {
+        let names = || first.columns().iter().map(sqlx::Column::name);
+        if !names().eq(CLAIMED_COLUMNS) {
             return Err(StoreError::Database(sqlx::Error::Protocol(format!(
-                "the claim returned the columns {names:?}, not {CLAIMED_COLUMNS:?}"
+                "the claim returned the columns {:?}, not {CLAIMED_COLUMNS:?}",
+                names().collect::<Vec<_>>()
             ))));
         }
     }
     let decode = |row: &R| match ClaimedRow::from_row(row) {
         Ok(decoded) => (decoded.next_attempt_at, decoded.into_event(max_payload)),
         Err(e) => {
-            let id: i64 = row.try_get("id").unwrap_or(0);
-            let route: String = row.try_get("route").unwrap_or_default();
+            // The columns are the claim's (checked above): the id and the route come first.
+            let id: i64 = row.try_get(0).unwrap_or(0);
+            let route: String = row.try_get(1).unwrap_or_default();
             let defect = match e {
                 sqlx::Error::ColumnDecode { index, source } => {
                     format!("event {id}: column {} cannot be read: {source}", index.trim_matches('"'))

@@ -20,7 +20,9 @@
 //! default, each round starting with the next of them); each rate reported is the median of its
 //! rounds, and each ratio the median of the rounds' own ratios, with their range: on a shared
 //! machine the floors themselves move by more than the differences measured. Prints a markdown
-//! table and writes `target/bench/throughput.json`.
+//! table and writes `target/bench/throughput.json`; for each measurement through ferry it also
+//! prints, and the JSON keeps, the CPU its process used per event and the mean time of its
+//! cycles' claims, plugin calls and records (from ferry's own histograms).
 
 use ferry_testkit as common;
 
@@ -30,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use common::{Backend, Running, TestDb, plugins_dir, repo_root};
 use ferry::event::{AttemptLog, CallLog, Completion, Disposition, Status};
-use ferry::metrics::RouteLabels;
+use ferry::metrics::{PluginLabels, RouteLabels};
 use ferry::store::{Claim, Store};
 
 const BATCHES: [u32; 3] = [100, 500, 1000];
@@ -105,8 +107,35 @@ async fn all_sent(db: &TestDb, n: usize) {
     }
 }
 
-/// Events per second through ferry (two workers, one plugin instance per worker).
-async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Option<u32>) -> f64 {
+/// One measurement through ferry: its rate, the CPU its process used, and where its workers'
+/// cycles went, from ferry's own metrics (the means of its claim, plugin-call and record
+/// histograms).
+#[derive(Clone, Copy, Default)]
+struct FerryRun {
+    rate: f64,
+    cpu_us_per_event: f64,
+    batches: u64,
+    claim_ms: f64,
+    plugin_call_ms: f64,
+    record_ms: f64,
+}
+
+type Histogram = prometheus_client::metrics::histogram::Histogram;
+
+/// A histogram's sum and count, to take the observations made since from a later reading.
+fn reading(h: &Histogram) -> (f64, u64) {
+    (h.sum(), h.count())
+}
+
+/// The number and mean (in milliseconds) of the observations made since `before`.
+fn since(h: &Histogram, before: (f64, u64)) -> (u64, f64) {
+    let n = h.count() - before.1;
+    (n, if n == 0 { 0.0 } else { (h.sum() - before.0) * 1e3 / n as f64 })
+}
+
+/// One measurement through ferry (two workers unless `workers` says otherwise, one plugin instance
+/// per worker).
+async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Option<u32>) -> FerryRun {
     let db = TestDb::new(backend).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let workers = workers.map(|w| format!("workers = {w}\n")).unwrap_or_default();
@@ -123,27 +152,42 @@ async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Opt
     let started = Instant::now();
     // Watch ferry's own delivered counter rather than poll the table, which would take database
     // time from the run being measured.
-    let delivered = running
-        .registry
-        .metrics()
-        .delivered
-        .get_or_create(&RouteLabels { route: "bench".into(), plugin: "scripted".into() })
-        .clone();
+    let metrics = running.registry.metrics();
+    let delivered =
+        metrics.delivered.get_or_create(&RouteLabels { route: "bench".into(), plugin: "scripted".into() }).clone();
+    let calls = metrics.plugin_call_duration.get_or_create(&PluginLabels { plugin: "scripted".into() }).clone();
+    let before = [&metrics.claim_duration, &calls, &metrics.record_duration].map(reading);
     let deadline = started + Duration::from_secs(900);
     while (delivered.get() as usize) < events {
         assert!(Instant::now() < deadline, "not all events delivered within 15 minutes");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let rate = events as f64 / started.elapsed().as_secs_f64();
+    let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu_before;
+    let (batches, claim_ms) = since(&metrics.claim_duration, before[0]);
+    let (_, plugin_call_ms) = since(&calls, before[1]);
+    let (_, record_ms) = since(&metrics.record_duration, before[2]);
+    let run = FerryRun {
+        rate: events as f64 / elapsed,
+        cpu_us_per_event: cpu * 1e6 / events as f64,
+        batches,
+        claim_ms,
+        plugin_call_ms,
+        record_ms,
+    };
     eprintln!(
-        "  ferry process CPU: {:.1} µs per event ({:.2} cores)",
-        cpu * 1e6 / events as f64,
-        cpu / started.elapsed().as_secs_f64()
+        "  ferry process CPU: {:.1} µs per event ({:.2} cores); per cycle: claim {:.2} ms, plugin call {:.2} ms, \
+         record {:.2} ms ({} claims)",
+        run.cpu_us_per_event,
+        cpu / elapsed,
+        run.claim_ms,
+        run.plugin_call_ms,
+        run.record_ms,
+        run.batches,
     );
     running.stop().await;
     all_sent(&db, events).await;
-    rate
+    run
 }
 
 /// CPU time (user and system) this process has used so far, in seconds.
@@ -176,8 +220,10 @@ async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
             futures::future::join_all(claimers).await;
         }
     }
+    // Timed before the check, as the other two measurements are.
+    let elapsed = started.elapsed();
     all_sent(&db, events).await;
-    events as f64 / started.elapsed().as_secs_f64()
+    events as f64 / elapsed.as_secs_f64()
 }
 
 /// Runs `benches/sql/SCRIPT` under pgbench, two clients, until `events` are through in batches of
@@ -333,6 +379,7 @@ struct Round {
     minimal: f64,
     own: f64,
     ferry: f64,
+    run: FerryRun,
 }
 
 /// The rounds of one database and batch size.
@@ -381,18 +428,19 @@ async fn main() {
                 // The floors and ferry run one after the other in each round, so the three see
                 // the machine at nearly the same moment; each round starts with the next of them,
                 // so each takes the first, second and third place in turn.
-                let (mut minimal, mut own, mut ferry) = (0.0, 0.0, 0.0);
+                let (mut minimal, mut own, mut run) = (0.0, 0.0, FerryRun::default());
                 for turn in 0..3 {
                     match (round + turn) % 3 {
                         1 => minimal = minimal_floor(backend, batch, options.events).await,
                         2 => own = floor(backend, batch, options.events).await,
-                        _ => ferry = through_ferry(backend, batch, options.events, options.workers).await,
+                        _ => run = through_ferry(backend, batch, options.events, options.workers).await,
                     }
                 }
+                let ferry = run.rate;
                 eprintln!(
                     "{name} batch {batch} round {round}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {ferry:.0}/s"
                 );
-                rounds.push(Round { minimal, own, ferry });
+                rounds.push(Round { minimal, own, ferry, run });
             }
             results.push(Measured { database: name, batch, rounds });
         }
@@ -425,6 +473,8 @@ async fn main() {
         options.rounds
     );
     let ratio = |x: f64| (x * 1000.0).round() / 1000.0;
+    // Milliseconds to the microsecond.
+    let microseconds = ratio;
     let json = serde_json::json!({
         "events": options.events,
         "rounds_run": options.rounds,
@@ -444,6 +494,11 @@ async fn main() {
                     "minimal_floor_events_per_second": x.minimal.round(),
                     "floor_events_per_second": x.own.round(),
                     "ferry_events_per_second": x.ferry.round(),
+                    "ferry_cpu_us_per_event": (x.run.cpu_us_per_event * 10.0).round() / 10.0,
+                    "ferry_claims": x.run.batches,
+                    "ferry_claim_ms": microseconds(x.run.claim_ms),
+                    "ferry_plugin_call_ms": microseconds(x.run.plugin_call_ms),
+                    "ferry_record_ms": microseconds(x.run.record_ms),
                 })).collect::<Vec<_>>(),
             })
         }).collect::<Vec<_>>(),

@@ -376,10 +376,13 @@ async fn operations_through_the_api(db: TestDb) {
         r#"ferry_plugin_call_duration_seconds_count{plugin="scripted"}"#,
         "ferry_batch_size_count",
         "ferry_claim_duration_seconds_count",
+        "ferry_record_duration_seconds_count",
         "# EOF",
     ] {
         assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
     }
+    // Every delivered batch's outcomes were written, and timed.
+    assert!(!metrics.contains("ferry_record_duration_seconds_count 0\n"), "no batch recorded:\n{metrics}");
     assert!(metrics.contains("ferry_oldest_pending_age_seconds 5.0"), "the deferred blob is 5s old:\n{metrics}");
 
     // The dashboard's per-minute figures agree with the counters.

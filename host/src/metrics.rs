@@ -90,6 +90,8 @@ pub struct Metrics {
     pub delivery_latency: Histograms<RouteOnly>,
     pub batch_size: Histogram,
     pub claim_duration: Histogram,
+    /// One batch's outcomes written (the transaction that records them).
+    pub record_duration: Histogram,
     pub plugin_call_duration: Histograms<PluginLabels>,
     pub plugin_faults: Family<FaultLabels, Counter>,
     /// Trace spans dropped: turned away by the exporter's full queue, or in an export that failed.
@@ -150,6 +152,12 @@ impl Metrics {
         registry.register("ferry_batch_size", "Events per claimed batch", batch_size.clone());
         let claim_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
         registry.register("ferry_claim_duration_seconds", "Time taken by one claim statement", claim_duration.clone());
+        let record_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        registry.register(
+            "ferry_record_duration_seconds",
+            "Time taken to write one batch's outcomes (one transaction)",
+            record_duration.clone(),
+        );
         let plugin_call_duration: Histograms<PluginLabels> = Family::new_with_constructor(call_buckets);
         registry.register(
             "ferry_plugin_call_duration_seconds",
@@ -215,6 +223,7 @@ impl Metrics {
             delivery_latency,
             batch_size,
             claim_duration,
+            record_duration,
             plugin_call_duration,
             plugin_faults,
             trace_spans_dropped,

@@ -5,7 +5,8 @@
 //! - The **minimal floor** is independent of ferry: a fenced outbox at its leanest
 //!   (`benches/sql/minimal.sql`: only the outbox columns, two partial indexes; one claim UPDATE
 //!   of a SKIP LOCKED sub-select, one completion UPDATE by claim token). On PostgreSQL
-//!   `benches/sql/minimal.pgbench` under pgbench with two clients (ferry's two workers); on SQLite
+//!   `benches/sql/minimal.pgbench` under pgbench with two clients (ferry's two workers by default,
+//!   `--workers` to change them; the floor does better with two clients than with four); on SQLite
 //!   the same two statements in an in-process loop on one connection. Ferry ÷ this floor is the
 //!   headline: what the design costs against what any fenced outbox must pay.
 //! - **Ferry's own floor** is ferry's claim and complete statements without the relay or a
@@ -13,7 +14,7 @@
 //!   SQLite `Store::claim` and `Store::complete` in a loop. Ferry ÷ this one measures the relay's
 //!   overhead over its own statements.
 //!
-//! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite --batch N --rounds N]`
+//! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite --batch N --workers N --rounds N]`
 //! (needs PostgreSQL and pgbench as for the tests, and the plugins from `scripts/build-plugins`).
 //! Every figure is N events divided by the time from the moment they are all committed to the
 //! moment the last is SENT. The three measurements run one after the other in rounds (3 by
@@ -37,7 +38,7 @@ use ferry::store::{Claim, Store};
 
 const BATCHES: [u32; 3] = [100, 500, 1000];
 
-/// `cargo bench --bench throughput -- [--events N] [--only postgres|sqlite] [--batch N] [--rounds N]`
+/// `cargo bench --bench throughput -- [--events N] [--only postgres|sqlite] [--batch N] [--workers N] [--rounds N]`
 #[derive(clap::Parser)]
 struct Options {
     /// Events per measurement.
@@ -114,7 +115,8 @@ async fn all_sent(db: &TestDb, n: usize) {
 struct FerryRun {
     rate: f64,
     cpu_us_per_event: f64,
-    batches: u64,
+    /// Claims made in the window, the empty ones at the end included.
+    claims: u64,
     claim_ms: f64,
     plugin_call_ms: f64,
     record_ms: f64,
@@ -133,8 +135,9 @@ fn since(h: &Histogram, before: (f64, u64)) -> (u64, f64) {
     (n, if n == 0 { 0.0 } else { (h.sum() - before.0) * 1e3 / n as f64 })
 }
 
-/// One measurement through ferry (two workers unless `workers` says otherwise, one plugin instance
-/// per worker).
+/// One measurement through ferry: two workers unless `workers` says otherwise, and the route's
+/// default two plugin instances (the plugin's calls are short, so a third worker rarely waits
+/// for one).
 async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Option<u32>) -> FerryRun {
     let db = TestDb::new(backend).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
@@ -164,26 +167,27 @@ async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Opt
     }
     let elapsed = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu_before;
-    let (batches, claim_ms) = since(&metrics.claim_duration, before[0]);
-    let (_, plugin_call_ms) = since(&calls, before[1]);
+    let (claims, claim_ms) = since(&metrics.claim_duration, before[0]);
+    let (timed_calls, plugin_call_ms) = since(&calls, before[1]);
+    assert!(timed_calls > 0, "no plugin call timed under the label plugin=\"scripted\"");
     let (_, record_ms) = since(&metrics.record_duration, before[2]);
     let run = FerryRun {
         rate: events as f64 / elapsed,
         cpu_us_per_event: cpu * 1e6 / events as f64,
-        batches,
+        claims,
         claim_ms,
         plugin_call_ms,
         record_ms,
     };
     eprintln!(
-        "  ferry process CPU: {:.1} µs per event ({:.2} cores); per cycle: claim {:.2} ms, plugin call {:.2} ms, \
+        "  ferry process CPU: {:.1} µs per event ({:.2} cores); means: claim {:.2} ms, plugin call {:.2} ms, \
          record {:.2} ms ({} claims)",
         run.cpu_us_per_event,
         cpu / elapsed,
         run.claim_ms,
         run.plugin_call_ms,
         run.record_ms,
-        run.batches,
+        run.claims,
     );
     running.stop().await;
     all_sent(&db, events).await;
@@ -378,8 +382,8 @@ async fn claim_and_complete(store: Arc<dyn Store>, batch: u32, worker: u32) {
 struct Round {
     minimal: f64,
     own: f64,
-    ferry: f64,
-    run: FerryRun,
+    /// Ferry's measurement: its rate, and where its time went.
+    ferry: FerryRun,
 }
 
 /// The rounds of one database and batch size.
@@ -397,7 +401,7 @@ impl Measured {
 
     /// Ferry's rate over the floor `of` in each round, sorted.
     fn ratios(&self, of: impl Fn(&Round) -> f64) -> Vec<f64> {
-        sorted(self.rounds.iter().map(|r| r.ferry / of(r)).collect())
+        sorted(self.rounds.iter().map(|r| r.ferry.rate / of(r)).collect())
     }
 }
 
@@ -436,11 +440,11 @@ async fn main() {
                         _ => run = through_ferry(backend, batch, options.events, options.workers).await,
                     }
                 }
-                let ferry = run.rate;
                 eprintln!(
-                    "{name} batch {batch} round {round}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {ferry:.0}/s"
+                    "{name} batch {batch} round {round}: minimal floor {minimal:.0}/s, own floor {own:.0}/s, ferry {:.0}/s",
+                    run.rate
                 );
-                rounds.push(Round { minimal, own, ferry, run });
+                rounds.push(Round { minimal, own, ferry: run });
             }
             results.push(Measured { database: name, batch, rounds });
         }
@@ -457,7 +461,7 @@ async fn main() {
             r.batch,
             r.median(|x| x.minimal),
             r.median(|x| x.own),
-            r.median(|x| x.ferry),
+            r.median(|x| x.ferry.rate),
             median(&to_minimal),
             to_minimal[0],
             to_minimal[to_minimal.len() - 1],
@@ -473,10 +477,11 @@ async fn main() {
         options.rounds
     );
     let ratio = |x: f64| (x * 1000.0).round() / 1000.0;
-    // Milliseconds to the microsecond.
-    let microseconds = ratio;
+    // Milliseconds, to the microsecond.
+    let round_ms = ratio;
     let json = serde_json::json!({
         "events": options.events,
+        "workers": options.workers.unwrap_or(ferry::config::Config::defaults().relay.workers),
         "rounds_run": options.rounds,
         "results": results.iter().map(|r| {
             let (to_minimal, to_own) = (r.ratios(|x| x.minimal), r.ratios(|x| x.own));
@@ -485,7 +490,7 @@ async fn main() {
                 "batch_size": r.batch,
                 "minimal_floor_events_per_second": r.median(|x| x.minimal).round(),
                 "floor_events_per_second": r.median(|x| x.own).round(),
-                "ferry_events_per_second": r.median(|x| x.ferry).round(),
+                "ferry_events_per_second": r.median(|x| x.ferry.rate).round(),
                 "ratio_to_minimal_floor": ratio(median(&to_minimal)),
                 "ratio_to_minimal_floor_range": [ratio(to_minimal[0]), ratio(to_minimal[to_minimal.len() - 1])],
                 "ratio": ratio(median(&to_own)),
@@ -493,12 +498,12 @@ async fn main() {
                 "rounds": r.rounds.iter().map(|x| serde_json::json!({
                     "minimal_floor_events_per_second": x.minimal.round(),
                     "floor_events_per_second": x.own.round(),
-                    "ferry_events_per_second": x.ferry.round(),
-                    "ferry_cpu_us_per_event": (x.run.cpu_us_per_event * 10.0).round() / 10.0,
-                    "ferry_claims": x.run.batches,
-                    "ferry_claim_ms": microseconds(x.run.claim_ms),
-                    "ferry_plugin_call_ms": microseconds(x.run.plugin_call_ms),
-                    "ferry_record_ms": microseconds(x.run.record_ms),
+                    "ferry_events_per_second": x.ferry.rate.round(),
+                    "ferry_cpu_us_per_event": (x.ferry.cpu_us_per_event * 10.0).round() / 10.0,
+                    "ferry_claims": x.ferry.claims,
+                    "ferry_claim_ms": round_ms(x.ferry.claim_ms),
+                    "ferry_plugin_call_ms": round_ms(x.ferry.plugin_call_ms),
+                    "ferry_record_ms": round_ms(x.ferry.record_ms),
                 })).collect::<Vec<_>>(),
             })
         }).collect::<Vec<_>>(),

@@ -90,7 +90,8 @@ pub struct Metrics {
     pub delivery_latency: Histograms<RouteOnly>,
     pub batch_size: Histogram,
     pub claim_duration: Histogram,
-    /// One batch's outcomes written (the transaction that records them).
+    /// Writing the outcomes of one batch's plugin calls, waiting for a connection (and on SQLite
+    /// the write lock) included; events handed on to destinations are written without it.
     pub record_duration: Histogram,
     pub plugin_call_duration: Histograms<PluginLabels>,
     pub plugin_faults: Family<FaultLabels, Counter>,
@@ -155,7 +156,7 @@ impl Metrics {
         let record_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
         registry.register(
             "ferry_record_duration_seconds",
-            "Time taken to write one batch's outcomes (one transaction)",
+            "Time taken to write the outcomes of one batch's plugin calls, waiting for a connection included",
             record_duration.clone(),
         );
         let plugin_call_duration: Histograms<PluginLabels> = Family::new_with_constructor(call_buckets);

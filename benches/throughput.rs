@@ -108,8 +108,8 @@ async fn all_sent(db: &TestDb, n: usize) {
     }
 }
 
-/// One measurement through ferry: its rate, the CPU its process used, and where its workers'
-/// cycles went, from ferry's own metrics (the means of its claim, plugin-call and record
+/// What a measurement through ferry found: its rate, the CPU its process used, and where its
+/// workers' cycles went, from ferry's own metrics (the means of its claim, plugin-call and record
 /// histograms).
 #[derive(Clone, Copy, Default)]
 struct FerryRun {

@@ -71,6 +71,11 @@ fn latency_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.5, 14))
 }
 
+fn statement_buckets() -> Histogram {
+    // 0.5 ms to about 4 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+}
+
 fn call_buckets() -> Histogram {
     // 0.5 ms to about 16 s.
     Histogram::new(exponential_buckets(0.0005, 2.0, 16))
@@ -151,9 +156,9 @@ impl Metrics {
         );
         let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
         registry.register("ferry_batch_size", "Events per claimed batch", batch_size.clone());
-        let claim_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        let claim_duration = statement_buckets();
         registry.register("ferry_claim_duration_seconds", "Time taken by one claim statement", claim_duration.clone());
-        let record_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        let record_duration = statement_buckets();
         registry.register(
             "ferry_record_duration_seconds",
             "Time taken to write the outcomes of one batch's plugin calls, waiting for a connection included",

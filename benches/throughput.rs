@@ -5,8 +5,9 @@
 //! - The **minimal floor** is independent of ferry: a fenced outbox at its leanest
 //!   (`benches/sql/minimal.sql`: only the outbox columns, two partial indexes; one claim UPDATE
 //!   of a SKIP LOCKED sub-select, one completion UPDATE by claim token). On PostgreSQL
-//!   `benches/sql/minimal.pgbench` under pgbench with two clients (ferry's two workers by default,
-//!   `--workers` to change them; the floor does better with two clients than with four); on SQLite
+//!   `benches/sql/minimal.pgbench` under pgbench with two clients, its best on this machine (it
+//!   does better with two than with four; ferry runs its default four workers, `--workers` to
+//!   change them); on SQLite
 //!   the same two statements in an in-process loop on one connection. Ferry ÷ this floor is the
 //!   headline: what the design costs against what any fenced outbox must pay.
 //! - **Ferry's own floor** is ferry's claim and complete statements without the relay or a
@@ -50,7 +51,7 @@ struct Options {
     /// Measure one batch size only (default: 100, 500 and 1000).
     #[arg(long)]
     batch: Option<u32>,
-    /// Ferry's relay workers (default: ferry's default, 2, as the floors' two clients).
+    /// Ferry's relay workers (default: ferry's default, 4; the floors run two clients).
     #[arg(long)]
     workers: Option<u32>,
     /// Rounds of the three measurements for each database and batch size. Each round's ratios

@@ -136,9 +136,9 @@ fn since(h: &Histogram, before: (f64, u64)) -> (u64, f64) {
     (n, if n == 0 { 0.0 } else { (h.sum() - before.0) * 1e3 / n as f64 })
 }
 
-/// One measurement through ferry: two workers unless `workers` says otherwise, and the route's
-/// default two plugin instances (the plugin's calls are short, so a third worker rarely waits
-/// for one).
+/// One measurement through ferry: its default workers (four) unless `workers` says otherwise,
+/// and the route's default two plugin instances (the plugin's calls are short next to a cycle,
+/// so a worker rarely waits for one).
 async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Option<u32>) -> FerryRun {
     let db = TestDb::new(backend).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);

@@ -233,11 +233,16 @@ fn spawn_serve(config: &Path, log: &Path) -> Child {
 async fn kill_9_mid_batch_loses_nothing(db: TestDb) {
     const EVENTS: usize = 300;
     const BATCH: usize = 20;
+    // Four workers (the default, set here so the environment cannot change it) and the route's
+    // two instances: two workers deliver while two wait for an instance, holding their batches.
+    const WORKERS: usize = 4;
     // Slow deliveries (half a second a batch) keep batches in flight nearly all the time, so the
     // kill lands mid-batch even when the machine is busy. The plugin timeout is far above that
     // half second, so no call times out on a loaded machine and is delivered again; the lease is
     // just above the timeout, so the restarted process recovers the killed one's claim soon.
-    let relay = format!("batch_size = {BATCH}\npoll_interval = \"10ms\"\nidle_poll_max = \"50ms\"\nlease = \"6s\"");
+    let relay = format!(
+        "batch_size = {BATCH}\nworkers = {WORKERS}\npoll_interval = \"10ms\"\nidle_poll_max = \"50ms\"\nlease = \"6s\""
+    );
     let base = instance_config(&db, 0, &relay, "")
         .replace("timeout = \"1s\"", "timeout = \"5s\"")
         .replace("config = { record = \"/out/i0.log\" }", "config = { record = \"/out/i0.log\", delay_ms = \"500\" }");
@@ -252,7 +257,7 @@ async fn kill_9_mid_batch_loses_nothing(db: TestDb) {
     // The workers deliver in step, so their batches can all commit between the look that saw
     // one in flight and the kill (on a busy machine, some milliseconds). Such a kill strands
     // nothing and tests nothing: the process is started and killed again, a few times at most
-    // (each try delivers some forty events of the 300).
+    // (each try delivers some sixty events of the 300).
     let mut stranded = BTreeSet::new();
     for _ in 0..4 {
         let mut first = spawn_serve(&config_path, &log);
@@ -273,11 +278,9 @@ async fn kill_9_mid_batch_loses_nothing(db: TestDb) {
         }
     }
     assert!(!stranded.is_empty(), "the kill left a claimed batch behind");
-    // Each worker holds one batch at most (the default number of workers runs here).
-    let workers = ferry::config::Config::defaults().relay.workers as usize;
     assert!(
-        stranded.len() <= workers * BATCH,
-        "{workers} workers claim at most {workers} batches, {} were stranded",
+        stranded.len() <= WORKERS * BATCH,
+        "{WORKERS} workers claim at most {WORKERS} batches, {} were stranded",
         stranded.len()
     );
 

@@ -305,8 +305,9 @@ async fn wasi_http_does_not_follow_a_host_name_to_a_private_address() {
 }
 
 /// Runs two slow `count` events through ferry with two workers and `instances` instances of the
-/// plugin, and returns the reasons they failed with (`call N` per instance).
-async fn calls_seen_with(instances: u32) -> Vec<String> {
+/// plugin, and returns the reasons they failed with (`call N` per instance) and the calls' waits
+/// for an instance as `ferry_plugin_instance_wait_seconds` counted them (number, seconds in all).
+async fn calls_seen_with(instances: u32) -> (Vec<String>, (u64, f64)) {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let config = db.config(&format!(
@@ -334,19 +335,29 @@ async fn calls_seen_with(instances: u32) -> Vec<String> {
         (crate::common::count(&db.store, Status::Failed).await == 2).then_some(())
     })
     .await;
+    let labels = ferry::metrics::PluginLabels { plugin: "scripted".into() };
+    let wait = running.registry.metrics().plugin_instance_wait.get_or_create(&labels).clone();
     running.stop().await;
     let mut reasons = Vec::new();
     for id in ids {
         reasons.push(db.store.get(id).await.unwrap().unwrap().last_error.unwrap());
     }
     reasons.sort();
-    reasons
+    (reasons, (wait.count(), wait.sum()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batches_of_one_route_use_several_instances_at_once() {
-    // Two instances: the batches run side by side, each on its own instance's first call.
-    assert_eq!(calls_seen_with(2).await, ["call 1", "call 1"]);
-    // One instance: the second batch waits for it and is its second call.
-    assert_eq!(calls_seen_with(1).await, ["call 1", "call 2"]);
+    // Two instances: the batches run side by side, each on its own instance's first call, and
+    // neither waits for an instance.
+    let (reasons, (calls, waited)) = calls_seen_with(2).await;
+    assert_eq!(reasons, ["call 1", "call 1"]);
+    assert_eq!(calls, 2, "every call's wait is counted, a wait of nothing included");
+    assert!(waited < 0.25, "two instances for two batches: no call waits for one, yet {waited} s in all");
+    // One instance: the second batch waits for it (the first call's 500 ms) and is its second
+    // call; the wait shows in the histogram, as it shows in no call's duration.
+    let (reasons, (calls, waited)) = calls_seen_with(1).await;
+    assert_eq!(reasons, ["call 1", "call 2"]);
+    assert_eq!(calls, 2);
+    assert!(waited >= 0.4, "the second call waited for the first's 500 ms: {waited} s counted");
 }

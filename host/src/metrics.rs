@@ -99,6 +99,8 @@ pub struct Metrics {
     /// the write lock) included; events handed on to destinations are written without it.
     pub record_duration: Histogram,
     pub plugin_call_duration: Histograms<PluginLabels>,
+    /// How long a plugin call waited for one of its route's instances to be free.
+    pub plugin_instance_wait: Histograms<PluginLabels>,
     pub plugin_faults: Family<FaultLabels, Counter>,
     /// Trace spans dropped: turned away by the exporter's full queue, or in an export that failed.
     pub trace_spans_dropped: Counter,
@@ -170,6 +172,12 @@ impl Metrics {
             "Time taken by one deliver-batch call into a plugin",
             plugin_call_duration.clone(),
         );
+        let plugin_instance_wait: Histograms<PluginLabels> = Family::new_with_constructor(call_buckets);
+        registry.register(
+            "ferry_plugin_instance_wait_seconds",
+            "Time a deliver-batch call waited for one of its route's plugin instances (plugins.instances) to be free",
+            plugin_instance_wait.clone(),
+        );
         let trace_spans_dropped = Counter::default();
         registry.register(
             "ferry_trace_spans_dropped",
@@ -231,6 +239,7 @@ impl Metrics {
             claim_duration,
             record_duration,
             plugin_call_duration,
+            plugin_instance_wait,
             plugin_faults,
             trace_spans_dropped,
             plugin_reloads,

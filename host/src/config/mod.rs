@@ -522,6 +522,21 @@ impl Config {
         if !(1..=64).contains(&self.relay.workers) {
             return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));
         }
+        // On PostgreSQL every busy worker holds a pooled connection for its statements and LISTEN
+        // holds one for good. A pool with none to spare makes the workers queue for each other's
+        // connections, and the admin API and readiness probe queue behind them (readiness then
+        // fails under load). SQLite's writes take turns on one connection, so it needs no check.
+        let needed = self.relay.workers + u32::from(self.relay.listen) + 1;
+        if postgres && self.database.max_connections < needed {
+            return Err(format!(
+                "database.max_connections ({}) is too small for relay.workers ({}): on PostgreSQL each busy worker \
+                 holds a connection{}, and one must stay free for the admin API and readiness; \
+                 set database.max_connections to at least {needed} or lower relay.workers",
+                self.database.max_connections,
+                self.relay.workers,
+                if self.relay.listen { ", LISTEN holds one (relay.listen)" } else { "" },
+            ));
+        }
         let plugin_limits = std::iter::once(("plugins".to_string(), self.plugin_limits("")))
             .chain(self.sandbox.keys().map(|name| (format!("sandbox.{name}"), self.plugin_limits(name))));
         for (table, limits) in plugin_limits {

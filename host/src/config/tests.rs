@@ -255,6 +255,25 @@ fn the_admin_api_needs_an_address_and_a_long_token() {
 }
 
 #[test]
+fn postgres_keeps_a_connection_per_worker_one_for_listen_and_one_spare() {
+    let pg = "[database]\nurl = \"postgres://ferry@db.internal/outbox\"\n";
+    let valid = |text: &str| Config::from_toml_str(text, "test.toml").map(drop).map_err(|e| e.to_string());
+    valid(pg).expect("the defaults (4 workers, LISTEN, 8 connections) leave room");
+    valid(&format!("{pg}[relay]\nworkers = 6\n")).expect("six workers, LISTEN and one spare fill the 8");
+    let tight = err(&format!("{pg}[relay]\nworkers = 7\n"));
+    for part in ["test.toml", "database.max_connections (8)", "relay.workers (7)", "LISTEN", "at least 9"] {
+        assert!(tight.contains(part), "{part:?} missing: {tight}");
+    }
+    valid(&format!("{pg}max_connections = 9\n[relay]\nworkers = 7\n")).expect("the fix the message names");
+    let quiet = err(&format!("{pg}max_connections = 8\n[relay]\nworkers = 8\nlisten = false\n"));
+    assert!(quiet.contains("at least 9") && !quiet.contains("LISTEN"), "without LISTEN one fewer: {quiet}");
+    let from_env = with_env(pg, &[("FERRY_RELAY_WORKERS", "12")]).unwrap_err();
+    assert!(from_env.contains("FERRY_RELAY_WORKERS") || from_env.contains("relay.workers (12)"), "{from_env}");
+    // SQLite's writes take turns on one connection: more workers than connections is fine there.
+    valid("[database]\nmax_connections = 2\n[relay]\nworkers = 16\n").expect("no check on SQLite");
+}
+
+#[test]
 fn the_admin_token_can_come_from_a_file() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("ferry.toml");

@@ -204,18 +204,17 @@ impl RouteTransport {
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
     /// `config`: an instance made with this config (an endpoint's) rather than the route's.
     pub async fn deliver(&self, events: &[&ClaimedEvent], config: Option<&PluginConfig>) -> Delivery {
+        let labels = PluginLabels { plugin: self.route.plugin.clone() };
+        let waiting = std::time::Instant::now();
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
+        let metrics = &self.registry.metrics;
+        metrics.plugin_instance_wait.get_or_create(&labels).observe(waiting.elapsed().as_secs_f64());
         let (plugin_hash, result) = match self.instance(config).await {
             Ok(instance) => {
                 let plugin_hash = Some(instance.hash.clone());
                 let started = std::time::Instant::now();
                 let result = self.call(instance, events).await;
-                let labels = PluginLabels { plugin: self.route.plugin.clone() };
-                self.registry
-                    .metrics
-                    .plugin_call_duration
-                    .get_or_create(&labels)
-                    .observe(started.elapsed().as_secs_f64());
+                metrics.plugin_call_duration.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
                 (plugin_hash, result)
             }
             Err(StartError::Unusable(why)) => (None, Err(DeliverError::NoTransport(why))),
@@ -232,8 +231,8 @@ impl RouteTransport {
                 PluginFault::WrongOutcomeCount { .. } => "wrong_outcome_count",
                 PluginFault::NotInstantiated(_) => "not_instantiated",
             };
-            let labels = FaultLabels { plugin: self.route.plugin.clone(), kind: kind.to_string() };
-            self.registry.metrics.plugin_faults.get_or_create(&labels).inc();
+            let fault_labels = FaultLabels { plugin: self.route.plugin.clone(), kind: kind.to_string() };
+            metrics.plugin_faults.get_or_create(&fault_labels).inc();
         }
         Delivery { plugin_hash, result }
     }

@@ -524,8 +524,8 @@ impl Config {
         }
         // On PostgreSQL every busy worker holds a pooled connection for its statements and LISTEN
         // holds one for good. A pool with none to spare makes the workers queue for each other's
-        // connections, and the admin API and readiness probe queue behind them (readiness then
-        // fails under load). SQLite's writes take turns on one connection, so it needs no check.
+        // connections, and the admin API and readiness probe queue behind them under load.
+        // SQLite's writes take turns on one connection, so it needs no check.
         let needed = self.relay.workers + u32::from(self.relay.listen) + 1;
         if postgres && self.database.max_connections < needed {
             return Err(format!(

@@ -93,6 +93,19 @@ async fn config_check_runs_what_serve_checks_without_the_database() {
     let (code, text, stderr) = run_ferry(&config, &["config", "check"]);
     assert_eq!(code, Some(0), "{text}{stderr}");
     assert!(text.contains("ok: ferry serve would start"), "{text}");
+
+    // On PostgreSQL, a pool with no connection to spare beside the workers and LISTEN is warned
+    // about (it is not an error: nothing breaks, requests wait).
+    let config_arg = config.to_str().unwrap();
+    let pg = [("FERRY_DATABASE_URL", "postgres://ferry@db.invalid/outbox"), ("FERRY_RELAY_WORKERS", "7")];
+    let (code, text, stderr) = ferry_env(dir.path(), &["--config", config_arg, "config", "check"], &pg);
+    assert_eq!(code, Some(0), "{text}{stderr}");
+    assert!(
+        text.contains("database.max_connections (8) is below the 9 connections relay.workers (7) need on PostgreSQL"),
+        "{text}"
+    );
+    let (_, text, _) = ferry_env(dir.path(), &["--config", config_arg, "config", "check"], &pg[..1]);
+    assert!(!text.contains("max_connections"), "the default four workers fit the default pool: {text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

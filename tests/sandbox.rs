@@ -359,5 +359,5 @@ async fn batches_of_one_route_use_several_instances_at_once() {
     let (reasons, (calls, waited)) = calls_seen_with(1).await;
     assert_eq!(reasons, ["call 1", "call 2"]);
     assert_eq!(calls, 2);
-    assert!(waited >= 0.4, "the second call waited for the first's 500 ms: {waited} s counted");
+    assert!(waited > 0.25, "the second call waited for most of the first's 500 ms: {waited} s counted");
 }

@@ -522,21 +522,6 @@ impl Config {
         if !(1..=64).contains(&self.relay.workers) {
             return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));
         }
-        // On PostgreSQL every busy worker holds a pooled connection for its statements and LISTEN
-        // holds one for good. A pool with none to spare makes the workers queue for each other's
-        // connections, and the admin API and readiness probe queue behind them under load.
-        // SQLite's writes take turns on one connection, so it needs no check.
-        let needed = self.relay.workers + u32::from(self.relay.listen) + 1;
-        if postgres && self.database.max_connections < needed {
-            return Err(format!(
-                "database.max_connections ({}) is too small for relay.workers ({}): on PostgreSQL each busy worker \
-                 holds a connection{}, and one must stay free for the admin API and readiness; \
-                 set database.max_connections to at least {needed} or lower relay.workers",
-                self.database.max_connections,
-                self.relay.workers,
-                if self.relay.listen { ", LISTEN holds one (relay.listen)" } else { "" },
-            ));
-        }
         let plugin_limits = std::iter::once(("plugins".to_string(), self.plugin_limits("")))
             .chain(self.sandbox.keys().map(|name| (format!("sandbox.{name}"), self.plugin_limits(name))));
         for (table, limits) in plugin_limits {
@@ -603,6 +588,36 @@ impl Config {
         }
         grants::check_apart(self)?;
         Settings::resolve(self).map(drop)
+    }
+
+    /// A warning when, on PostgreSQL, `database.max_connections` leaves no connection spare beside
+    /// the relay's: each busy worker holds one for its statements and LISTEN holds one for good.
+    /// With fewer, workers wait for each other's connections, and the admin API and readiness
+    /// probe wait behind them under load. Nothing breaks, so it is not an error: a config that ran
+    /// with two workers keeps running with the default four. SQLite's writes take turns on one
+    /// connection, so it needs none.
+    pub fn pool_warning(&self) -> Option<String> {
+        let postgres = self.database.url.starts_with("postgres://") || self.database.url.starts_with("postgresql://");
+        let (pool, workers, listen) = (self.database.max_connections, self.relay.workers, u32::from(self.relay.listen));
+        let needed = workers + listen + 1;
+        if !postgres || pool >= needed {
+            return None;
+        }
+        let lower = match pool.checked_sub(listen + 1) {
+            Some(most) if most >= 1 => format!(", or relay.workers to at most {most}"),
+            _ => String::new(),
+        };
+        Some(format!(
+            "database.max_connections ({pool}) is below the {needed} connections relay.workers ({workers}) need on PostgreSQL: \
+             one per busy worker{}, and one spare for the admin API and readiness; with fewer, {} under load. \
+             Set database.max_connections (FERRY_DATABASE_MAX_CONNECTIONS) to at least {needed}{lower}",
+            if listen == 1 { ", one that LISTEN holds (relay.listen)" } else { "" },
+            if pool < workers + listen {
+                "workers wait for each other's connections and the admin API and readiness wait behind them"
+            } else {
+                "the admin API and readiness wait for a worker's connection"
+            },
+        ))
     }
 
     /// Resolves the validated configuration into what ferry runs on.

@@ -255,22 +255,39 @@ fn the_admin_api_needs_an_address_and_a_long_token() {
 }
 
 #[test]
-fn postgres_keeps_a_connection_per_worker_one_for_listen_and_one_spare() {
-    let pg = "[database]\nurl = \"postgres://ferry@db.internal/outbox\"\n";
-    let valid = |text: &str| Config::from_toml_str(text, "test.toml").map(drop).map_err(|e| e.to_string());
-    valid(pg).expect("the defaults (4 workers, LISTEN, 8 connections) leave room");
-    valid(&format!("{pg}[relay]\nworkers = 6\n")).expect("six workers, LISTEN and one spare fill the 8");
-    let tight = err(&format!("{pg}[relay]\nworkers = 7\n"));
-    for part in ["test.toml", "database.max_connections (8)", "relay.workers (7)", "LISTEN", "at least 9"] {
+fn a_postgres_pool_without_a_spare_connection_is_warned_about() {
+    let warning = |database: &str, relay: &str| {
+        let text = format!("[database]\nurl = \"postgres://ferry@db.internal/outbox\"\n{database}[relay]\n{relay}");
+        Config::from_toml_str(&text, "test.toml")
+            .expect("valid: a small pool is a warning, not an error")
+            .pool_warning()
+    };
+    assert_eq!(warning("", ""), None, "the defaults (4 workers, LISTEN, 8 connections) leave room");
+    assert_eq!(warning("", "workers = 6\n"), None, "six workers, LISTEN and one spare fill the 8");
+    let tight = warning("", "workers = 7\n").expect("no spare");
+    for part in [
+        "database.max_connections (8)",
+        "the 9 connections relay.workers (7) need",
+        "LISTEN",
+        "the admin API and readiness wait for a worker's connection",
+        "at least 9, or relay.workers to at most 6",
+    ] {
         assert!(tight.contains(part), "{part:?} missing: {tight}");
     }
-    valid(&format!("{pg}max_connections = 9\n[relay]\nworkers = 7\n")).expect("the fix the message names");
-    let quiet = err(&format!("{pg}max_connections = 8\n[relay]\nworkers = 8\nlisten = false\n"));
-    assert!(quiet.contains("at least 9") && !quiet.contains("LISTEN"), "without LISTEN one fewer: {quiet}");
-    let from_env = with_env(pg, &[("FERRY_RELAY_WORKERS", "12")]).unwrap_err();
-    assert!(from_env.contains("FERRY_RELAY_WORKERS") || from_env.contains("relay.workers (12)"), "{from_env}");
+    let starved = warning("max_connections = 4\n", "").expect("four workers and LISTEN in four connections");
+    assert!(starved.contains("workers wait for each other's connections"), "{starved}");
+    assert!(starved.contains("at least 6, or relay.workers to at most 2"), "{starved}");
+    let one = warning("max_connections = 2\n", "workers = 1\n").expect("LISTEN and one worker fill two");
+    assert!(one.ends_with("to at least 3"), "no number of workers fits: only the pool can grow: {one}");
+    assert_eq!(warning("max_connections = 9\n", "workers = 7\n"), None, "the fix the warning names");
+    assert_eq!(warning("", "workers = 7\nlisten = false\n"), None, "without LISTEN one fewer is needed");
+    let quiet = warning("", "workers = 8\nlisten = false\n").expect("no spare without LISTEN either");
+    assert!(quiet.contains("at least 9, or relay.workers to at most 7") && !quiet.contains("LISTEN"), "{quiet}");
+    let postgresql = "[database]\nurl = \"postgresql://db.internal/outbox\"\n[relay]\nworkers = 7\n";
+    assert!(Config::from_toml_str(postgresql, "t").unwrap().pool_warning().is_some(), "either URL scheme");
     // SQLite's writes take turns on one connection: more workers than connections is fine there.
-    valid("[database]\nmax_connections = 2\n[relay]\nworkers = 16\n").expect("no check on SQLite");
+    let sqlite = "[database]\nmax_connections = 2\n[relay]\nworkers = 16\n";
+    assert_eq!(Config::from_toml_str(sqlite, "t").unwrap().pool_warning(), None);
 }
 
 #[test]

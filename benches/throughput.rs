@@ -142,7 +142,7 @@ fn since(h: &Histogram, before: (f64, u64)) -> (u64, f64) {
 async fn through_ferry(backend: Backend, batch: u32, events: usize, workers: Option<u32>) -> FerryRun {
     let db = TestDb::new(backend).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
-    // A pool with a connection per worker, one for LISTEN and one spare, as ferry requires.
+    // A pool with a connection per worker, one for LISTEN and one spare, as ferry advises.
     let pool = workers.map(|w| format!("max_connections = {}\n", (w + 2).max(8))).unwrap_or_default();
     let workers = workers.map(|w| format!("workers = {w}\n")).unwrap_or_default();
     let config = format!(

@@ -490,9 +490,7 @@ impl Config {
 
     /// Checks what types alone cannot; the message names the key.
     pub fn validate(&self) -> Result<(), String> {
-        let sqlite = self.database.url.starts_with("sqlite:");
-        let postgres = self.database.url.starts_with("postgres://") || self.database.url.starts_with("postgresql://");
-        if !sqlite && !postgres {
+        if !self.database.url.starts_with("sqlite:") && !self.on_postgres() {
             return Err(format!(
                 "database.url must start with sqlite:// or postgres://, got {:?}",
                 crate::store::redact_url(&self.database.url)
@@ -590,6 +588,11 @@ impl Config {
         Settings::resolve(self).map(drop)
     }
 
+    /// Whether `database.url` names a PostgreSQL database.
+    fn on_postgres(&self) -> bool {
+        self.database.url.starts_with("postgres://") || self.database.url.starts_with("postgresql://")
+    }
+
     /// A warning when, on PostgreSQL, `database.max_connections` leaves no connection spare beside
     /// the relay's: each busy worker holds one for its statements and LISTEN holds one for good.
     /// With fewer, workers wait for each other's connections, and the admin API and readiness
@@ -597,10 +600,9 @@ impl Config {
     /// with two workers keeps running with the default four. SQLite's writes take turns on one
     /// connection, so it needs none.
     pub fn pool_warning(&self) -> Option<String> {
-        let postgres = self.database.url.starts_with("postgres://") || self.database.url.starts_with("postgresql://");
         let (pool, workers, listen) = (self.database.max_connections, self.relay.workers, u32::from(self.relay.listen));
         let needed = workers + listen + 1;
-        if !postgres || pool >= needed {
+        if !self.on_postgres() || pool >= needed {
             return None;
         }
         let lower = match pool.checked_sub(listen + 1) {

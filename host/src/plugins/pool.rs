@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use prometheus_client::metrics::histogram::Histogram;
 use wasmtime::Store as WasmStore;
 
 use super::contract::Bindings;
@@ -107,6 +108,10 @@ pub struct RouteTransport {
     limits: PluginLimits,
     slots: tokio::sync::Semaphore,
     idle: Mutex<Vec<Instance>>,
+    /// The plugin's series of `ferry_plugin_call_duration_seconds` and
+    /// `ferry_plugin_instance_wait_seconds`, looked up once rather than on every call.
+    call_duration: Histogram,
+    instance_wait: Histogram,
 }
 
 impl std::fmt::Debug for RouteTransport {
@@ -120,6 +125,10 @@ impl RouteTransport {
     pub fn new(registry: Arc<Registry>, route: Arc<RouteSettings>) -> Self {
         let grants = registry.settings().plugin(&route.plugin);
         let limits = grants.limits;
+        let labels = PluginLabels { plugin: route.plugin.clone() };
+        let metrics = &registry.metrics;
+        let call_duration = metrics.plugin_call_duration.get_or_create(&labels).clone();
+        let instance_wait = metrics.plugin_instance_wait.get_or_create(&labels).clone();
         Self {
             route,
             slots: tokio::sync::Semaphore::new(limits.instances),
@@ -127,6 +136,8 @@ impl RouteTransport {
             limits,
             registry,
             idle: Mutex::new(Vec::new()),
+            call_duration,
+            instance_wait,
         }
     }
 
@@ -204,17 +215,15 @@ impl RouteTransport {
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
     /// `config`: an instance made with this config (an endpoint's) rather than the route's.
     pub async fn deliver(&self, events: &[&ClaimedEvent], config: Option<&PluginConfig>) -> Delivery {
-        let labels = PluginLabels { plugin: self.route.plugin.clone() };
         let waiting = std::time::Instant::now();
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
-        let metrics = &self.registry.metrics;
-        metrics.plugin_instance_wait.get_or_create(&labels).observe(waiting.elapsed().as_secs_f64());
+        self.instance_wait.observe(waiting.elapsed().as_secs_f64());
         let (plugin_hash, result) = match self.instance(config).await {
             Ok(instance) => {
                 let plugin_hash = Some(instance.hash.clone());
                 let started = std::time::Instant::now();
                 let result = self.call(instance, events).await;
-                metrics.plugin_call_duration.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+                self.call_duration.observe(started.elapsed().as_secs_f64());
                 (plugin_hash, result)
             }
             Err(StartError::Unusable(why)) => (None, Err(DeliverError::NoTransport(why))),
@@ -231,8 +240,8 @@ impl RouteTransport {
                 PluginFault::WrongOutcomeCount { .. } => "wrong_outcome_count",
                 PluginFault::NotInstantiated(_) => "not_instantiated",
             };
-            let fault_labels = FaultLabels { plugin: self.route.plugin.clone(), kind: kind.to_string() };
-            metrics.plugin_faults.get_or_create(&fault_labels).inc();
+            let labels = FaultLabels { plugin: self.route.plugin.clone(), kind: kind.to_string() };
+            self.registry.metrics.plugin_faults.get_or_create(&labels).inc();
         }
         Delivery { plugin_hash, result }
     }

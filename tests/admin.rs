@@ -375,6 +375,7 @@ async fn operations_through_the_api(db: TestDb) {
         r#"ferry_delivery_latency_seconds_count{route="s"} 2"#,
         r#"ferry_plugin_call_duration_seconds_count{plugin="scripted"}"#,
         r#"ferry_plugin_instance_wait_seconds_count{plugin="scripted"}"#,
+        r#"ferry_plugin_instance_start_seconds_count{plugin="scripted"}"#,
         "ferry_batch_size_count",
         "ferry_claim_duration_seconds_count",
         "ferry_record_duration_seconds_count",

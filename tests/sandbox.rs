@@ -304,12 +304,62 @@ async fn wasi_http_does_not_follow_a_host_name_to_a_private_address() {
     assert_eq!(receiver.requests().len(), 1);
 }
 
-/// Runs two slow `count` events through ferry with two workers and `instances` instances of the
-/// plugin, and returns the reasons they failed with (`call N` per instance) and the calls' waits
-/// for an instance as `ferry_plugin_instance_wait_seconds` counted them (number, seconds in all).
-async fn calls_seen_with(instances: u32) -> (Vec<String>, (u64, f64)) {
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_of_one_route_use_several_instances_at_once() {
+    // Two instances: the batches run side by side, each on its own instance's first call, and
+    // neither waits for an instance. The second instance is started for the second batch, after
+    // the one started at start-up.
+    let seen = calls_seen_with(2, "500", None).await;
+    assert_eq!(seen.reasons, ["call 1", "call 1"]);
+    assert_eq!(seen.waits.0, 2, "every call's wait is counted, a wait of nothing included");
+    assert!(seen.waits.1 < 0.25, "two instances for two batches: no call waits for one, yet {} s in all", seen.waits.1);
+    assert_eq!(seen.starts.0, 2, "the instance of start-up and the second batch's are timed");
+    assert!(seen.starts.1 > 0.0);
+    // One instance: the second batch waits for it (the first call's 500 ms) and is its second
+    // call; the wait shows in the histogram, as it shows in no call's duration.
+    let seen = calls_seen_with(1, "500", None).await;
+    assert_eq!(seen.reasons, ["call 1", "call 2"]);
+    assert_eq!(seen.waits.0, 2);
+    assert!(seen.waits.1 > 0.25, "the second call waited for most of the first's 500 ms: {} s counted", seen.waits.1);
+    assert_eq!(seen.starts.0, 1, "one instance, started once, served both calls");
+    assert_eq!(seen.calls.0, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_wait_for_an_instance_that_shutdown_cuts_short_is_counted() {
+    // One instance and calls of 10 s: one batch is in its call and the other waits for the
+    // instance when ferry is asked to stop. Shutdown's grace (300 ms) ends both; the call and the
+    // wait are counted with the time they took up to then, though neither finished.
+    let seen = calls_seen_with(1, "10000", Some(std::time::Duration::from_millis(300))).await;
+    assert!(seen.reasons.is_empty(), "both batches were handed back: {:?}", seen.reasons);
+    assert_eq!(seen.waits.0, 2, "the wait cut short is counted beside the first batch's wait of nothing");
+    assert!(
+        seen.waits.1 >= 0.5,
+        "the second batch waited 200 ms before the stop and the 300 ms of grace: {} s",
+        seen.waits.1
+    );
+    assert_eq!(seen.calls.0, 1, "the call cut short is counted");
+    assert!(seen.calls.1 >= 0.5, "it ran for at least the same 500 ms: {} s", seen.calls.1);
+}
+
+/// What [`calls_seen_with`] saw: the reasons the events failed with (`call N` per instance), and
+/// the number and total seconds of `ferry_plugin_instance_wait_seconds`,
+/// `ferry_plugin_call_duration_seconds` and `ferry_plugin_instance_start_seconds`.
+struct Seen {
+    reasons: Vec<String>,
+    waits: (u64, f64),
+    calls: (u64, f64),
+    starts: (u64, f64),
+}
+
+/// Runs two `count` events, each answered after `delay_ms`, through ferry with two workers and
+/// `instances` instances of the plugin, and reports what was seen (see [`Seen`]). With `stop_after`,
+/// ferry is stopped with that grace period 200 ms after both events are claimed; without, once
+/// both have been answered.
+async fn calls_seen_with(instances: u32, delay_ms: &str, stop_after: Option<std::time::Duration>) -> Seen {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let grace = stop_after.unwrap_or(std::time::Duration::from_secs(10));
     let config = db.config(&format!(
         r#"
         [relay]
@@ -317,47 +367,52 @@ async fn calls_seen_with(instances: u32) -> (Vec<String>, (u64, f64)) {
         workers = 2
         poll_interval = "10ms"
         idle_poll_max = "20ms"
+        shutdown_grace = "{}ms"
         [plugins]
         dir = {plugins:?}
         [sandbox.scripted]
         instances = {instances}
         [route.s]
         plugin = "scripted"
-        config = {{ delay_ms = "500" }}
-        "#
+        config = {{ delay_ms = "{delay_ms}" }}
+        "#,
+        grace.as_millis()
     ));
     let mut ids = Vec::new();
     for _ in 0..2 {
         ids.push(db.store.insert(&NewEvent::new("s", "count", "{}"), ferry::clock::SystemClock.now()).await.unwrap());
     }
     let running = crate::common::Running::start(&config).await;
-    crate::common::eventually(std::time::Duration::from_secs(20), "both events answered", || async {
-        (crate::common::count(&db.store, Status::Failed).await == 2).then_some(())
+    let (awaited, status) = match stop_after {
+        None => ("both events answered", Status::Failed),
+        Some(_) => ("both events claimed", Status::Processing),
+    };
+    crate::common::eventually(std::time::Duration::from_secs(20), awaited, || async {
+        (crate::common::count(&db.store, status).await == 2).then_some(())
     })
     .await;
+    if stop_after.is_some() {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
     let labels = ferry::metrics::PluginLabels { plugin: "scripted".into() };
-    let wait = running.registry.metrics().plugin_instance_wait.get_or_create(&labels).clone();
+    let metrics = running.registry.metrics();
+    let wait = metrics.plugin_instance_wait.get_or_create(&labels).clone();
+    let call = metrics.plugin_call_duration.get_or_create(&labels).clone();
+    let start = metrics.plugin_instance_start.get_or_create(&labels).clone();
     running.stop().await;
     let mut reasons = Vec::new();
     for id in ids {
-        reasons.push(db.store.get(id).await.unwrap().unwrap().last_error.unwrap());
+        let event = db.store.get(id).await.unwrap().unwrap();
+        if stop_after.is_some() {
+            assert_eq!(event.status, Status::Pending, "a batch cut short by shutdown is handed back");
+        }
+        reasons.extend(event.last_error);
     }
     reasons.sort();
-    (reasons, (wait.count(), wait.sum()))
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn batches_of_one_route_use_several_instances_at_once() {
-    // Two instances: the batches run side by side, each on its own instance's first call, and
-    // neither waits for an instance.
-    let (reasons, (calls, waited)) = calls_seen_with(2).await;
-    assert_eq!(reasons, ["call 1", "call 1"]);
-    assert_eq!(calls, 2, "every call's wait is counted, a wait of nothing included");
-    assert!(waited < 0.25, "two instances for two batches: no call waits for one, yet {waited} s in all");
-    // One instance: the second batch waits for it (the first call's 500 ms) and is its second
-    // call; the wait shows in the histogram, as it shows in no call's duration.
-    let (reasons, (calls, waited)) = calls_seen_with(1).await;
-    assert_eq!(reasons, ["call 1", "call 2"]);
-    assert_eq!(calls, 2);
-    assert!(waited > 0.25, "the second call waited for most of the first's 500 ms: {waited} s counted");
+    Seen {
+        reasons,
+        waits: (wait.count(), wait.sum()),
+        calls: (call.count(), call.sum()),
+        starts: (start.count(), start.sum()),
+    }
 }

@@ -101,6 +101,7 @@ pub struct Metrics {
     pub plugin_call_duration: Histograms<PluginLabels>,
     /// How long a plugin call waited for one of its route's instances to be free.
     pub plugin_instance_wait: Histograms<PluginLabels>,
+    pub plugin_instance_start: Histograms<PluginLabels>,
     pub plugin_faults: Family<FaultLabels, Counter>,
     /// Trace spans dropped: turned away by the exporter's full queue, or in an export that failed.
     pub trace_spans_dropped: Counter,
@@ -178,6 +179,12 @@ impl Metrics {
             "Time a deliver-batch call waited for one of its route's plugin instances (plugins.instances) to be free",
             plugin_instance_wait.clone(),
         );
+        let plugin_instance_start: Histograms<PluginLabels> = Family::new_with_constructor(call_buckets);
+        registry.register(
+            "ferry_plugin_instance_start_seconds",
+            "Time taken to start a plugin instance for a route: instantiating the component and running its init",
+            plugin_instance_start.clone(),
+        );
         let trace_spans_dropped = Counter::default();
         registry.register(
             "ferry_trace_spans_dropped",
@@ -240,6 +247,7 @@ impl Metrics {
             record_duration,
             plugin_call_duration,
             plugin_instance_wait,
+            plugin_instance_start,
             plugin_faults,
             trace_spans_dropped,
             plugin_reloads,

@@ -108,10 +108,12 @@ pub struct RouteTransport {
     limits: PluginLimits,
     slots: tokio::sync::Semaphore,
     idle: Mutex<Vec<Instance>>,
-    /// The plugin's series of `ferry_plugin_call_duration_seconds` and
-    /// `ferry_plugin_instance_wait_seconds`, looked up once rather than on every call.
+    /// The plugin's series of `ferry_plugin_call_duration_seconds`,
+    /// `ferry_plugin_instance_wait_seconds` and `ferry_plugin_instance_start_seconds`, looked up
+    /// once rather than on every call.
     call_duration: Histogram,
     instance_wait: Histogram,
+    instance_start: Histogram,
 }
 
 impl std::fmt::Debug for RouteTransport {
@@ -129,6 +131,7 @@ impl RouteTransport {
         let metrics = &registry.metrics;
         let call_duration = metrics.plugin_call_duration.get_or_create(&labels).clone();
         let instance_wait = metrics.plugin_instance_wait.get_or_create(&labels).clone();
+        let instance_start = metrics.plugin_instance_start.get_or_create(&labels).clone();
         Self {
             route,
             slots: tokio::sync::Semaphore::new(limits.instances),
@@ -138,6 +141,7 @@ impl RouteTransport {
             idle: Mutex::new(Vec::new()),
             call_duration,
             instance_wait,
+            instance_start,
         }
     }
 
@@ -208,23 +212,24 @@ impl RouteTransport {
         };
         match reusable {
             Some(instance) => Ok(instance),
-            None => Instance::start(&self.registry.runtime, &plugin, &self.route, &self.grants, config).await,
+            None => {
+                let _timed = Stopwatch::start(&self.instance_start);
+                Instance::start(&self.registry.runtime, &plugin, &self.route, &self.grants, config).await
+            }
         }
     }
 
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
     /// `config`: an instance made with this config (an endpoint's) rather than the route's.
     pub async fn deliver(&self, events: &[&ClaimedEvent], config: Option<&PluginConfig>) -> Delivery {
-        let waiting = std::time::Instant::now();
+        let waiting = Stopwatch::start(&self.instance_wait);
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
-        self.instance_wait.observe(waiting.elapsed().as_secs_f64());
+        drop(waiting);
         let (plugin_hash, result) = match self.instance(config).await {
             Ok(instance) => {
                 let plugin_hash = Some(instance.hash.clone());
-                let started = std::time::Instant::now();
-                let result = self.call(instance, events).await;
-                self.call_duration.observe(started.elapsed().as_secs_f64());
-                (plugin_hash, result)
+                let _timed = Stopwatch::start(&self.call_duration);
+                (plugin_hash, self.call(instance, events).await)
             }
             Err(StartError::Unusable(why)) => (None, Err(DeliverError::NoTransport(why))),
             Err(StartError::Fault(fault)) => {
@@ -277,6 +282,26 @@ impl RouteTransport {
         // The instance's state is unknown after a fault: it is dropped, the next call starts afresh.
         tracing::warn!(plugin = %self.route.plugin, route = %self.route.name, "{fault}; instance discarded");
         Err(fault.into())
+    }
+}
+
+/// Observes the time from its start to its drop in a histogram. Dropped with the future that
+/// holds it, it also records a wait or call that shutdown's grace period cut short: those are the
+/// longest, and a timer read only on completion would leave them out.
+struct Stopwatch<'a> {
+    histogram: &'a Histogram,
+    started: std::time::Instant,
+}
+
+impl<'a> Stopwatch<'a> {
+    fn start(histogram: &'a Histogram) -> Self {
+        Self { histogram, started: std::time::Instant::now() }
+    }
+}
+
+impl Drop for Stopwatch<'_> {
+    fn drop(&mut self) {
+        self.histogram.observe(self.started.elapsed().as_secs_f64());
     }
 }
 

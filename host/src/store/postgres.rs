@@ -54,7 +54,10 @@ impl PostgresStore {
         Ok(Self { pool })
     }
 
-    /// The pool, for applications that emit through their own transactions.
+    /// The pool, for applications that emit through their own transactions. When the same store
+    /// also runs a relay, the two share it: it is sized by `database.max_connections` for the
+    /// relay's workers and LISTEN, and each connection the application holds is one a worker
+    /// waits for, so size it for the application's connections too.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

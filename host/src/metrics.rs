@@ -101,6 +101,7 @@ pub struct Metrics {
     pub plugin_call_duration: Histograms<PluginLabels>,
     /// How long a plugin call waited for one of its route's instances to be free.
     pub plugin_instance_wait: Histograms<PluginLabels>,
+    /// How long starting an instance for a route's deliveries took, whether it started or not.
     pub plugin_instance_start: Histograms<PluginLabels>,
     pub plugin_faults: Family<FaultLabels, Counter>,
     /// Trace spans dropped: turned away by the exporter's full queue, or in an export that failed.

@@ -373,9 +373,6 @@ async fn operations_through_the_api(db: TestDb) {
         "ferry_events_stuck 0",
         "ferry_relay_idle_workers 0",
         r#"ferry_delivery_latency_seconds_count{route="s"} 2"#,
-        r#"ferry_plugin_call_duration_seconds_count{plugin="scripted"}"#,
-        r#"ferry_plugin_instance_wait_seconds_count{plugin="scripted"}"#,
-        r#"ferry_plugin_instance_start_seconds_count{plugin="scripted"}"#,
         "ferry_batch_size_count",
         "ferry_claim_duration_seconds_count",
         "ferry_record_duration_seconds_count",
@@ -383,6 +380,19 @@ async fn operations_through_the_api(db: TestDb) {
     ] {
         assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
     }
+    // Each route started its instance (at start-up), and every call, and its wait, was timed.
+    let count = |series: &str| -> u64 {
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("{series} ")))
+            .unwrap_or_else(|| panic!("no {series}:\n{metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let plugin_series = |name: &str| count(&format!(r#"ferry_plugin_{name}_seconds_count{{plugin="scripted"}}"#));
+    assert!(plugin_series("instance_start") >= 2, "routes s and t each started an instance:\n{metrics}");
+    let calls = plugin_series("call_duration");
+    assert!(calls >= 3, "route t's two attempts and at least one call of route s:\n{metrics}");
+    assert_eq!(plugin_series("instance_wait"), calls, "every call waited for its instance, if only for nothing");
     // Every delivered batch's outcomes were written, and timed.
     assert!(!metrics.contains("ferry_record_duration_seconds_count 0\n"), "no batch recorded:\n{metrics}");
     assert!(metrics.contains("ferry_oldest_pending_age_seconds 5.0"), "the deferred blob is 5s old:\n{metrics}");

@@ -48,18 +48,23 @@ pub(super) enum StartError {
 
 impl Instance {
     /// Instantiates `plugin` for `route` and runs its `init` with `config`, or the route's.
+    /// `timed`: the histogram that observes how long that takes (the trial starts of a reload are
+    /// not timed).
     pub(super) async fn start(
         runtime: &Runtime,
         plugin: &Plugin,
         route: &RouteSettings,
         grants: &PluginSettings,
         config: Option<&PluginConfig>,
+        timed: Option<&Histogram>,
     ) -> Result<Instance, StartError> {
         let name: Arc<str> = Arc::from(plugin.info.name.as_str());
         let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp);
         let limits = &grants.limits;
         let mut store =
             runtime.store(name, &grants.sandbox, limits, &tcp).map_err(|e| StartError::Unusable(format!("{e:#}")))?;
+        // Timed from here: a sandbox that cannot be set up is a configuration error, not a start.
+        let _timed = timed.map(Stopwatch::start);
         let timeout = limits.timeout;
         // The epoch deadline (set on the store) stops wasm code; this timeout also covers a guest
         // parked in the host, so `init` can stall neither start-up nor a reload.
@@ -213,8 +218,8 @@ impl RouteTransport {
         match reusable {
             Some(instance) => Ok(instance),
             None => {
-                let _timed = Stopwatch::start(&self.instance_start);
-                Instance::start(&self.registry.runtime, &plugin, &self.route, &self.grants, config).await
+                let runtime = &self.registry.runtime;
+                Instance::start(runtime, &plugin, &self.route, &self.grants, config, Some(&self.instance_start)).await
             }
         }
     }
@@ -285,9 +290,8 @@ impl RouteTransport {
     }
 }
 
-/// Observes the time from its start to its drop in a histogram. Dropped with the future that
-/// holds it, it also records a wait or call that shutdown's grace period cut short: those are the
-/// longest, and a timer read only on completion would leave them out.
+/// Observes the time from its start to its drop in a histogram, so a wait, start or call whose
+/// future is dropped (when shutdown's grace period ends) is still recorded, with the time it took.
 struct Stopwatch<'a> {
     histogram: &'a Histogram,
     started: std::time::Instant,

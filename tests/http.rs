@@ -352,6 +352,12 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     let rows = s.deliver(&[NewEvent::new("tls", "t", "{}")]).await;
     let error = rows[0].last_error.as_deref().unwrap_or_default();
     assert!(error.contains("http_ca") && error.contains("not-a-ca.pem"), "{error}");
+    // Neither the start-up's attempt nor the call's started anything: no start is timed, while
+    // the call's wait for an instance is.
+    let labels = ferry::metrics::PluginLabels { plugin: "http".into() };
+    let metrics = s.ferry.registry.metrics();
+    assert_eq!(metrics.plugin_instance_start.get_or_create(&labels).count(), 0);
+    assert_eq!(metrics.plugin_instance_wait.get_or_create(&labels).count(), 1);
 }
 
 /// A webhook URL whose host name leads to a loopback address is refused where the connection is

@@ -333,8 +333,9 @@ async fn a_wait_for_an_instance_that_shutdown_cuts_short_is_counted() {
     assert!(seen.reasons.is_empty(), "both batches were handed back: {:?}", seen.reasons);
     assert_eq!(seen.waits.0, 2, "the wait cut short is counted beside the first batch's wait of nothing");
     assert!(seen.waits.1 >= 0.3, "the second batch waited through the 300 ms of grace at least: {} s", seen.waits.1);
-    // When the grace ends, the first worker's delivery may be dropped a moment before the
-    // second's: the second may then get the instance and start a call that is cut short too.
+    // The two workers' grace periods start a moment apart: if the first batch is handed back
+    // (and its call dropped) before the second's grace ends, the second may get the instance and
+    // start a call that is cut short too.
     assert!(seen.calls.0 >= 1, "the call cut short is counted");
     assert!(seen.calls.1 >= 0.3, "it ran through the grace period at least: {} s", seen.calls.1);
 }

@@ -47,9 +47,9 @@ pub(super) enum StartError {
 }
 
 impl Instance {
-    /// Instantiates `plugin` for `route` and runs its `init` with `config`, or the route's.
-    /// `timed`: the histogram that observes how long that takes (the trial starts of a reload are
-    /// not timed).
+    /// Sets up the sandbox, instantiates `plugin` for `route` and runs its `init` with `config`,
+    /// or the route's. `timed`: the histogram that observes how long that takes, unless the
+    /// sandbox cannot be set up (the trial starts of a reload are not timed).
     pub(super) async fn start(
         runtime: &Runtime,
         plugin: &Plugin,
@@ -58,13 +58,20 @@ impl Instance {
         config: Option<&PluginConfig>,
         timed: Option<&Histogram>,
     ) -> Result<Instance, StartError> {
+        let timer = timed.map(Stopwatch::start);
         let name: Arc<str> = Arc::from(plugin.info.name.as_str());
         let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp);
         let limits = &grants.limits;
-        let mut store =
-            runtime.store(name, &grants.sandbox, limits, &tcp).map_err(|e| StartError::Unusable(format!("{e:#}")))?;
-        // Timed from here: a sandbox that cannot be set up is a configuration error, not a start.
-        let _timed = timed.map(Stopwatch::start);
+        let mut store = match runtime.store(name, &grants.sandbox, limits, &tcp) {
+            Ok(store) => store,
+            Err(e) => {
+                // A sandbox that cannot be set up is a configuration error, not a start.
+                if let Some(timer) = timer {
+                    timer.discard();
+                }
+                return Err(StartError::Unusable(format!("{e:#}")));
+            }
+        };
         let timeout = limits.timeout;
         // The epoch deadline (set on the store) stops wasm code; this timeout also covers a guest
         // parked in the host, so `init` can stall neither start-up nor a reload.
@@ -293,19 +300,27 @@ impl RouteTransport {
 /// Observes the time from its start to its drop in a histogram, so a wait, start or call whose
 /// future is dropped (when shutdown's grace period ends) is still recorded, with the time it took.
 struct Stopwatch<'a> {
-    histogram: &'a Histogram,
+    /// `None` once discarded.
+    histogram: Option<&'a Histogram>,
     started: std::time::Instant,
 }
 
 impl<'a> Stopwatch<'a> {
     fn start(histogram: &'a Histogram) -> Self {
-        Self { histogram, started: std::time::Instant::now() }
+        Self { histogram: Some(histogram), started: std::time::Instant::now() }
+    }
+
+    /// Stops without observing anything.
+    fn discard(mut self) {
+        self.histogram = None;
     }
 }
 
 impl Drop for Stopwatch<'_> {
     fn drop(&mut self) {
-        self.histogram.observe(self.started.elapsed().as_secs_f64());
+        if let Some(histogram) = self.histogram {
+            histogram.observe(self.started.elapsed().as_secs_f64());
+        }
     }
 }
 

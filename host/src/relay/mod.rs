@@ -404,21 +404,24 @@ impl Relay {
         }
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
-        // An unfinished delivery is dropped at the end of this block, before the release: the
-        // calls it was making end (and their timers stop) when the grace period does.
-        let finished = {
-            let delivery = self.deliver_all(&routes, &endpoints, &events);
-            tokio::pin!(delivery);
-            tokio::select! {
-                done = &mut delivery => Some(done),
-                _ = shutdown.cancelled() => tokio::time::timeout(self.shutdown_grace, &mut delivery).await.ok(),
+        let delivery = self.deliver_all(&routes, &endpoints, &events);
+        tokio::pin!(delivery);
+        let completions = tokio::select! {
+            done = &mut delivery => done,
+            _ = shutdown.cancelled() => {
+                match tokio::time::timeout(self.shutdown_grace, &mut delivery).await {
+                    Ok(done) => done,
+                    Err(_) => {
+                        // The unfinished delivery is dropped only once its events are released:
+                        // dropped first, it would free its plugin instances at once, and another
+                        // worker's call waiting for one could start after the grace period.
+                        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+                        let released = self.store.release(&token, &ids, self.clock.now()).await?;
+                        tracing::warn!(released, "shutdown grace period over; unfinished events handed back");
+                        return Ok(CycleStats { claimed: events.len(), ..CycleStats::default() });
+                    }
+                }
             }
-        };
-        let Some(completions) = finished else {
-            let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-            let released = self.store.release(&token, &ids, self.clock.now()).await?;
-            tracing::warn!(released, "shutdown grace period over; unfinished events handed back");
-            return Ok(CycleStats { claimed: events.len(), ..CycleStats::default() });
         };
         let totals = Outcomes::of(&completions);
         let done_at = self.clock.now();

@@ -60,7 +60,7 @@ impl Instance {
     ) -> Result<Instance, StartError> {
         let timer = timed.map(Stopwatch::start);
         let name: Arc<str> = Arc::from(plugin.info.name.as_str());
-        let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp);
+        let tcp = resolve_allowlist(&plugin.info.name, &grants.sandbox.tcp).await;
         let limits = &grants.limits;
         let mut store = match runtime.store(name, &grants.sandbox, limits, &tcp) {
             Ok(store) => store,

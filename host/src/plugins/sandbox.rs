@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -352,16 +352,29 @@ fn refuse_symlinks(plugin: &str, guest: &str, host: &Path) -> anyhow::Result<()>
 }
 
 /// Resolves `host:port` allowlist entries to addresses. An entry that does not resolve is logged
-/// and grants nothing.
-pub(super) fn resolve_allowlist(plugin: &str, entries: &[String]) -> Vec<SocketAddr> {
-    entries
-        .iter()
-        .flat_map(|entry| match entry.to_socket_addrs() {
-            Ok(addrs) => addrs.collect::<Vec<_>>(),
-            Err(e) => {
-                tracing::warn!(plugin, entry = %entry, "tcp allowlist entry does not resolve: {e}");
-                Vec::new()
-            }
-        })
-        .collect()
+/// and grants nothing. The lookups run off the async threads: a slow resolver delays this start
+/// only, not the relay workers sharing the thread.
+pub(super) async fn resolve_allowlist(plugin: &str, entries: &[String]) -> Vec<SocketAddr> {
+    let mut addrs = Vec::new();
+    for entry in entries {
+        match tokio::net::lookup_host(entry.as_str()).await {
+            Ok(found) => addrs.extend(found),
+            Err(e) => tracing::warn!(plugin, entry = %entry, "tcp allowlist entry does not resolve: {e}"),
+        }
+    }
+    addrs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn allowlist_entries_resolve_and_the_ones_that_do_not_grant_nothing() {
+        let entries = ["127.0.0.1:9", "localhost:10", "no-such-host.invalid:11", "no port"].map(String::from);
+        let addrs = resolve_allowlist("p", &entries).await;
+        assert!(addrs.contains(&"127.0.0.1:9".parse().unwrap()), "{addrs:?}");
+        assert!(addrs.iter().any(|a| a.port() == 10 && a.ip().is_loopback()), "localhost resolves: {addrs:?}");
+        assert!(addrs.iter().all(|a| a.port() == 9 || a.port() == 10), "{addrs:?}");
+    }
 }

@@ -271,6 +271,66 @@ crate::both_backends!(
     random_column_values_never_stop_the_relay,
 );
 
+/// On PostgreSQL, route, event_type and headers are checked by the INSERT trigger (migration 9)
+/// instead of CHECK constraints, which PostgreSQL evaluates on every row ferry's claim and
+/// completion write although they never set these columns. The same values are refused where
+/// applications and operators write them; a row that skipped the trigger (as logical replication
+/// or `pg_restore --disable-triggers` writes it) is read like a hand-edited one and fails alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_checks_what_applications_write_where_they_write_it() {
+    let s = stepped(TestDb::new(Backend::Postgres).await).await;
+    let ok = insert(&s, "ok").await;
+    let refused = [
+        ("INSERT INTO ferry_events (route, event_type, payload) VALUES ('', 't', '\\x00')".to_string(), "route"),
+        ("INSERT INTO ferry_events (route, event_type, payload) VALUES ('s', '', '\\x00')".to_string(), "event_type"),
+        (
+            "INSERT INTO ferry_events (route, event_type, payload, headers) VALUES ('s', 't', '\\x00', '[]')"
+                .to_string(),
+            "headers",
+        ),
+        (format!("UPDATE ferry_events SET route = '' WHERE id = {ok}"), "route"),
+        (format!("UPDATE ferry_events SET event_type = '' WHERE id = {ok}"), "event_type"),
+        (format!("UPDATE ferry_events SET headers = '\"text\"' WHERE id = {ok}"), "headers"),
+    ];
+    for (statement, column) in refused {
+        let error = sql(&s.db, &statement).await.expect_err(&statement).to_string();
+        assert!(error.contains(&format!("ferry_events: {column} must")), "{statement}: {error}");
+    }
+    // The times are still checked at INSERT only: an UPDATE of a row with a hand-edited time
+    // that names one of the three columns is not refused for the time.
+    for edit in ["event_time = 'infinity'", "headers = '{\"a\":\"b\"}'", "event_time = now()"] {
+        let statement = format!("UPDATE ferry_events SET {edit} WHERE id = {ok}");
+        assert_eq!(sql(&s.db, &statement).await.unwrap(), 1, "{statement}");
+    }
+
+    let pool = s.db.postgres.as_ref().unwrap().pool();
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET session_replication_role = replica").execute(&mut *conn).await.unwrap();
+    let replicated: i64 = sqlx::query_scalar(
+        "INSERT INTO ferry_events (route, event_type, payload, headers, next_attempt_at)
+         VALUES ('s', 'ok', '\\x7b7d', '[1]', $1) RETURNING id",
+    )
+    .bind(s.clock.now())
+    .fetch_one(&mut *conn)
+    .await
+    .expect("with triggers off nothing but NOT NULL and the status checks refuse a row");
+    sqlx::query("RESET session_replication_role").execute(&mut *conn).await.unwrap();
+    drop(conn);
+
+    let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(stats.claimed, 2, "{stats:?}");
+    assert_eq!(s.db.store.get(ok).await.unwrap().unwrap().status, Status::Sent);
+    let (status, reason, error): (String, Option<String>, Option<String>) =
+        sqlx::query_as("SELECT status, failure_reason, last_error FROM ferry_events WHERE id = $1")
+            .bind(replicated)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    let error = error.unwrap_or_default();
+    assert_eq!((status.as_str(), reason.as_deref()), ("FAILED", Some("invalid_event")), "{error}");
+    assert!(error.contains("headers"), "{error}");
+}
+
 /// The README's INSERT, through the `sqlite3` program Debian ships (3.40, older than the
 /// `unixepoch('subsec')` the first schema's defaults needed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -126,6 +126,19 @@ struct EndpointCache {
     table: Arc<EndpointTable>,
 }
 
+/// When the shutdown grace period ends, for the workers of one [`Relay::run`]: fixed by the first
+/// of them to see the stop with a delivery in flight, so the period is one for all of them. Each
+/// timing its own from when it noticed, a worker whose claim was still running at the stop would
+/// deliver after the others' grace had ended, on plugin instances they had just given back.
+#[derive(Debug, Default)]
+struct GraceEnd(std::sync::OnceLock<tokio::time::Instant>);
+
+impl GraceEnd {
+    fn at(&self, grace: Duration) -> tokio::time::Instant {
+        *self.0.get_or_init(|| tokio::time::Instant::now() + grace)
+    }
+}
+
 /// How often, at most, the log says per route that events ended FAILED.
 const FAILED_NOTICE_EVERY: Duration = Duration::from_secs(60);
 
@@ -206,14 +219,15 @@ impl Relay {
     pub async fn run(&self, shutdown: CancellationToken) {
         let listening = self.listen && self.store.spawn_waker(self.wake.clone(), shutdown.child_token());
         tracing::info!(instance = %self.instance, batch_size = self.batch_size, workers = self.workers, listening, "relay started");
-        futures::future::join_all((0..self.workers).map(|worker| self.work(worker, &shutdown))).await;
+        let grace_end = GraceEnd::default();
+        futures::future::join_all((0..self.workers).map(|worker| self.work(worker, &shutdown, &grace_end))).await;
         tracing::info!(instance = %self.instance, "relay stopped");
     }
 
     /// One worker: claims as long as there is work, and waits (polling with a growing interval,
     /// or for a wake-up) when there is none. Worker 0 also does the housekeeping. Database errors
     /// are logged and retried; they never end the loop.
-    async fn work(&self, worker: u32, shutdown: &CancellationToken) {
+    async fn work(&self, worker: u32, shutdown: &CancellationToken, grace_end: &GraceEnd) {
         let mut cycle: u64 = 0;
         let mut idle_pause = self.poll_interval;
         let mut error_pause = self.poll_interval;
@@ -223,7 +237,7 @@ impl Relay {
                 self.housekeeping().await;
             }
             cycle += 1;
-            let result = self.cycle(shutdown).await;
+            let result = self.cycle_within(shutdown, grace_end).await;
             self.health.busy(worker, false);
             let pause = match result {
                 Ok(stats) if stats.claimed > 0 => {
@@ -299,6 +313,11 @@ impl Relay {
     /// One claim → deliver → record round. If `shutdown` fires during delivery, in-flight calls
     /// get the grace period, after which unfinished events are handed back.
     pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleStats, StoreError> {
+        self.cycle_within(shutdown, &GraceEnd::default()).await
+    }
+
+    /// [`Relay::cycle`], as one of the workers that share `grace_end`.
+    async fn cycle_within(&self, shutdown: &CancellationToken, grace_end: &GraceEnd) -> Result<CycleStats, StoreError> {
         let now = self.clock.now();
         let token = new_token();
         let routes = self.routes.get();
@@ -406,12 +425,21 @@ impl Relay {
         self.metrics.batch_size.observe(events.len() as f64);
         let delivery = self.deliver_all(&routes, &endpoints, &events);
         tokio::pin!(delivery);
+        // The stop and then the grace's end are looked at before the delivery is polled, so
+        // nothing it would start (a plugin call, an instance) begins after the grace has ended:
+        // not in a batch whose claim came back after it either.
         let completions = tokio::select! {
-            done = &mut delivery => done,
+            biased;
             _ = shutdown.cancelled() => {
-                match tokio::time::timeout(self.shutdown_grace, &mut delivery).await {
-                    Ok(done) => done,
-                    Err(_) => {
+                let end = grace_end.at(self.shutdown_grace);
+                let finished = tokio::select! {
+                    biased;
+                    () = tokio::time::sleep_until(end) => None,
+                    done = &mut delivery => Some(done),
+                };
+                match finished {
+                    Some(done) => done,
+                    None => {
                         // The unfinished delivery is dropped only once its events are released:
                         // dropped first, it would free its plugin instances at once, and another
                         // worker's call waiting for one could start after the grace period.
@@ -422,6 +450,7 @@ impl Relay {
                     }
                 }
             }
+            done = &mut delivery => done,
         };
         let totals = Outcomes::of(&completions);
         let done_at = self.clock.now();

@@ -347,24 +347,7 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
     // from when its claim came back, it would take the instance the first batch gives back and
     // call the plugin after ferry's grace was over.
     let db = TestDb::new(Backend::Sqlite).await;
-    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
-    let config = db.config(&format!(
-        r#"
-        [relay]
-        batch_size = 1
-        workers = 2
-        poll_interval = "10ms"
-        idle_poll_max = "20ms"
-        shutdown_grace = "300ms"
-        [plugins]
-        dir = {plugins:?}
-        [sandbox.scripted]
-        instances = 1
-        [route.s]
-        plugin = "scripted"
-        config = {{ delay_ms = "10000" }}
-        "#
-    ));
+    let config = two_workers_one_route(&db, 1, "10000", std::time::Duration::from_millis(300));
     let first = db.store.insert(&NewEvent::new("s", "count", "{}"), ferry::clock::SystemClock.now()).await.unwrap();
     let running = crate::common::Running::start(&config).await;
     crate::common::eventually(std::time::Duration::from_secs(20), "the first event claimed", || async {
@@ -398,25 +381,16 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
     }
 }
 
-/// What [`calls_seen_with`] saw: the reasons the events failed with (`call N` per instance), and
-/// the number and total seconds of `ferry_plugin_instance_wait_seconds`,
-/// `ferry_plugin_call_duration_seconds` and `ferry_plugin_instance_start_seconds`.
-struct Seen {
-    reasons: Vec<String>,
-    waits: (u64, f64),
-    calls: (u64, f64),
-    starts: (u64, f64),
-}
-
-/// Runs two `count` events, each answered after `delay_ms`, through ferry with two workers and
-/// `instances` instances of the plugin, and reports what was seen (see [`Seen`]). With `stop_after`,
-/// ferry is stopped with that grace period 200 ms after both events are claimed; without, once
-/// both have been answered.
-async fn calls_seen_with(instances: u32, delay_ms: &str, stop_after: Option<std::time::Duration>) -> Seen {
-    let db = TestDb::new(Backend::Sqlite).await;
+/// Ferry with two workers claiming one event at a time, a shutdown grace period of `grace`, and
+/// route `s` on the scripted plugin with `instances` instances, answering after `delay_ms`.
+fn two_workers_one_route(
+    db: &TestDb,
+    instances: u32,
+    delay_ms: &str,
+    grace: std::time::Duration,
+) -> ferry::config::Config {
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
-    let grace = stop_after.unwrap_or(std::time::Duration::from_secs(10));
-    let config = db.config(&format!(
+    db.config(&format!(
         r#"
         [relay]
         batch_size = 1
@@ -433,7 +407,27 @@ async fn calls_seen_with(instances: u32, delay_ms: &str, stop_after: Option<std:
         config = {{ delay_ms = "{delay_ms}" }}
         "#,
         grace.as_millis()
-    ));
+    ))
+}
+
+/// What [`calls_seen_with`] saw: the reasons the events failed with (`call N` per instance), and
+/// the number and total seconds of `ferry_plugin_instance_wait_seconds`,
+/// `ferry_plugin_call_duration_seconds` and `ferry_plugin_instance_start_seconds`.
+struct Seen {
+    reasons: Vec<String>,
+    waits: (u64, f64),
+    calls: (u64, f64),
+    starts: (u64, f64),
+}
+
+/// Runs two `count` events, each answered after `delay_ms`, through ferry with two workers and
+/// `instances` instances of the plugin, and reports what was seen (see [`Seen`]). With `stop_after`,
+/// ferry is stopped with that grace period 200 ms after both events are claimed; without, once
+/// both have been answered.
+async fn calls_seen_with(instances: u32, delay_ms: &str, stop_after: Option<std::time::Duration>) -> Seen {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let config =
+        two_workers_one_route(&db, instances, delay_ms, stop_after.unwrap_or(std::time::Duration::from_secs(10)));
     let mut ids = Vec::new();
     for _ in 0..2 {
         ids.push(db.store.insert(&NewEvent::new("s", "count", "{}"), ferry::clock::SystemClock.now()).await.unwrap());

@@ -89,7 +89,7 @@ fn main() {
         group.throughput(Throughput::Elements(batch as u64));
         group.bench_with_input(BenchmarkId::new("wasm", batch), &refs, |b, refs| {
             b.to_async(&runtime).iter(|| async {
-                let delivery = transport.deliver(refs, None).await;
+                let delivery = transport.deliver(refs, None, None).await;
                 assert!(delivery.result.is_ok());
                 delivery
             })

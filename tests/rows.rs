@@ -274,8 +274,8 @@ crate::both_backends!(
 /// On PostgreSQL, route, event_type and headers are checked by the INSERT trigger (migration 9)
 /// instead of CHECK constraints, which PostgreSQL evaluates on every row ferry's claim and
 /// completion write although they never set these columns. The same values are refused where
-/// applications and operators write them; a row that skipped the trigger (as logical replication
-/// or `pg_restore --disable-triggers` writes it) is read like a hand-edited one and fails alone.
+/// applications and operators write them; a row that skipped the triggers (as logical replication
+/// or `pg_restore --disable-triggers` writes it) fails alone, as `invalid_event` naming the column.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_checks_what_applications_write_where_they_write_it() {
     let s = stepped(TestDb::new(Backend::Postgres).await).await;
@@ -306,29 +306,40 @@ async fn postgres_checks_what_applications_write_where_they_write_it() {
     let pool = s.db.postgres.as_ref().unwrap().pool();
     let mut conn = pool.acquire().await.unwrap();
     sqlx::query("SET session_replication_role = replica").execute(&mut *conn).await.unwrap();
-    let replicated: i64 = sqlx::query_scalar(
-        "INSERT INTO ferry_events (route, event_type, payload, headers, next_attempt_at)
-         VALUES ('s', 'ok', '\\x7b7d', '[1]', $1) RETURNING id",
-    )
-    .bind(s.clock.now())
-    .fetch_one(&mut *conn)
-    .await
-    .expect("with triggers off nothing but NOT NULL and the status checks refuse a row");
+    let mut replicated = Vec::new();
+    for (route, event_type, headers, column) in
+        [("s", "ok", "[1]", "headers"), ("", "ok", "{}", "route"), ("s", "", "{}", "event_type")]
+    {
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO ferry_events (route, event_type, payload, headers, next_attempt_at)
+             VALUES ($1, $2, '\\x7b7d', $3::jsonb, $4) RETURNING id",
+        )
+        .bind(route)
+        .bind(event_type)
+        .bind(headers)
+        .bind(s.clock.now())
+        .fetch_one(&mut *conn)
+        .await
+        .expect("with triggers off nothing but NOT NULL and the status checks refuse a row");
+        replicated.push((id, column));
+    }
     sqlx::query("RESET session_replication_role").execute(&mut *conn).await.unwrap();
     drop(conn);
 
     let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
-    assert_eq!(stats.claimed, 2, "{stats:?}");
+    assert_eq!(stats.claimed, 4, "{stats:?}");
     assert_eq!(s.db.store.get(ok).await.unwrap().unwrap().status, Status::Sent);
-    let (status, reason, error): (String, Option<String>, Option<String>) =
-        sqlx::query_as("SELECT status, failure_reason, last_error FROM ferry_events WHERE id = $1")
-            .bind(replicated)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    let error = error.unwrap_or_default();
-    assert_eq!((status.as_str(), reason.as_deref()), ("FAILED", Some("invalid_event")), "{error}");
-    assert!(error.contains("headers"), "{error}");
+    for (id, column) in replicated {
+        let (status, reason, error): (String, Option<String>, Option<String>) =
+            sqlx::query_as("SELECT status, failure_reason, last_error FROM ferry_events WHERE id = $1")
+                .bind(id)
+                .fetch_one(pool)
+                .await
+                .unwrap();
+        let error = error.unwrap_or_default();
+        assert_eq!((status.as_str(), reason.as_deref()), ("FAILED", Some("invalid_event")), "event {id}: {error}");
+        assert!(error.contains(column) && error.contains(&format!("event {id}")), "names {column}: {error}");
+    }
 }
 
 /// The README's INSERT, through the `sqlite3` program Debian ships (3.40, older than the

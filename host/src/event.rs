@@ -519,13 +519,20 @@ where
 }
 
 impl ClaimedRow {
-    /// The event to deliver; headers that do not parse, or a payload over the size limit (`max`
-    /// bytes), become the event's defect.
+    /// The event to deliver; headers that do not parse, an empty route or event type, or a payload
+    /// over the size limit (`max` bytes), become the event's defect.
     pub(crate) fn into_event(self, max_payload: u64) -> ClaimedEvent {
         let (headers, mut defect) = match parse_headers(&self.headers) {
             Ok(headers) => (headers, None),
             Err(e) => (Vec::new(), Some(format!("event {}: {e}", self.id))),
         };
+        // The schema refuses these at INSERT; a row written past its checks (a logical replica,
+        // a restore without triggers) can still hold them.
+        for (column, value) in [("route", &self.route), ("event_type", &self.event_type)] {
+            if value.is_empty() {
+                defect = Some(format!("event {}: {column} is empty; set it and resend the event", self.id));
+            }
+        }
         if self.payload.is_none() {
             defect = Some(format!(
                 "event {}: the payload is {} bytes, more than relay.max_payload ({max_payload} bytes); \

@@ -12,11 +12,15 @@
 -- and operators write them. The checks on status, attempts, max_attempts and failure_reason stay
 -- constraints: ferry's own writes set those columns.
 --
--- Rows that skip triggers (written with session_replication_role = replica, as logical
--- replication and pg_restore --disable-triggers do) are no longer checked for these three; the
--- relay reads such a row as it reads a hand-edited one: it fails alone, as invalid_event.
+-- Rows that reach the table without triggers firing are no longer checked for these three:
+-- those logical replication writes (session_replication_role = replica), and those a pg_dump
+-- restore loads (it creates triggers after the data; CHECK constraints came before it). The relay
+-- fails such a row alone, as invalid_event naming the column, as it does a hand-edited one.
 --
--- Only the catalog changes: no row is read or rewritten, and the exclusive lock is brief.
+-- Only the catalog changes: no row is read or rewritten. ALTER TABLE takes an exclusive lock on
+-- ferry_events, which waits for the transactions using the table to end and holds off inserts
+-- meanwhile. On a busy outbox run `ferry migrate` with a lock timeout in the database URL
+-- (`?options=-c%20lock_timeout%3D5s`), and again if it gives up.
 CREATE OR REPLACE FUNCTION ferry_events_representable() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     -- One condition for the common case, a well-formed row: PL/pgSQL evaluates each IF as an

@@ -31,7 +31,7 @@ use std::time::Duration;
 pub use self::contract::{Contract, OLDER_WIT_VERSIONS, WIT_VERSION};
 pub use self::http_pool::DEFAULT_CONNECTIONS as DEFAULT_HTTP_CONNECTIONS;
 pub(crate) use self::http_pool::is_public;
-pub use self::pool::{Delivery, PluginConfig, RouteTransport, route_transports};
+pub use self::pool::{Cutoff, Delivery, PluginConfig, RouteTransport, route_transports};
 pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, is_plugin_file, wasm_files};
 pub use self::runtime::Runtime;
 pub use self::sandbox::HostState;

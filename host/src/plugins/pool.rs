@@ -233,12 +233,21 @@ impl RouteTransport {
 
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
     /// `config`: an instance made with this config (an endpoint's) rather than the route's.
-    pub async fn deliver(&self, events: &[&ClaimedEvent], config: Option<&PluginConfig>) -> Delivery {
+    /// Once `cutoff` has passed, neither an instance start nor the call begins: the delivery then
+    /// never finishes, and its caller, which set the cutoff, gives its events back.
+    pub async fn deliver(
+        &self,
+        events: &[&ClaimedEvent],
+        config: Option<&PluginConfig>,
+        cutoff: Option<&Cutoff>,
+    ) -> Delivery {
         let waiting = Stopwatch::start(&self.instance_wait);
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
         drop(waiting);
+        Cutoff::hold_if_passed(cutoff).await;
         let (plugin_hash, result) = match self.instance(config).await {
             Ok(instance) => {
+                Cutoff::hold_if_passed(cutoff).await;
                 let plugin_hash = Some(instance.hash.clone());
                 let _timed = Stopwatch::start(&self.call_duration);
                 (plugin_hash, self.call(instance, events).await)
@@ -294,6 +303,28 @@ impl RouteTransport {
         // The instance's state is unknown after a fault: it is dropped, the next call starts afresh.
         tracing::warn!(plugin = %self.route.plugin, route = %self.route.name, "{fault}; instance discarded");
         Err(fault.into())
+    }
+}
+
+/// A moment, fixed once, from which no plugin instance is started and no call begins: the end of
+/// shutdown's grace period, shared by the relay's workers. Checked right before each start and
+/// each call, where nothing else decides whether they begin: a delivery may be polled a moment
+/// past the end (timers fire on the next millisecond, and a poll that runs a plugin's code does
+/// not look at the clock until it returns).
+#[derive(Debug, Default)]
+pub struct Cutoff(std::sync::OnceLock<tokio::time::Instant>);
+
+impl Cutoff {
+    /// The cutoff: `after` from now, unless it was fixed before.
+    pub fn fix(&self, after: std::time::Duration) -> tokio::time::Instant {
+        *self.0.get_or_init(|| tokio::time::Instant::now() + after)
+    }
+
+    /// Never returns once the cutoff has passed (the caller's future is dropped instead).
+    async fn hold_if_passed(cutoff: Option<&Cutoff>) {
+        if cutoff.and_then(|c| c.0.get()).is_some_and(|end| tokio::time::Instant::now() >= *end) {
+            std::future::pending::<()>().await;
+        }
     }
 }
 

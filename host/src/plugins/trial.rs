@@ -247,7 +247,7 @@ pub async fn run(config: &Config, setup: &TrialSetup, events: &[ClaimedEvent]) -
     for batch in events.chunks(setup.batch_size.max(1)) {
         let refs: Vec<&ClaimedEvent> = batch.iter().collect();
         let started = Instant::now();
-        let delivery = transport.deliver(&refs, None).with_subscriber(heard.subscriber()).await;
+        let delivery = transport.deliver(&refs, None, None).with_subscriber(heard.subscriber()).await;
         let duration_ms = millis(started);
         let (fault, outcomes) = match delivery.result {
             Ok(outcomes) => (None, batch.iter().zip(outcomes).map(|(e, o)| outcome_of(e, o)).collect()),

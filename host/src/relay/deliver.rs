@@ -14,7 +14,7 @@ use super::{CycleStats, Relay, Routes};
 use crate::backoff::RetryDecision;
 use crate::endpoints::EndpointTable;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
-use crate::plugins::{DeliverError, Outcome, PluginConfig, RouteTransport};
+use crate::plugins::{Cutoff, DeliverError, Outcome, PluginConfig, RouteTransport};
 use crate::store::StoreError;
 
 /// The shortest wait a plugin's deferral gets, so an event deferred again and again cannot keep
@@ -120,12 +120,13 @@ impl Relay {
 
     /// Delivers a claimed batch route by route (routes concurrently), returning one completion
     /// per event. An endpoint's deliveries go to its route's endpoint template with the
-    /// endpoint's config.
+    /// endpoint's config. No plugin instance or call is started past `cutoff`.
     pub(super) async fn deliver_all(
         &self,
         routes: &Routes,
         endpoints: &EndpointTable,
         events: &[ClaimedEvent],
+        cutoff: &Cutoff,
     ) -> Vec<Completion> {
         let mut by_route: BTreeMap<&str, Vec<&ClaimedEvent>> = BTreeMap::new();
         let mut completions = Vec::with_capacity(events.len());
@@ -145,7 +146,7 @@ impl Relay {
             };
             let why = match (routes.transport(route), endpoint()) {
                 (Some(transport), _) => {
-                    return self.deliver_isolating(routes, transport, None, batch, lease_ends).await;
+                    return self.deliver_isolating(routes, transport, None, batch, lease_ends, cutoff).await;
                 }
                 // Claimed under an older table: its deliveries wait (no attempt counted), and the
                 // next claims hold them.
@@ -164,7 +165,9 @@ impl Relay {
                 }
                 (None, Some((transport, Some(endpoint)))) => match &endpoint.config {
                     Ok(config) => {
-                        return self.deliver_isolating(routes, transport, Some(config), batch, lease_ends).await;
+                        return self
+                            .deliver_isolating(routes, transport, Some(config), batch, lease_ends, cutoff)
+                            .await;
                     }
                     Err(why) => format!("endpoint {} cannot be delivered to: {why}", endpoint.id),
                 },
@@ -194,6 +197,7 @@ impl Relay {
         config: Option<&PluginConfig>,
         batch: Vec<&ClaimedEvent>,
         lease_ends: std::time::Instant,
+        cutoff: &Cutoff,
     ) -> Vec<Completion> {
         let levels = usize::BITS - batch.len().leading_zeros() + 1;
         let mut faults = 0;
@@ -202,7 +206,7 @@ impl Relay {
         while let Some(part) = parts.pop() {
             let started_at = self.clock.now();
             let started = std::time::Instant::now();
-            let delivery = transport.deliver(&part, config).await;
+            let delivery = transport.deliver(&part, config, Some(cutoff)).await;
             let call = self.call_log(
                 &part[0].route,
                 started_at,

@@ -27,7 +27,7 @@ mod health;
 mod trace;
 
 pub use self::health::RelayHealth;
-use crate::plugins::RouteTransport;
+use crate::plugins::{Cutoff, RouteTransport};
 use crate::store::{Breaker, Claim, Store, StoreError};
 
 /// What one relay cycle did.
@@ -126,19 +126,6 @@ struct EndpointCache {
     table: Arc<EndpointTable>,
 }
 
-/// When the shutdown grace period ends, for the workers of one [`Relay::run`]: fixed by the first
-/// of them to see the stop with a delivery in flight, so the period is one for all of them. Each
-/// timing its own from when it noticed, a worker whose claim was still running at the stop would
-/// deliver after the others' grace had ended, on plugin instances they had just given back.
-#[derive(Debug, Default)]
-struct GraceEnd(std::sync::OnceLock<tokio::time::Instant>);
-
-impl GraceEnd {
-    fn at(&self, grace: Duration) -> tokio::time::Instant {
-        *self.0.get_or_init(|| tokio::time::Instant::now() + grace)
-    }
-}
-
 /// How often, at most, the log says per route that events ended FAILED.
 const FAILED_NOTICE_EVERY: Duration = Duration::from_secs(60);
 
@@ -219,15 +206,24 @@ impl Relay {
     pub async fn run(&self, shutdown: CancellationToken) {
         let listening = self.listen && self.store.spawn_waker(self.wake.clone(), shutdown.child_token());
         tracing::info!(instance = %self.instance, batch_size = self.batch_size, workers = self.workers, listening, "relay started");
-        let grace_end = GraceEnd::default();
-        futures::future::join_all((0..self.workers).map(|worker| self.work(worker, &shutdown, &grace_end))).await;
+        // The grace period is one for all workers, counted from the stop. Each timing its own
+        // from when it noticed, a worker whose claim was still running at the stop would deliver
+        // after the others' grace had ended, on plugin instances they had just given back.
+        let grace_end = Cutoff::default();
+        let stop = async {
+            shutdown.cancelled().await;
+            grace_end.fix(self.shutdown_grace);
+        };
+        let workers =
+            futures::future::join_all((0..self.workers).map(|worker| self.work(worker, &shutdown, &grace_end)));
+        futures::future::join(stop, workers).await;
         tracing::info!(instance = %self.instance, "relay stopped");
     }
 
     /// One worker: claims as long as there is work, and waits (polling with a growing interval,
     /// or for a wake-up) when there is none. Worker 0 also does the housekeeping. Database errors
     /// are logged and retried; they never end the loop.
-    async fn work(&self, worker: u32, shutdown: &CancellationToken, grace_end: &GraceEnd) {
+    async fn work(&self, worker: u32, shutdown: &CancellationToken, grace_end: &Cutoff) {
         let mut cycle: u64 = 0;
         let mut idle_pause = self.poll_interval;
         let mut error_pause = self.poll_interval;
@@ -313,11 +309,12 @@ impl Relay {
     /// One claim → deliver → record round. If `shutdown` fires during delivery, in-flight calls
     /// get the grace period, after which unfinished events are handed back.
     pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleStats, StoreError> {
-        self.cycle_within(shutdown, &GraceEnd::default()).await
+        self.cycle_within(shutdown, &Cutoff::default()).await
     }
 
-    /// [`Relay::cycle`], as one of the workers that share `grace_end`.
-    async fn cycle_within(&self, shutdown: &CancellationToken, grace_end: &GraceEnd) -> Result<CycleStats, StoreError> {
+    /// [`Relay::cycle`], as one of the workers that share `grace_end` (fixed at the stop; by the
+    /// first to see it, when it is not).
+    async fn cycle_within(&self, shutdown: &CancellationToken, grace_end: &Cutoff) -> Result<CycleStats, StoreError> {
         let now = self.clock.now();
         let token = new_token();
         let routes = self.routes.get();
@@ -360,6 +357,10 @@ impl Relay {
             only_route: None,
             max_payload: self.max_payload,
         };
+        // Stopped while reading the breakers or endpoints: nothing is claimed only to be handed back.
+        if shutdown.is_cancelled() {
+            return Ok(CycleStats::default());
+        }
         let claiming = std::time::Instant::now();
         let claim_started = self.clock.now();
         let mut events = self.store.claim(&claim).await?;
@@ -423,15 +424,15 @@ impl Relay {
         }
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
-        let delivery = self.deliver_all(&routes, &endpoints, &events);
+        let delivery = self.deliver_all(&routes, &endpoints, &events, grace_end);
         tokio::pin!(delivery);
-        // The stop and then the grace's end are looked at before the delivery is polled, so
-        // nothing it would start (a plugin call, an instance) begins after the grace has ended:
-        // not in a batch whose claim came back after it either.
+        // The stop and then the grace's end are looked at before the delivery is polled; the
+        // delivery itself starts no instance and no call past the end (`Cutoff`), and a batch
+        // whose claim came back after it is handed back unopened.
         let completions = tokio::select! {
             biased;
             _ = shutdown.cancelled() => {
-                let end = grace_end.at(self.shutdown_grace);
+                let end = grace_end.fix(self.shutdown_grace);
                 let finished = tokio::select! {
                     biased;
                     () = tokio::time::sleep_until(end) => None,

@@ -92,6 +92,18 @@ impl Setup {
     }
 }
 
+async fn a_stopped_relay_claims_nothing(db: TestDb) {
+    let s = setup(db).await;
+    let id = s.emit("s", "ok").await;
+    let stopped = CancellationToken::new();
+    stopped.cancel();
+    let stats = s.ferry.relay.cycle(&stopped).await.unwrap();
+    assert_eq!(stats.claimed, 0, "nothing is claimed only to be handed back: {stats:?}");
+    let row = s.row(id).await;
+    assert_eq!((row.status, row.attempts), (Status::Pending, 0));
+    assert_eq!(s.cycle().await.sent, 1, "the event was there to be claimed");
+}
+
 async fn success_is_sent(db: TestDb) {
     let s = setup(db).await;
     let id = s.emit("s", "ok").await;
@@ -644,6 +656,7 @@ async fn a_deferred_head_holds_its_key(db: TestDb) {
 }
 
 crate::both_backends!(
+    a_stopped_relay_claims_nothing,
     a_deferred_probe_waits_before_the_next,
     a_deferred_head_holds_its_key,
     a_plugin_built_for_contract_0_1_still_delivers,

@@ -49,7 +49,8 @@ pub(super) enum StartError {
 impl Instance {
     /// Sets up the sandbox, instantiates `plugin` for `route` and runs its `init` with `config`,
     /// or the route's. `timed`: the histogram that observes how long that takes, unless the
-    /// sandbox cannot be set up (the trial starts of a reload are not timed).
+    /// sandbox cannot be set up (the trial starts of a reload are not timed). Past `cutoff` the
+    /// plugin is not instantiated, and this never returns (see [`Cutoff`]).
     pub(super) async fn start(
         runtime: &Runtime,
         plugin: &Plugin,
@@ -57,6 +58,7 @@ impl Instance {
         grants: &PluginSettings,
         config: Option<&PluginConfig>,
         timed: Option<&Histogram>,
+        cutoff: Option<&Cutoff>,
     ) -> Result<Instance, StartError> {
         let timer = timed.map(Stopwatch::start);
         let name: Arc<str> = Arc::from(plugin.info.name.as_str());
@@ -72,6 +74,13 @@ impl Instance {
                 return Err(StartError::Unusable(format!("{e:#}")));
             }
         };
+        // Checked here, after the allowlist's lookups and right before the plugin's code runs.
+        if Cutoff::passed(cutoff) {
+            if let Some(timer) = timer {
+                timer.discard();
+            }
+            return std::future::pending().await;
+        }
         let timeout = limits.timeout;
         // The epoch deadline (set on the store) stops wasm code; this timeout also covers a guest
         // parked in the host, so `init` can stall neither start-up nor a reload.
@@ -189,14 +198,14 @@ impl RouteTransport {
     /// Makes sure an instance can be started for this route now: the plugin is loaded and
     /// accepts the route's config. Keeps the instance for the first delivery.
     pub async fn warm_up(&self) -> Result<(), String> {
-        let instance = self.instance(None).await.map_err(|e| e.to_string())?;
+        let instance = self.instance(None, None).await.map_err(|e| e.to_string())?;
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).push(instance);
         Ok(())
     }
 
     /// An idle instance of the active version made with `config` (the route's: `None`), or a
-    /// new one.
-    async fn instance(&self, config: Option<&PluginConfig>) -> Result<Instance, StartError> {
+    /// new one (not past `cutoff`).
+    async fn instance(&self, config: Option<&PluginConfig>, cutoff: Option<&Cutoff>) -> Result<Instance, StartError> {
         let Some(plugin) = self.registry.get(&self.route.plugin) else {
             let loaded = self.registry.names();
             return Err(StartError::Unusable(format!(
@@ -226,7 +235,8 @@ impl RouteTransport {
             Some(instance) => Ok(instance),
             None => {
                 let runtime = &self.registry.runtime;
-                Instance::start(runtime, &plugin, &self.route, &self.grants, config, Some(&self.instance_start)).await
+                Instance::start(runtime, &plugin, &self.route, &self.grants, config, Some(&self.instance_start), cutoff)
+                    .await
             }
         }
     }
@@ -234,7 +244,7 @@ impl RouteTransport {
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
     /// `config`: an instance made with this config (an endpoint's) rather than the route's.
     /// Once `cutoff` has passed, neither an instance start nor the call begins: the delivery then
-    /// never finishes, and its caller, which set the cutoff, gives its events back.
+    /// never finishes, and the relay, which fixed the cutoff, drops it after giving its events back.
     pub async fn deliver(
         &self,
         events: &[&ClaimedEvent],
@@ -244,10 +254,11 @@ impl RouteTransport {
         let waiting = Stopwatch::start(&self.instance_wait);
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
         drop(waiting);
-        Cutoff::hold_if_passed(cutoff).await;
-        let (plugin_hash, result) = match self.instance(config).await {
+        let (plugin_hash, result) = match self.instance(config, cutoff).await {
             Ok(instance) => {
-                Cutoff::hold_if_passed(cutoff).await;
+                if Cutoff::passed(cutoff) {
+                    return std::future::pending().await;
+                }
                 let plugin_hash = Some(instance.hash.clone());
                 let _timed = Stopwatch::start(&self.call_duration);
                 (plugin_hash, self.call(instance, events).await)
@@ -315,16 +326,16 @@ impl RouteTransport {
 pub struct Cutoff(std::sync::OnceLock<tokio::time::Instant>);
 
 impl Cutoff {
-    /// The cutoff: `after` from now, unless it was fixed before.
-    pub fn fix(&self, after: std::time::Duration) -> tokio::time::Instant {
+    /// The cutoff: `after` from now, unless it was fixed before. Only the relay fixes one, where
+    /// a timer for it drops the deliveries held at it.
+    pub(crate) fn fix(&self, after: std::time::Duration) -> tokio::time::Instant {
         *self.0.get_or_init(|| tokio::time::Instant::now() + after)
     }
 
-    /// Never returns once the cutoff has passed (the caller's future is dropped instead).
-    async fn hold_if_passed(cutoff: Option<&Cutoff>) {
-        if cutoff.and_then(|c| c.0.get()).is_some_and(|end| tokio::time::Instant::now() >= *end) {
-            std::future::pending::<()>().await;
-        }
+    /// Whether `cutoff` is fixed and has passed. A start or call that finds it so does not begin
+    /// and never returns: the relay drops it once it has given its events back.
+    fn passed(cutoff: Option<&Cutoff>) -> bool {
+        cutoff.and_then(|c| c.0.get()).is_some_and(|end| tokio::time::Instant::now() >= *end)
     }
 }
 
@@ -370,4 +381,22 @@ pub fn route_transports(registry: &Arc<Registry>, settings: &Settings) -> HashMa
         .iter()
         .map(|(name, route)| (name.clone(), Arc::new(RouteTransport::new(registry.clone(), route.clone()))))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cutoff_passes_only_once_fixed_and_reached() {
+        let cutoff = Cutoff::default();
+        assert!(!Cutoff::passed(None), "no cutoff: deliveries outside the relay");
+        assert!(!Cutoff::passed(Some(&cutoff)), "not fixed: the relay has not stopped");
+        let later = Cutoff::default();
+        let end = later.fix(std::time::Duration::from_secs(3600));
+        assert_eq!(later.fix(std::time::Duration::ZERO), end, "fixed once, by the first");
+        assert!(!Cutoff::passed(Some(&later)), "fixed but not reached");
+        cutoff.fix(std::time::Duration::ZERO);
+        assert!(Cutoff::passed(Some(&cutoff)), "reached");
+    }
 }

@@ -264,12 +264,14 @@ impl Registry {
         let active = self.get(&name);
         let grants = settings.plugin(&name);
         for route in settings.routes.values().filter(|r| r.plugin == name) {
-            let Err(e) = Instance::start(&self.runtime, &plugin, route, &grants, None, None).await else { continue };
+            let Err(e) = Instance::start(&self.runtime, &plugin, route, &grants, None, None, None).await else {
+                continue;
+            };
             // A new version must not break a route the active version serves. A route that no
             // version can serve (its config is rejected by both) does not hold the others back;
             // its events fail with `no_transport` until it is fixed.
             let served_now = match &active {
-                Some(active) => Instance::start(&self.runtime, active, route, &grants, None, None).await.is_ok(),
+                Some(active) => Instance::start(&self.runtime, active, route, &grants, None, None, None).await.is_ok(),
                 None => false,
             };
             if served_now {

@@ -307,7 +307,8 @@ impl Relay {
     }
 
     /// One claim → deliver → record round. If `shutdown` fires during delivery, in-flight calls
-    /// get the grace period, after which unfinished events are handed back.
+    /// get the grace period, after which unfinished events are handed back; once it has fired,
+    /// nothing more is claimed (with a token already cancelled, nothing at all).
     pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleStats, StoreError> {
         self.cycle_within(shutdown, &Cutoff::default()).await
     }
@@ -372,7 +373,9 @@ impl Relay {
             self.wake.notify_one();
         }
         self.metrics.claim_duration.observe(claim_took.as_secs_f64());
-        let probes = self.probes(&claim, &routes, &breakers, &held).await?;
+        // A probe taken now would hold its route's half-open breaker until the lease ends.
+        let probes =
+            if shutdown.is_cancelled() { Vec::new() } else { self.probes(&claim, &routes, &breakers, &held).await? };
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
         // A reload between reading the table and claiming may have added routes whose events were

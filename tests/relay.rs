@@ -352,16 +352,81 @@ async fn retention_purges_old_sent_events_in_bounded_batches(db: TestDb) {
     let failed = s.emit("s", "permanent").await;
     s.cycle().await;
     s.clock.advance(Duration::from_secs(86_400));
-    assert_eq!(s.ferry.relay.purge().await.unwrap(), 0, "exactly one day old is kept");
+    // Nothing is due: the sweep stops at its first window, written at the cut-off.
+    let kept = s.ferry.relay.purge().await.unwrap();
+    assert_eq!((kept.deleted, kept.looked_at), (0, 2), "exactly one day old is kept");
     let young = s.emit("s", "ok").await;
     s.cycle().await;
     s.clock.advance(Duration::from_millis(1));
-    assert_eq!(s.ferry.relay.purge().await.unwrap(), 5);
+    let purged = s.ferry.relay.purge().await.unwrap();
+    assert_eq!((purged.deleted, purged.looked_at), (5, 7), "windows of two up to the end of the table");
     for id in sent {
         assert!(s.db.store.get(id).await.unwrap().is_none());
     }
     assert_eq!(s.status(failed).await, Status::Failed, "FAILED events are never purged by retention");
     assert_eq!(s.status(young).await, Status::Sent);
+}
+
+/// Events delivered long after they were written (deferred here; retried or resent alike) are
+/// not due when the events after them are: the sweep goes past them, and the next sweep, which
+/// starts again from the lowest id, deletes them once they are due.
+async fn retention_sweeps_past_late_deliveries_and_comes_back_for_them(db: TestDb) {
+    let s = setup_with(db, "retain_sent = \"1d\"\npurge_batch = 2").await;
+    let start = s.clock.now();
+    let mut late = Vec::new();
+    for _ in 0..3 {
+        late.push(s.emit_event(NewEvent::new("s", "ok", "{}").not_before(start + chrono::Duration::hours(12))).await);
+    }
+    let mut prompt = Vec::new();
+    for _ in 0..4 {
+        prompt.push(s.emit("s", "ok").await);
+    }
+    assert_eq!(s.cycle().await.sent, 4);
+    s.clock.advance(Duration::from_secs(12 * 3600));
+    assert_eq!(s.cycle().await.sent, 3);
+
+    s.clock.advance(Duration::from_millis(12 * 3600 * 1000 + 1));
+    let first = s.ferry.relay.purge().await.unwrap();
+    assert_eq!(first.deleted, 4, "the events delivered late do not stop the sweep");
+    for id in &prompt {
+        assert!(s.db.store.get(*id).await.unwrap().is_none());
+    }
+    for id in &late {
+        assert_eq!(s.status(*id).await, Status::Sent);
+    }
+    let young = s.emit("s", "ok").await;
+    s.cycle().await;
+
+    s.clock.advance(Duration::from_secs(12 * 3600));
+    assert_eq!(s.ferry.relay.purge().await.unwrap().deleted, 3, "the next sweep starts from the lowest id");
+    for id in &late {
+        assert!(s.db.store.get(*id).await.unwrap().is_none());
+    }
+    assert_eq!(s.status(young).await, Status::Sent);
+}
+
+/// A call looks at ten windows at most; the next goes on where it stopped, so a long run of
+/// events retention keeps (FAILED here) costs each call the same and holds up the rest only
+/// until the sweep is past it.
+async fn retention_goes_on_where_the_last_call_stopped(db: TestDb) {
+    let s = setup_with(db, "retain_sent = \"1d\"\npurge_batch = 2").await;
+    for _ in 0..25 {
+        s.emit("s", "permanent").await;
+    }
+    let sent = [s.emit("s", "ok").await, s.emit("s", "ok").await];
+    assert_eq!(s.cycle().await.claimed, 27);
+    s.clock.advance(Duration::from_secs(86_401));
+
+    let first = s.ferry.relay.purge().await.unwrap();
+    assert_eq!((first.deleted, first.looked_at), (0, 20));
+    let second = s.ferry.relay.purge().await.unwrap();
+    assert_eq!((second.deleted, second.looked_at), (2, 7));
+    for id in sent {
+        assert!(s.db.store.get(id).await.unwrap().is_none());
+    }
+    let third = s.ferry.relay.purge().await.unwrap();
+    assert_eq!((third.deleted, third.looked_at), (0, 20), "a new sweep, from the lowest id");
+    assert_eq!(s.db.store.counts().await.unwrap()[&Status::Failed], 25);
 }
 
 async fn stuck_claims_are_recovered_by_housekeeping(db: TestDb) {
@@ -673,6 +738,8 @@ crate::both_backends!(
     an_ordered_key_waits_for_its_head,
     a_failed_head_blocks_or_skips_its_key,
     retention_purges_old_sent_events_in_bounded_batches,
+    retention_sweeps_past_late_deliveries_and_comes_back_for_them,
+    retention_goes_on_where_the_last_call_stopped,
     stuck_claims_are_recovered_by_housekeeping,
     success_is_sent,
     transient_retries_with_backoff_then_fails,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use chrono::{DateTime, TimeZone, Utc};
 use ferry::NewEvent;
 use ferry::event::{AttemptLog, CallLog, Completion, Disposition, FailureReason, Status};
-use ferry::store::{Claim, EndEvent, FailedFilter, ReasonFilter};
+use ferry::store::{Claim, EndEvent, FailedFilter, ReasonFilter, SweepStep};
 
 use crate::common::{Backend, TestDb, emit_in_transaction};
 
@@ -352,13 +352,21 @@ async fn purge_deletes_only_old_sent_events(db: TestDb) {
     for _ in 0..3 {
         s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
     }
-    let items: Vec<Completion> =
-        s.claim(&claim(t0(), 10, "tok")).await.unwrap().iter().map(|e| done(e.id, Disposition::Sent)).collect();
+    let sent: Vec<i64> = s.claim(&claim(t0(), 10, "tok")).await.unwrap().iter().map(|e| e.id).collect();
+    let items: Vec<Completion> = sent.iter().map(|id| done(*id, Disposition::Sent)).collect();
     s.complete("tok", t0(), &items).await.unwrap();
-    assert_eq!(s.purge_sent(t0(), 10).await.unwrap(), 0, "not older than the cut-off");
-    assert_eq!(s.purge_sent(t0() + secs(1), 2).await.unwrap(), 2, "bounded by the limit");
-    assert_eq!(s.purge_sent(t0() + secs(1), 2).await.unwrap(), 1);
+    let pending = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    let step = |seen, last, young, deleted| SweepStep { seen, last, young, deleted };
+
+    // Written at the cut-off: young, and not deleted.
+    assert_eq!(s.purge_sent(i64::MIN, t0(), 10).await.unwrap(), step(4, Some(pending), true, 0));
+    // A window of two, then the rest from where it ended; the PENDING event is looked at, kept.
+    let later = t0() + secs(1);
+    assert_eq!(s.purge_sent(i64::MIN, later, 2).await.unwrap(), step(2, Some(sent[1]), false, 2));
+    assert_eq!(s.purge_sent(sent[1] + 1, later, 2).await.unwrap(), step(2, Some(pending), false, 1));
+    assert_eq!(s.purge_sent(pending + 1, later, 2).await.unwrap(), step(0, None, false, 0));
     assert_eq!(s.counts().await.unwrap()[&Status::Sent], 0);
+    assert_eq!(s.get(pending).await.unwrap().unwrap().status, Status::Pending);
 }
 
 async fn breakers_count_open_probe_and_close(db: TestDb) {
@@ -707,15 +715,15 @@ async fn failed_groups_span_their_first_and_last_failure(db: TestDb) {
     assert_eq!(s.tally_failed(&unrecorded).await.unwrap(), (1, Some(first)));
 }
 
-/// The claim and the look for an event's predecessors read indexes at the sizes an outbox
-/// holds. PostgreSQL planned the claim's former join of the picked ids with the table as a hash
+/// The claim, the look for an event's predecessors and retention's sweep read indexes at the
+/// sizes an outbox holds. PostgreSQL planned the claim's former join of the picked ids with the table as a hash
 /// join over every row (up to some tens of thousands of them: 41 ms instead of 9 for a batch of
 /// 500 among 20 000 events); SQLite walked every older row by id for each keyed event of an
 /// ordered route, as it does not derive the key index's condition (one claim among 200 000 rows
 /// took 59 s instead of 5 ms). The plans are read for 20 000 keyed events of an ordered route.
 /// (That PostgreSQL chose the hash at 20 000 rows follows from its default cost settings; with
 /// the array there is no join left to choose.)
-async fn the_claim_and_the_look_at_a_key_read_indexes(db: TestDb) {
+async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
     let fill = match db.backend {
         Backend::Postgres => {
             "INSERT INTO ferry_events (route, event_type, payload, ordering_key)
@@ -729,7 +737,7 @@ async fn the_claim_and_the_look_at_a_key_read_indexes(db: TestDb) {
     };
     execute(&db, fill).await.unwrap();
     execute(&db, "ANALYZE").await.unwrap();
-    let (claim, ahead) = match db.backend {
+    let (claim, ahead, sweep) = match db.backend {
         Backend::Postgres => {
             use sqlx::Connection as _;
             let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
@@ -745,13 +753,15 @@ async fn the_claim_and_the_look_at_a_key_read_indexes(db: TestDb) {
                 ),
                 ("ahead", ferry::store::ahead_in_key_sql(true), "('r', 'k1', 20000)"),
                 ("ahead_open", ferry::store::ahead_in_key_sql(false), "('r', 'k1', 20000)"),
+                ("sweep", ferry::store::POSTGRES_SWEEP_SQL, "(0, 1000, now())"),
             ] {
                 sqlx::raw_sql(&format!("PREPARE {name} AS {sql}")).execute(&mut conn).await.unwrap();
                 let rows: Vec<(String,)> =
                     sqlx::query_as(&format!("EXPLAIN EXECUTE {name}{args}")).fetch_all(&mut conn).await.unwrap();
                 plans.push(rows.into_iter().map(|(line,)| line).collect::<Vec<_>>().join("\n"));
             }
-            (plans.remove(0), plans.join("\n"))
+            let sweep = plans.pop().unwrap();
+            (plans.remove(0), plans.join("\n"), sweep)
         }
         Backend::Sqlite => {
             let pool = db.sqlite.as_ref().unwrap().pool();
@@ -785,7 +795,13 @@ async fn the_claim_and_the_look_at_a_key_read_indexes(db: TestDb) {
                     .unwrap();
                 ahead.push(plan(rows));
             }
-            (plan(claim), ahead.join("\n"))
+            let mut sweep = Vec::new();
+            for statement in ferry::store::SQLITE_SWEEP_SQL {
+                let rows =
+                    sqlx::query_as(&explain(statement)).bind(0).bind(1000).bind(now).fetch_all(pool).await.unwrap();
+                sweep.push(plan(rows));
+            }
+            (plan(claim), ahead.join("\n"), sweep.join("\n"))
         }
     };
     // The claim writes its rows by primary key, picks them through the pending index and looks
@@ -798,10 +814,17 @@ async fn the_claim_and_the_look_at_a_key_read_indexes(db: TestDb) {
             || (line.trim_start().starts_with("SCAN") && !line.contains("json_each"));
         assert!(!walks_the_table, "{line}\n{claim}\n{ahead}");
     }
+    // Retention's sweep reads a window along the primary key and deletes by it.
+    assert!(sweep.contains("ferry_events_pkey") || sweep.contains("INTEGER PRIMARY KEY (rowid>?"), "{sweep}");
+    for line in sweep.lines() {
+        let walks_the_table =
+            ["Seq Scan", "Hash", "Sort"].iter().any(|w| line.contains(w)) || line.contains("SCAN ferry_events");
+        assert!(!walks_the_table, "{line}\n{sweep}");
+    }
 }
 
 crate::both_backends!(
-    the_claim_and_the_look_at_a_key_read_indexes,
+    the_claim_the_look_at_a_key_and_retention_read_indexes,
     failed_groups_span_their_first_and_last_failure,
     history_is_written_with_outcomes_and_kept_across_resends,
     successes_are_recorded_on_the_event_row,

@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -41,6 +42,15 @@ pub struct CycleStats {
     pub failed: usize,
     /// Outcomes not written because the claim had been recovered in the meantime.
     pub fenced_off: usize,
+}
+
+/// What one call of [`Relay::purge`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Purged {
+    /// SENT events deleted.
+    pub deleted: u64,
+    /// Events looked at to find them.
+    pub looked_at: u64,
 }
 
 /// Routes resolved to transports, with their settings (retry policies among them). A cycle
@@ -94,6 +104,8 @@ pub struct Relay {
     shutdown_grace: Duration,
     retain_sent: Option<Duration>,
     purge_batch: u32,
+    /// Where retention's sweep goes on from: the lowest id not yet looked at in this sweep.
+    sweep_from: AtomicI64,
     /// Payloads larger than this are not loaded; such events fail alone.
     max_payload: u64,
     /// Consecutive transient failures that open a route's breaker; 0: breakers never open by
@@ -155,6 +167,7 @@ impl Relay {
             shutdown_grace: config.relay.shutdown_grace.0,
             retain_sent: config.relay.retain_sent.0,
             purge_batch: config.relay.purge_batch,
+            sweep_from: AtomicI64::new(i64::MIN),
             max_payload: config.relay.max_payload.0 as u64,
             breaker_threshold: config.breaker.threshold,
             breaker_cooldown: config.breaker.cooldown.0,
@@ -274,21 +287,33 @@ impl Relay {
         }
     }
 
-    /// Deletes SENT events older than the retention period, in bounded statements so no lock is
-    /// held for long; at most ten statements per call, the rest waits for the next call.
-    pub async fn purge(&self) -> Result<u64, StoreError> {
-        let Some(retain) = self.retain_sent else { return Ok(0) };
+    /// Deletes SENT events older than the retention period. There is no index of SENT rows to
+    /// find them by (keeping one cost every delivery a write): retention sweeps the table along
+    /// its primary key instead, a window of `purge_batch` events per statement and at most ten
+    /// statements per call, going on where the last call stopped. A sweep ends at the end of the
+    /// table or at a window written entirely after the cut-off: ids are handed out in the order
+    /// events are written, so the events past it are younger still. The next sweep starts again
+    /// from the lowest id, where events delivered late (retried, deferred, resent) come due in
+    /// their turn. So a call costs at most ten windows, and one when nothing is due.
+    pub async fn purge(&self) -> Result<Purged, StoreError> {
+        let mut purged = Purged::default();
+        let Some(retain) = self.retain_sent else { return Ok(purged) };
         let before = crate::clock::earlier(self.clock.now(), retain);
-        let mut purged = 0;
         for _ in 0..10 {
-            let n = self.store.purge_sent(before, self.purge_batch).await?;
-            purged += n;
-            if n < u64::from(self.purge_batch) {
+            let step = self.store.purge_sent(self.sweep_from.load(Ordering::Relaxed), before, self.purge_batch).await?;
+            purged.deleted += step.deleted;
+            purged.looked_at += step.seen;
+            let next = match step.last {
+                Some(last) if !step.young && step.seen >= u64::from(self.purge_batch) => last.checked_add(1),
+                _ => None,
+            };
+            self.sweep_from.store(next.unwrap_or(i64::MIN), Ordering::Relaxed);
+            if next.is_none() {
                 break;
             }
         }
-        if purged > 0 {
-            tracing::info!(purged, "deleted SENT events past their retention");
+        if purged.deleted > 0 {
+            tracing::info!(purged = purged.deleted, "deleted SENT events past their retention");
         }
         Ok(purged)
     }

@@ -32,6 +32,8 @@ pub use self::stats::{LATENCY_SAMPLES, Latency, Percentiles, Stats};
 pub use self::stats::{UNFINISHED_COUNTS_SQL, WATCH_SQL};
 /// Each backend's claim: public so a test can check their plans.
 pub use self::{postgres::CLAIM_SQL as POSTGRES_CLAIM_SQL, sqlite::CLAIM_SQL as SQLITE_CLAIM_SQL};
+/// Each backend's step of retention's sweep: public so a test can check their plans.
+pub use self::{postgres::SWEEP_SQL as POSTGRES_SWEEP_SQL, sqlite::SWEEP_SQL as SQLITE_SWEEP_SQL};
 pub use crate::breaker::Breaker;
 use crate::event::{
     AttemptRecord, CLAIMED_COLUMNS, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, FailureReason,
@@ -266,6 +268,21 @@ pub struct Recovered {
     pub claimed_by: Option<String>,
 }
 
+/// What one step of retention's sweep found: it looks at the events in id order from a given id
+/// on, a window of them at a time, and deletes those of the window SENT before the cut-off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweepStep {
+    /// Events in the window: fewer than asked for means the sweep reached the end of the table.
+    pub seen: u64,
+    /// The window's highest id, where the next step goes on from (`None` when it was empty).
+    pub last: Option<i64>,
+    /// Whether every event of the window was written at or after the cut-off (`created_at`), so
+    /// the sweep has reached the events too young to be deleted and starts again from the lowest id.
+    pub young: bool,
+    /// Events deleted.
+    pub deleted: u64,
+}
+
 /// The outbox, whatever database holds it.
 #[async_trait]
 pub trait Store: std::fmt::Debug + Send + Sync {
@@ -308,8 +325,11 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// loses its token, and the relay's late outcome is fenced off.
     async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError>;
 
-    /// Deletes up to `limit` SENT events processed before `before`. Returns how many went.
-    async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError>;
+    /// One step of retention's sweep: looks at up to `limit` events in id order from id `from`
+    /// (inclusive) and deletes those of them SENT before `before`, skipping any another
+    /// transaction holds locked. It reads the primary key, so no index of SENT rows is needed
+    /// (keeping one cost every delivery a write); see `Relay::purge` for how steps make a sweep.
+    async fn purge_sent(&self, from: i64, before: DateTime<Utc>, limit: u32) -> Result<SweepStep, StoreError>;
 
     /// Starts a background task that calls `wake.notify_one()` whenever another process commits a
     /// new or resent event, until `stop`. Returns false if the backend cannot do that (SQLite),

@@ -19,9 +19,9 @@ use ferry_outbox::Outbox;
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
-    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, UNFINISHED_COUNTS_SQL,
-    WATCH_SQL, calls_of, claimed_events, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters,
-    deferrals_written, duration_ms, ids_in_order, refund, stats_from,
+    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
+    UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_events, complete_batch, copies, copy_dead_letters,
+    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -324,6 +324,24 @@ pub const CLAIM_SQL: &str = "WITH picked AS (
                e.headers::text AS headers, e.attempts, e.max_attempts, e.event_time,
                e.created_at, e.next_attempt_at";
 
+/// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
+/// $1 on, read along the primary key; of them, the SENT rows processed before $3 are locked (those
+/// another transaction holds are skipped) and deleted, found by primary key as the claim finds its
+/// rows. Returns the window's size, its last id, whether all of it was written at or after $3,
+/// and how many rows went.
+pub const SWEEP_SQL: &str = "WITH seen AS (
+         SELECT id, status, processed_at, created_at FROM ferry_events WHERE id >= $1 ORDER BY id LIMIT $2
+     ), due AS (
+         SELECT e.id FROM ferry_events e
+         WHERE e.id = ANY(ARRAY(SELECT id FROM seen WHERE status = 'SENT' AND processed_at < $3))
+           AND e.status = 'SENT' AND e.processed_at < $3
+         FOR UPDATE SKIP LOCKED
+     ), gone AS (
+         DELETE FROM ferry_events WHERE id = ANY(ARRAY(SELECT id FROM due)) RETURNING 1
+     )
+     SELECT (SELECT COUNT(*) FROM seen) AS seen, (SELECT MAX(id) FROM seen) AS last,
+            (SELECT bool_and(created_at >= $3) FROM seen) AS young, (SELECT COUNT(*) FROM gone) AS deleted";
+
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
@@ -456,20 +474,16 @@ impl Store for PostgresStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(
-            "DELETE FROM ferry_events WHERE id IN (
-                 SELECT id FROM ferry_events
-                 WHERE status = 'SENT' AND processed_at < $1
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED
-             )",
-        )
-        .bind(before)
-        .bind(i64::from(limit))
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected())
+    async fn purge_sent(&self, from: i64, before: DateTime<Utc>, limit: u32) -> Result<SweepStep, StoreError> {
+        let row = sqlx::query(SWEEP_SQL).bind(from).bind(i64::from(limit)).bind(before).fetch_one(&self.pool).await?;
+        // COUNT(*) is a bigint, never negative.
+        let count = |column: &str| row.try_get::<i64, _>(column).map(|n| u64::try_from(n).unwrap_or_default());
+        Ok(SweepStep {
+            seen: count("seen")?,
+            last: row.try_get("last")?,
+            young: row.try_get::<Option<bool>, _>("young")?.unwrap_or(false),
+            deleted: count("deleted")?,
+        })
     }
 
     fn spawn_waker(&self, wake: Arc<Notify>, stop: CancellationToken) -> bool {

@@ -19,9 +19,9 @@ use ferry_outbox::Outbox;
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
-    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, UNFINISHED_COUNTS_SQL,
-    WATCH_SQL, claimed_events, complete_batch, copies, copy_dead_letters, counts_by_status, dead_letters,
-    deferrals_written, duration_ms, ids_in_order, refund, stats_from,
+    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
+    UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_events, complete_batch, copies, copy_dead_letters, counts_by_status,
+    dead_letters, deferrals_written, duration_ms, ids_in_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -363,6 +363,15 @@ const COMPLETE_FAILED: &str = "UPDATE ferry_events
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
 
+/// One step of retention's sweep (`Store::purge_sent`), in two statements: the size, last id and
+/// youth (all written at or after ?3) of the window of the next ?2 events from id ?1 on, read
+/// along the primary key; then the deletion of the SENT rows processed before ?3 among ids ?1 to ?2.
+pub const SWEEP_SQL: [&str; 2] = [
+    "SELECT COUNT(*) AS seen, MAX(id) AS last, MIN(created_at >= ?3) AS young
+     FROM (SELECT id, created_at FROM ferry_events WHERE id >= ?1 ORDER BY id LIMIT ?2)",
+    "DELETE FROM ferry_events WHERE id BETWEEN ?1 AND ?2 AND status = 'SENT' AND processed_at < ?3",
+];
+
 #[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
@@ -497,18 +506,29 @@ impl Store for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn purge_sent(&self, before: DateTime<Utc>, limit: u32) -> Result<u64, StoreError> {
+    async fn purge_sent(&self, from: i64, before: DateTime<Utc>, limit: u32) -> Result<SweepStep, StoreError> {
         let _writing = self.writer.lock().await;
-        let done = sqlx::query(
-            "DELETE FROM ferry_events WHERE id IN (
-                 SELECT id FROM ferry_events WHERE status = 'SENT' AND processed_at < ?1 LIMIT ?2
-             )",
-        )
-        .bind(ms(before))
-        .bind(i64::from(limit))
-        .execute(&self.pool)
-        .await?;
-        Ok(done.rows_affected())
+        let window =
+            sqlx::query(SWEEP_SQL[0]).bind(from).bind(i64::from(limit)).bind(ms(before)).fetch_one(&self.pool).await?;
+        let last: Option<i64> = window.try_get("last")?;
+        let deleted = match last {
+            // SQLite hands out ids above the highest ever used (AUTOINCREMENT), so the rows in the
+            // window's range are those it looked at, or later ones, PENDING.
+            Some(last) => sqlx::query(SWEEP_SQL[1])
+                .bind(from)
+                .bind(last)
+                .bind(ms(before))
+                .execute(&self.pool)
+                .await?
+                .rows_affected(),
+            None => 0,
+        };
+        Ok(SweepStep {
+            seen: u64::try_from(window.try_get::<i64, _>("seen")?).unwrap_or_default(),
+            last,
+            young: window.try_get::<Option<i64>, _>("young")? == Some(1),
+            deleted,
+        })
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -1,0 +1,16 @@
+-- Retention no longer reads an index of SENT rows: it sweeps the table along its primary key,
+-- a window of events at a time (`Relay::purge`, ARCHITECTURE.md), and the latency figures of
+-- `ferry stats` walk the primary key down from the newest event.
+--
+-- Why: every delivery entered the row it made SENT into ferry_events_sent, a write PostgreSQL
+-- paid for in the common case only so that retention could find old rows. Measured with
+-- benches/callgrind-pg (BENCHMARKS.md), it was about 8 900 of the 146 000 instructions PostgreSQL
+-- spends per event on ferry's claim and completion. The sweep costs one window of
+-- `relay.purge_batch` events per housekeeping run when nothing is due.
+--
+-- DROP INDEX takes an exclusive lock on ferry_events for a moment, waiting for the transactions
+-- using the table to end and holding off inserts meanwhile. On a busy outbox drop it beforehand
+-- without that lock, `DROP INDEX CONCURRENTLY ferry_events_sent;` (outside a transaction), and
+-- this migration finds it gone; or run `ferry migrate` with a lock timeout in the database URL
+-- (`?options=-c%20lock_timeout%3D5s`), and again if it gives up.
+DROP INDEX IF EXISTS ferry_events_sent;

@@ -18,6 +18,7 @@ struct Setup {
     db: TestDb,
     clock: Arc<ManualClock>,
     ferry: Ferry,
+    config: ferry::config::Config,
 }
 
 /// Ferry with the scripted plugin on route `s`, exponential backoff from 1s without jitter, at
@@ -63,7 +64,7 @@ async fn setup_with(db: TestDb, relay: &str) -> Setup {
     ));
     let clock = Arc::new(ManualClock::new(Utc.with_ymd_and_hms(2026, 5, 1, 8, 0, 0).unwrap()));
     let ferry = Ferry::start(&config, clock.clone()).await.expect("ferry starts");
-    Setup { db, clock, ferry }
+    Setup { db, clock, ferry, config }
 }
 
 impl Setup {
@@ -405,9 +406,9 @@ async fn retention_sweeps_past_late_deliveries_and_comes_back_for_them(db: TestD
     assert_eq!(s.status(young).await, Status::Sent);
 }
 
-/// A call looks at ten windows at most; the next goes on where it stopped, so a long run of
-/// events retention keeps (FAILED here) costs each call the same and holds up the rest only
-/// until the sweep is past it.
+/// A call looks at ten windows at most; the next goes on where it stopped, in this process or
+/// after a restart, so a long run of events retention keeps (FAILED here) costs each call the
+/// same and holds up the rest only until the sweep is past it.
 async fn retention_goes_on_where_the_last_call_stopped(db: TestDb) {
     let s = setup_with(db, "retain_sent = \"1d\"\npurge_batch = 2").await;
     for _ in 0..25 {
@@ -419,7 +420,9 @@ async fn retention_goes_on_where_the_last_call_stopped(db: TestDb) {
 
     let first = s.ferry.relay.purge().await.unwrap();
     assert_eq!((first.deleted, first.looked_at), (0, 20));
-    let second = s.ferry.relay.purge().await.unwrap();
+    // Another ferry on the same database (a restart) goes on from where the first stopped.
+    let restarted = Ferry::start(&s.config, s.clock.clone()).await.expect("ferry starts again");
+    let second = restarted.relay.purge().await.unwrap();
     assert_eq!((second.deleted, second.looked_at), (2, 7));
     for id in sent {
         assert!(s.db.store.get(id).await.unwrap().is_none());

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use chrono::{DateTime, TimeZone, Utc};
 use ferry::NewEvent;
 use ferry::event::{AttemptLog, CallLog, Completion, Disposition, FailureReason, Status};
-use ferry::store::{Claim, EndEvent, FailedFilter, ReasonFilter, SweepStep};
+use ferry::store::{Claim, EndEvent, FailedFilter, ReasonFilter, SweepStep, SweepWindow};
 
 use crate::common::{Backend, TestDb, emit_in_transaction};
 
@@ -32,6 +32,22 @@ fn claim(now: DateTime<Utc>, limit: u32, token: &str) -> Claim {
         only_route: None,
         max_payload: 1 << 20,
     }
+}
+
+/// A step of retention's sweep from id `from`, of `limit` events, with the cut-off `before`, at `now`.
+fn sweep(from: i64, before: DateTime<Utc>, now: DateTime<Utc>, limit: u32) -> SweepWindow {
+    SweepWindow { from, limit, before, now }
+}
+
+/// Three events written and SENT at `t0()`, by one claim; their ids.
+async fn three_sent(s: &dyn ferry::store::Store) -> Vec<i64> {
+    for _ in 0..3 {
+        s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    }
+    let sent: Vec<i64> = s.claim(&claim(t0(), 10, "tok")).await.unwrap().iter().map(|e| e.id).collect();
+    let items: Vec<Completion> = sent.iter().map(|id| done(*id, Disposition::Sent)).collect();
+    s.complete("tok", t0(), &items).await.unwrap();
+    sent
 }
 
 fn done(id: i64, disposition: Disposition) -> Completion {
@@ -349,24 +365,60 @@ async fn failed_events_are_counted_listed_resent_and_purged_by_filter(db: TestDb
 
 async fn purge_deletes_only_old_sent_events(db: TestDb) {
     let s = &db.store;
-    for _ in 0..3 {
-        s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
-    }
-    let sent: Vec<i64> = s.claim(&claim(t0(), 10, "tok")).await.unwrap().iter().map(|e| e.id).collect();
-    let items: Vec<Completion> = sent.iter().map(|id| done(*id, Disposition::Sent)).collect();
-    s.complete("tok", t0(), &items).await.unwrap();
+    let sent = three_sent(s.as_ref()).await;
     let pending = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
     let step = |seen, last, young, deleted| SweepStep { seen, last, young, deleted };
 
     // Written at the cut-off: young, and not deleted.
-    assert_eq!(s.purge_sent(i64::MIN, t0(), 10).await.unwrap(), step(4, Some(pending), true, 0));
-    // A window of two, then the rest from where it ended; the PENDING event is looked at, kept.
     let later = t0() + secs(1);
-    assert_eq!(s.purge_sent(i64::MIN, later, 2).await.unwrap(), step(2, Some(sent[1]), false, 2));
-    assert_eq!(s.purge_sent(sent[1] + 1, later, 2).await.unwrap(), step(2, Some(pending), false, 1));
-    assert_eq!(s.purge_sent(pending + 1, later, 2).await.unwrap(), step(0, None, false, 0));
+    assert_eq!(s.purge_sent(&sweep(i64::MIN, t0(), later, 10)).await.unwrap(), step(4, Some(pending), true, 0));
+    // A window of two, then the rest from where it ended; the PENDING event is looked at, kept.
+    assert_eq!(s.purge_sent(&sweep(i64::MIN, later, later, 2)).await.unwrap(), step(2, Some(sent[1]), false, 2));
+    assert_eq!(s.purge_sent(&sweep(sent[1] + 1, later, later, 2)).await.unwrap(), step(2, Some(pending), false, 1));
+    assert_eq!(s.purge_sent(&sweep(pending + 1, later, later, 2)).await.unwrap(), step(0, None, false, 0));
     assert_eq!(s.counts().await.unwrap()[&Status::Sent], 0);
     assert_eq!(s.get(pending).await.unwrap().unwrap().status, Status::Pending);
+    // An event written (by hand) with a creation time still to come is not young: a run of them
+    // does not end a sweep.
+    let future = s.insert(&NewEvent::new("r", "t", "{}"), t0() + secs(86_400)).await.unwrap();
+    assert_eq!(s.purge_sent(&sweep(future, later, later, 2)).await.unwrap(), step(1, Some(future), false, 0));
+    assert_eq!(
+        s.purge_sent(&sweep(future, later, t0() + secs(86_400), 2)).await.unwrap(),
+        step(1, Some(future), true, 0)
+    );
+
+    // Where the sweep goes on from is kept in the database.
+    assert_eq!(s.sweep_position().await.unwrap(), i64::MIN);
+    s.set_sweep_position(pending).await.unwrap();
+    s.set_sweep_position(future).await.unwrap();
+    assert_eq!(s.sweep_position().await.unwrap(), future);
+}
+
+/// Retention's sweep skips a due row another transaction holds locked, without waiting for it,
+/// and deletes it once free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_retention_skips_rows_held_by_others() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let s = &db.store;
+    let sent = three_sent(s.as_ref()).await;
+    let pool = db.postgres.as_ref().unwrap().pool();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM ferry_events WHERE id = $1 FOR UPDATE")
+        .bind(sent[1])
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+
+    let later = t0() + secs(1);
+    let step =
+        tokio::time::timeout(std::time::Duration::from_secs(10), s.purge_sent(&sweep(i64::MIN, later, later, 10)))
+            .await
+            .expect("the sweep does not wait for the lock")
+            .unwrap();
+    assert_eq!((step.seen, step.deleted), (3, 2));
+    assert!(s.get(sent[1]).await.unwrap().is_some(), "the held row is kept");
+    holder.rollback().await.unwrap();
+    assert_eq!(s.purge_sent(&sweep(i64::MIN, later, later, 10)).await.unwrap().deleted, 1);
 }
 
 async fn breakers_count_open_probe_and_close(db: TestDb) {
@@ -753,7 +805,7 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
                 ),
                 ("ahead", ferry::store::ahead_in_key_sql(true), "('r', 'k1', 20000)"),
                 ("ahead_open", ferry::store::ahead_in_key_sql(false), "('r', 'k1', 20000)"),
-                ("sweep", ferry::store::POSTGRES_SWEEP_SQL, "(0, 1000, now())"),
+                ("sweep", ferry::store::POSTGRES_SWEEP_SQL, "(-9223372036854775808, 1000, now(), now())"),
             ] {
                 sqlx::raw_sql(&format!("PREPARE {name} AS {sql}")).execute(&mut conn).await.unwrap();
                 let rows: Vec<(String,)> =
@@ -796,10 +848,12 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
                 ahead.push(plan(rows));
             }
             let mut sweep = Vec::new();
-            for statement in ferry::store::SQLITE_SWEEP_SQL {
-                let rows =
-                    sqlx::query_as(&explain(statement)).bind(0).bind(1000).bind(now).fetch_all(pool).await.unwrap();
-                sweep.push(plan(rows));
+            // As the relay binds them: a new sweep starts from the lowest id.
+            let [window, delete] = ferry::store::SQLITE_SWEEP_SQL.map(explain);
+            let window = sqlx::query_as(&window).bind(i64::MIN).bind(1000).bind(now).bind(now);
+            let delete = sqlx::query_as(&delete).bind(i64::MIN).bind(i64::MAX).bind(now);
+            for query in [window, delete] {
+                sweep.push(plan(query.fetch_all(pool).await.unwrap()));
             }
             (plan(claim), ahead.join("\n"), sweep.join("\n"))
         }

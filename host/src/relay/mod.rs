@@ -5,7 +5,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -29,7 +28,7 @@ mod trace;
 
 pub use self::health::RelayHealth;
 use crate::plugins::{Cutoff, RouteTransport};
-use crate::store::{Breaker, Claim, Store, StoreError};
+use crate::store::{Breaker, Claim, Store, StoreError, SweepWindow};
 
 /// What one relay cycle did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -104,8 +103,6 @@ pub struct Relay {
     shutdown_grace: Duration,
     retain_sent: Option<Duration>,
     purge_batch: u32,
-    /// Where retention's sweep goes on from: the lowest id not yet looked at in this sweep.
-    sweep_from: AtomicI64,
     /// Payloads larger than this are not loaded; such events fail alone.
     max_payload: u64,
     /// Consecutive transient failures that open a route's breaker; 0: breakers never open by
@@ -167,7 +164,6 @@ impl Relay {
             shutdown_grace: config.relay.shutdown_grace.0,
             retain_sent: config.relay.retain_sent.0,
             purge_batch: config.relay.purge_batch,
-            sweep_from: AtomicI64::new(i64::MIN),
             max_payload: config.relay.max_payload.0 as u64,
             breaker_threshold: config.breaker.threshold,
             breaker_cooldown: config.breaker.cooldown.0,
@@ -289,29 +285,35 @@ impl Relay {
 
     /// Deletes SENT events older than the retention period. There is no index of SENT rows to
     /// find them by (keeping one cost every delivery a write): retention sweeps the table along
-    /// its primary key instead, a window of `purge_batch` events per statement and at most ten
-    /// statements per call, going on where the last call stopped. A sweep ends at the end of the
-    /// table or at a window written entirely after the cut-off: ids are handed out in the order
-    /// events are written, so the events past it are younger still. The next sweep starts again
-    /// from the lowest id, where events delivered late (retried, deferred, resent) come due in
-    /// their turn. So a call costs at most ten windows, and one when nothing is due.
+    /// its primary key instead, a window of `purge_batch` events per step and at most ten steps
+    /// per call, going on where the last call stopped (kept in the database, so across restarts
+    /// and, on PostgreSQL, one sweep for all instances). A sweep ends at the end of the table or
+    /// at a window written entirely after the cut-off: an event with a later id was written after
+    /// that window, so it cannot have been delivered before the cut-off. The next sweep starts
+    /// again from the lowest id, where events delivered late (retried, deferred, resent) come due
+    /// in their turn. A call reads one window when no event older than the cut-off is left, and
+    /// at most ten while it walks past those retention keeps (FAILED ones, say).
     pub async fn purge(&self) -> Result<Purged, StoreError> {
         let mut purged = Purged::default();
         let Some(retain) = self.retain_sent else { return Ok(purged) };
-        let before = crate::clock::earlier(self.clock.now(), retain);
+        let now = self.clock.now();
+        let before = crate::clock::earlier(now, retain);
+        let mut from = self.store.sweep_position().await?;
         for _ in 0..10 {
-            let step = self.store.purge_sent(self.sweep_from.load(Ordering::Relaxed), before, self.purge_batch).await?;
+            let window = SweepWindow { from, limit: self.purge_batch, before, now };
+            let step = self.store.purge_sent(&window).await?;
             purged.deleted += step.deleted;
             purged.looked_at += step.seen;
             let next = match step.last {
                 Some(last) if !step.young && step.seen >= u64::from(self.purge_batch) => last.checked_add(1),
                 _ => None,
             };
-            self.sweep_from.store(next.unwrap_or(i64::MIN), Ordering::Relaxed);
+            from = next.unwrap_or(i64::MIN);
             if next.is_none() {
                 break;
             }
         }
+        self.store.set_sweep_position(from).await?;
         if purged.deleted > 0 {
             tracing::info!(purged = purged.deleted, "deleted SENT events past their retention");
         }

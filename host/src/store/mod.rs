@@ -268,6 +268,17 @@ pub struct Recovered {
     pub claimed_by: Option<String>,
 }
 
+/// Where one step of retention's sweep looks: up to `limit` events in id order from id `from`
+/// (inclusive), for those SENT before `before`. An event counts as young when written between
+/// `before` and `now`: a creation time still to come (written by hand) does not end a sweep.
+#[derive(Debug, Clone, Copy)]
+pub struct SweepWindow {
+    pub from: i64,
+    pub limit: u32,
+    pub before: DateTime<Utc>,
+    pub now: DateTime<Utc>,
+}
+
 /// What one step of retention's sweep found: it looks at the events in id order from a given id
 /// on, a window of them at a time, and deletes those of the window SENT before the cut-off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -276,8 +287,9 @@ pub struct SweepStep {
     pub seen: u64,
     /// The window's highest id, where the next step goes on from (`None` when it was empty).
     pub last: Option<i64>,
-    /// Whether every event of the window was written at or after the cut-off (`created_at`), so
-    /// the sweep has reached the events too young to be deleted and starts again from the lowest id.
+    /// Whether every event of the window was written at or after the cut-off and not after now
+    /// (`created_at`), so the sweep has reached the events too young to be deleted and starts
+    /// again from the lowest id.
     pub young: bool,
     /// Events deleted.
     pub deleted: u64,
@@ -325,11 +337,19 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// loses its token, and the relay's late outcome is fenced off.
     async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError>;
 
-    /// One step of retention's sweep: looks at up to `limit` events in id order from id `from`
-    /// (inclusive) and deletes those of them SENT before `before`, skipping any another
-    /// transaction holds locked. It reads the primary key, so no index of SENT rows is needed
-    /// (keeping one cost every delivery a write); see `Relay::purge` for how steps make a sweep.
-    async fn purge_sent(&self, from: i64, before: DateTime<Utc>, limit: u32) -> Result<SweepStep, StoreError>;
+    /// One step of retention's sweep: looks at the events of `window` and deletes those of them
+    /// SENT before its cut-off, skipping any another transaction holds locked. It reads the
+    /// primary key, so no index of SENT rows is needed (keeping one cost every delivery a write);
+    /// see `Relay::purge` for how steps make a sweep.
+    async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError>;
+
+    /// Where retention's sweep goes on from, kept in the database (`ferry_sweep`) so that a
+    /// restarted relay goes on where the last left off and instances share one sweep;
+    /// `i64::MIN`, a new sweep, when none is kept.
+    async fn sweep_position(&self) -> Result<i64, StoreError>;
+
+    /// Keeps `next` as where retention's sweep goes on from.
+    async fn set_sweep_position(&self, next: i64) -> Result<(), StoreError>;
 
     /// Starts a background task that calls `wake.notify_one()` whenever another process commits a
     /// new or resent event, until `stop`. Returns false if the backend cannot do that (SQLite),

@@ -20,7 +20,7 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
     ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
-    UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_events, complete_batch, copies, copy_dead_letters,
+    SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_events, complete_batch, copies, copy_dead_letters,
     counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
@@ -327,8 +327,8 @@ pub const CLAIM_SQL: &str = "WITH picked AS (
 /// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
 /// $1 on, read along the primary key; of them, the SENT rows processed before $3 are locked (those
 /// another transaction holds are skipped) and deleted, found by primary key as the claim finds its
-/// rows. Returns the window's size, its last id, whether all of it was written at or after $3,
-/// and how many rows went.
+/// rows. Returns the window's size, its last id, whether all of it was written between $3 and
+/// $4 (now), and how many rows went.
 pub const SWEEP_SQL: &str = "WITH seen AS (
          SELECT id, status, processed_at, created_at FROM ferry_events WHERE id >= $1 ORDER BY id LIMIT $2
      ), due AS (
@@ -340,7 +340,7 @@ pub const SWEEP_SQL: &str = "WITH seen AS (
          DELETE FROM ferry_events WHERE id = ANY(ARRAY(SELECT id FROM due)) RETURNING 1
      )
      SELECT (SELECT COUNT(*) FROM seen) AS seen, (SELECT MAX(id) FROM seen) AS last,
-            (SELECT bool_and(created_at >= $3) FROM seen) AS young, (SELECT COUNT(*) FROM gone) AS deleted";
+            (SELECT bool_and(created_at >= $3 AND created_at <= $4) FROM seen) AS young, (SELECT COUNT(*) FROM gone) AS deleted";
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
@@ -474,8 +474,15 @@ impl Store for PostgresStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn purge_sent(&self, from: i64, before: DateTime<Utc>, limit: u32) -> Result<SweepStep, StoreError> {
-        let row = sqlx::query(SWEEP_SQL).bind(from).bind(i64::from(limit)).bind(before).fetch_one(&self.pool).await?;
+    async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError> {
+        let SweepWindow { from, limit, before, now } = *window;
+        let row = sqlx::query(SWEEP_SQL)
+            .bind(from)
+            .bind(i64::from(limit))
+            .bind(before)
+            .bind(now)
+            .fetch_one(&self.pool)
+            .await?;
         // COUNT(*) is a bigint, never negative.
         let count = |column: &str| row.try_get::<i64, _>(column).map(|n| u64::try_from(n).unwrap_or_default());
         Ok(SweepStep {
@@ -484,6 +491,22 @@ impl Store for PostgresStore {
             young: row.try_get::<Option<bool>, _>("young")?.unwrap_or(false),
             deleted: count("deleted")?,
         })
+    }
+
+    async fn sweep_position(&self) -> Result<i64, StoreError> {
+        let next = sqlx::query_scalar("SELECT next_id FROM ferry_sweep").fetch_optional(&self.pool).await?;
+        Ok(next.unwrap_or(i64::MIN))
+    }
+
+    async fn set_sweep_position(&self, next: i64) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO ferry_sweep (one, next_id) VALUES (true, $1)
+             ON CONFLICT (one) DO UPDATE SET next_id = EXCLUDED.next_id",
+        )
+        .bind(next)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     fn spawn_waker(&self, wake: Arc<Notify>, stop: CancellationToken) -> bool {

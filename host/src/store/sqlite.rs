@@ -20,8 +20,8 @@ use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
     ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
-    UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_events, complete_batch, copies, copy_dead_letters, counts_by_status,
-    dead_letters, deferrals_written, duration_ms, ids_in_order, refund, stats_from,
+    SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_events, complete_batch, copies, copy_dead_letters,
+    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -364,10 +364,12 @@ const COMPLETE_FAILED: &str = "UPDATE ferry_events
      RETURNING ferry_events.id";
 
 /// One step of retention's sweep (`Store::purge_sent`), in two statements: the size, last id and
-/// youth (all written at or after ?3) of the window of the next ?2 events from id ?1 on, read
-/// along the primary key; then the deletion of the SENT rows processed before ?3 among ids ?1 to ?2.
+/// youth (all written between ?3 and ?4, now, as integers) of the window of the next ?2 events
+/// from id ?1 on, read along the primary key; then the deletion of the SENT rows processed before
+/// ?3 among ids ?1 to ?2.
 pub const SWEEP_SQL: [&str; 2] = [
-    "SELECT COUNT(*) AS seen, MAX(id) AS last, MIN(created_at >= ?3) AS young
+    "SELECT COUNT(*) AS seen, MAX(id) AS last,
+            MIN(typeof(created_at) = 'integer' AND created_at >= ?3 AND created_at <= ?4) AS young
      FROM (SELECT id, created_at FROM ferry_events WHERE id >= ?1 ORDER BY id LIMIT ?2)",
     "DELETE FROM ferry_events WHERE id BETWEEN ?1 AND ?2 AND status = 'SENT' AND processed_at < ?3",
 ];
@@ -506,14 +508,21 @@ impl Store for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn purge_sent(&self, from: i64, before: DateTime<Utc>, limit: u32) -> Result<SweepStep, StoreError> {
+    async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError> {
+        let SweepWindow { from, limit, before, now } = *window;
         let _writing = self.writer.lock().await;
-        let window =
-            sqlx::query(SWEEP_SQL[0]).bind(from).bind(i64::from(limit)).bind(ms(before)).fetch_one(&self.pool).await?;
-        let last: Option<i64> = window.try_get("last")?;
+        let found = sqlx::query(SWEEP_SQL[0])
+            .bind(from)
+            .bind(i64::from(limit))
+            .bind(ms(before))
+            .bind(ms(now))
+            .fetch_one(&self.pool)
+            .await?;
+        let last: Option<i64> = found.try_get("last")?;
         let deleted = match last {
-            // SQLite hands out ids above the highest ever used (AUTOINCREMENT), so the rows in the
-            // window's range are those it looked at, or later ones, PENDING.
+            // The deletion checks status and time itself: a row that came into the window's range
+            // since (SQLite hands out ids above the highest ever used, so only one written with
+            // its id by hand) is deleted only if it is due too.
             Some(last) => sqlx::query(SWEEP_SQL[1])
                 .bind(from)
                 .bind(last)
@@ -524,11 +533,28 @@ impl Store for SqliteStore {
             None => 0,
         };
         Ok(SweepStep {
-            seen: u64::try_from(window.try_get::<i64, _>("seen")?).unwrap_or_default(),
+            seen: u64::try_from(found.try_get::<i64, _>("seen")?).unwrap_or_default(),
             last,
-            young: window.try_get::<Option<i64>, _>("young")? == Some(1),
+            young: found.try_get::<Option<i64>, _>("young")? == Some(1),
             deleted,
         })
+    }
+
+    async fn sweep_position(&self) -> Result<i64, StoreError> {
+        let next = sqlx::query_scalar("SELECT next_id FROM ferry_sweep").fetch_optional(&self.pool).await?;
+        Ok(next.unwrap_or(i64::MIN))
+    }
+
+    async fn set_sweep_position(&self, next: i64) -> Result<(), StoreError> {
+        let _writing = self.writer.lock().await;
+        sqlx::query(
+            "INSERT INTO ferry_sweep (one, next_id) VALUES (1, ?1)
+             ON CONFLICT (one) DO UPDATE SET next_id = excluded.next_id",
+        )
+        .bind(next)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -108,13 +108,13 @@ pub const UNFINISHED_COUNTS_SQL: &str =
      UNION ALL
      SELECT route, 'FAILED', COUNT(*) FROM ferry_events WHERE status = 'FAILED' GROUP BY route";
 
-/// The latest events SENT since $1, at most $2 of them, found by walking the primary key down
-/// from the newest (there is no index of SENT rows; the walk stops once it has $2). Events handed
-/// on to destinations are SENT without a delivery of their own (no `sent_started_at`): their
+/// The latest events SENT since $1, at most $2 of them. There is no index of SENT rows (migration
+/// 10), so this reads every row, as the per-status counts `ferry stats` shows beside it do. Events
+/// handed on to destinations are SENT without a delivery of their own (no `sent_started_at`): their
 /// deliveries are sampled instead.
 pub(crate) const LATENCY_SQL: &str = "SELECT event_time, created_at, processed_at FROM ferry_events
      WHERE status = 'SENT' AND processed_at >= $1 AND sent_started_at IS NOT NULL
-     ORDER BY id DESC LIMIT $2";
+     ORDER BY processed_at DESC LIMIT $2";
 
 /// An event's history: the attempts that went wrong, then the delivery that succeeded, which is
 /// kept on the event row (by the instance that claimed it). SENT events delivered before the

@@ -286,22 +286,34 @@ impl Relay {
     /// Deletes SENT events older than the retention period. There is no index of SENT rows to
     /// find them by (keeping one cost every delivery a write): retention sweeps the table along
     /// its primary key instead, a window of `purge_batch` events per step and at most ten steps
-    /// per call, going on where the last call stopped (kept in the database, so across restarts
-    /// and, on PostgreSQL, one sweep for all instances). A sweep ends at the end of the table or
+    /// per call, going on where the last call stopped (kept in the database, so across restarts;
+    /// on PostgreSQL instances take turns moving it on, and an instance whose run overlapped
+    /// another's leaves the other's position). A sweep ends at the end of the table or
     /// at a window written entirely after the cut-off: an event with a later id was written after
     /// that window, so it cannot have been delivered before the cut-off. The next sweep starts
     /// again from the lowest id, where events delivered late (retried, deferred, resent) come due
     /// in their turn. A call reads one window when no event older than the cut-off is left, and
-    /// at most ten while it walks past those retention keeps (FAILED ones, say).
+    /// up to ten when some are kept (FAILED ones, say): each sweep walks past them again, so an
+    /// outbox keeping ten windows' worth or more reads ten windows every run.
     pub async fn purge(&self) -> Result<Purged, StoreError> {
         let mut purged = Purged::default();
         let Some(retain) = self.retain_sent else { return Ok(purged) };
         let now = self.clock.now();
         let before = crate::clock::earlier(now, retain);
-        let mut from = self.store.sweep_position().await?;
+        let start = self.store.sweep_position().await?;
+        let mut from = start;
+        let mut failed = None;
         for _ in 0..10 {
             let window = SweepWindow { from, limit: self.purge_batch, before, now };
-            let step = self.store.purge_sent(&window).await?;
+            let step = match self.store.purge_sent(&window).await {
+                Ok(step) => step,
+                Err(e) => {
+                    // What the run did so far is kept: a window that keeps failing is not
+                    // walked up to again and again.
+                    failed = Some(e);
+                    break;
+                }
+            };
             purged.deleted += step.deleted;
             purged.looked_at += step.seen;
             let next = match step.last {
@@ -313,11 +325,13 @@ impl Relay {
                 break;
             }
         }
-        self.store.set_sweep_position(from).await?;
+        if from != start {
+            self.store.set_sweep_position(start, from).await?;
+        }
         if purged.deleted > 0 {
             tracing::info!(purged = purged.deleted, "deleted SENT events past their retention");
         }
-        Ok(purged)
+        failed.map_or(Ok(purged), Err)
     }
 
     /// Hands PROCESSING events with an expired lease back to PENDING.

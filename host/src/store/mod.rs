@@ -338,7 +338,8 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError>;
 
     /// One step of retention's sweep: looks at the events of `window` and deletes those of them
-    /// SENT before its cut-off, skipping any another transaction holds locked. It reads the
+    /// SENT before its cut-off (on PostgreSQL skipping any another transaction holds locked;
+    /// SQLite locks the whole file, and waits for it up to its busy timeout). It reads the
     /// primary key, so no index of SENT rows is needed (keeping one cost every delivery a write);
     /// see `Relay::purge` for how steps make a sweep.
     async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError>;
@@ -348,8 +349,10 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// `i64::MIN`, a new sweep, when none is kept.
     async fn sweep_position(&self) -> Result<i64, StoreError>;
 
-    /// Keeps `next` as where retention's sweep goes on from.
-    async fn set_sweep_position(&self, next: i64) -> Result<(), StoreError>;
+    /// Keeps `next` as where retention's sweep goes on from, if it was still `was` (another
+    /// instance may have moved it on meanwhile; then its position stands) and no one holds the
+    /// row locked (a hand edit in progress must not stall the relay). Returns whether it did.
+    async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError>;
 
     /// Starts a background task that calls `wake.notify_one()` whenever another process commits a
     /// new or resent event, until `stop`. Returns false if the backend cannot do that (SQLite),

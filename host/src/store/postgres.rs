@@ -498,15 +498,25 @@ impl Store for PostgresStore {
         Ok(next.unwrap_or(i64::MIN))
     }
 
-    async fn set_sweep_position(&self, next: i64) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO ferry_sweep (one, next_id) VALUES (true, $1)
-             ON CONFLICT (one) DO UPDATE SET next_id = EXCLUDED.next_id",
+    async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError> {
+        let moved = sqlx::query(
+            "UPDATE ferry_sweep SET next_id = $2
+             WHERE one IN (SELECT one FROM ferry_sweep WHERE next_id = $1 FOR UPDATE SKIP LOCKED)",
         )
+        .bind(was)
         .bind(next)
         .execute(&self.pool)
         .await?;
-        Ok(())
+        if moved.rows_affected() == 1 {
+            return Ok(true);
+        }
+        // The row is gone only if deleted by hand: made again (DO NOTHING neither waits for a
+        // lock on a row that is there nor changes it).
+        let made = sqlx::query("INSERT INTO ferry_sweep (one, next_id) VALUES (true, $1) ON CONFLICT DO NOTHING")
+            .bind(next)
+            .execute(&self.pool)
+            .await?;
+        Ok(made.rows_affected() == 1)
     }
 
     fn spawn_waker(&self, wake: Arc<Notify>, stop: CancellationToken) -> bool {

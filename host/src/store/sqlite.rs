@@ -364,9 +364,9 @@ const COMPLETE_FAILED: &str = "UPDATE ferry_events
      RETURNING ferry_events.id";
 
 /// One step of retention's sweep (`Store::purge_sent`), in two statements: the size, last id and
-/// youth (all written between ?3 and ?4, now, as integers) of the window of the next ?2 events
-/// from id ?1 on, read along the primary key; then the deletion of the SENT rows processed before
-/// ?3 among ids ?1 to ?2.
+/// youth (all written between ?3 and ?4, now, as integers) of the window of the next ?2 (the
+/// limit) events from id ?1 on, read along the primary key; then the deletion of the SENT rows
+/// processed before ?3 with ids from ?1 to ?2 (here the window's last id).
 pub const SWEEP_SQL: [&str; 2] = [
     "SELECT COUNT(*) AS seen, MAX(id) AS last,
             MIN(typeof(created_at) = 'integer' AND created_at >= ?3 AND created_at <= ?4) AS young
@@ -545,16 +545,22 @@ impl Store for SqliteStore {
         Ok(next.unwrap_or(i64::MIN))
     }
 
-    async fn set_sweep_position(&self, next: i64) -> Result<(), StoreError> {
+    async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError> {
         let _writing = self.writer.lock().await;
-        sqlx::query(
-            "INSERT INTO ferry_sweep (one, next_id) VALUES (1, ?1)
-             ON CONFLICT (one) DO UPDATE SET next_id = excluded.next_id",
-        )
-        .bind(next)
-        .execute(&self.pool)
-        .await?;
-        Ok(())
+        let moved = sqlx::query("UPDATE ferry_sweep SET next_id = ?2 WHERE one = 1 AND next_id = ?1")
+            .bind(was)
+            .bind(next)
+            .execute(&self.pool)
+            .await?;
+        if moved.rows_affected() == 1 {
+            return Ok(true);
+        }
+        // The row is gone only if deleted by hand: made again.
+        let made = sqlx::query("INSERT OR IGNORE INTO ferry_sweep (one, next_id) VALUES (1, ?1)")
+            .bind(next)
+            .execute(&self.pool)
+            .await?;
+        Ok(made.rows_affected() == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

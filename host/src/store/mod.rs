@@ -345,7 +345,7 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError>;
 
     /// Where retention's sweep goes on from, kept in the database (`ferry_sweep`) so that a
-    /// restarted relay goes on where the last left off and instances share one sweep;
+    /// restarted relay goes on where the last left off and instances take turns moving it on;
     /// `i64::MIN`, a new sweep, when none is kept.
     async fn sweep_position(&self) -> Result<i64, StoreError>;
 

@@ -547,20 +547,16 @@ impl Store for SqliteStore {
 
     async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError> {
         let _writing = self.writer.lock().await;
-        let moved = sqlx::query("UPDATE ferry_sweep SET next_id = ?2 WHERE one = 1 AND next_id = ?1")
-            .bind(was)
-            .bind(next)
-            .execute(&self.pool)
-            .await?;
-        if moved.rows_affected() == 1 {
-            return Ok(true);
-        }
-        // The row is gone only if deleted by hand: made again.
-        let made = sqlx::query("INSERT OR IGNORE INTO ferry_sweep (one, next_id) VALUES (1, ?1)")
-            .bind(next)
-            .execute(&self.pool)
-            .await?;
-        Ok(made.rows_affected() == 1)
+        // One statement: moved on from `was`, or the row made again if deleted by hand.
+        let done = sqlx::query(
+            "INSERT INTO ferry_sweep (one, next_id) VALUES (1, ?2)
+             ON CONFLICT (one) DO UPDATE SET next_id = excluded.next_id WHERE next_id = ?1",
+        )
+        .bind(was)
+        .bind(next)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

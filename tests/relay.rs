@@ -1,6 +1,6 @@
 //! Relay transitions with a controlled clock and the real `scripted` test plugin: success,
 //! transient with backoff until the limit, permanent, traps, timeouts, and routes with no
-//! transport. Every test runs on both backends.
+//! transport. Every test runs on both backends but one, which needs PostgreSQL's error classes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -752,3 +752,34 @@ crate::both_backends!(
     a_runaway_plugin_is_timed_out,
     routes_without_a_transport_fail_with_no_transport,
 );
+
+/// Outcomes the database could not write this time (a serialization failure, raised once by a
+/// trigger) are written by trying again, not left PROCESSING for the claim's lease to hand back
+/// for a second delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_outcomes_are_written_by_trying_again_after_a_transient_failure() {
+    let db = TestDb::new(crate::common::Backend::Postgres).await;
+    let pool = db.postgres.as_ref().unwrap().pool().clone();
+    for statement in [
+        "CREATE SEQUENCE sent_updates",
+        "CREATE FUNCTION fail_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+             IF nextval('sent_updates') = 1 THEN
+                 RAISE EXCEPTION 'could not serialize access' USING ERRCODE = '40001';
+             END IF;
+             RETURN NEW;
+         END $$",
+        "CREATE TRIGGER fail_once BEFORE UPDATE ON ferry_events
+         FOR EACH ROW WHEN (NEW.status = 'SENT') EXECUTE FUNCTION fail_once()",
+    ] {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    let s = setup(db).await;
+    let ids = [s.emit("s", "ok").await, s.emit("s", "ok").await];
+    let stats = s.cycle().await;
+    assert_eq!((stats.sent, stats.fenced_off), (2, 0));
+    for id in ids {
+        assert_eq!(s.status(id).await, Status::Sent);
+    }
+    let updates: i64 = sqlx::query_scalar("SELECT last_value FROM sent_updates").fetch_one(&pool).await.unwrap();
+    assert_eq!(updates, 3, "the first try failed on its first row, the second wrote both");
+}

@@ -397,6 +397,17 @@ async fn purge_deletes_only_old_sent_events(db: TestDb) {
     assert_eq!(s.sweep_position().await.unwrap(), i64::MIN);
     assert!(s.set_sweep_position(i64::MIN, future).await.unwrap());
     assert_eq!(s.sweep_position().await.unwrap(), future);
+    // SQLite keeps any value a hand edit writes: one that is not an integer reads as a new
+    // sweep, and the next move replaces it. (PostgreSQL's column takes only integers.)
+    if db.backend == Backend::Sqlite {
+        for bad in ["'somewhere'", "2.5", "x'00'"] {
+            execute(&db, &format!("UPDATE ferry_sweep SET next_id = {bad}")).await.unwrap();
+            assert_eq!(s.sweep_position().await.unwrap(), i64::MIN, "{bad}");
+            assert!(!s.set_sweep_position(pending, future).await.unwrap(), "{bad} is not where another run left it");
+            assert!(s.set_sweep_position(i64::MIN, pending).await.unwrap(), "{bad}");
+            assert_eq!(s.sweep_position().await.unwrap(), pending);
+        }
+    }
 }
 
 /// Retention's sweep skips a due row another transaction holds locked, without waiting for it,
@@ -424,6 +435,29 @@ async fn postgres_retention_skips_rows_held_by_others() {
     assert!(s.get(sent[1]).await.unwrap().is_some(), "the held row is kept");
     holder.rollback().await.unwrap();
     assert_eq!(s.purge_sent(&sweep(i64::MIN, later, later, 10)).await.unwrap().deleted, 1);
+}
+
+/// A pooled connection the server dropped while it sat idle is checked before it is used again
+/// and replaced, so the next statement does not fail for it. (Connections in steady use are
+/// checked only when given back to the pool: a round trip fewer per statement.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_connection_dropped_while_idle_is_replaced() {
+    use ferry::store::Store as _;
+    let db = TestDb::new(Backend::Postgres).await;
+    let name = format!("ferry-idle-{}-{}", std::process::id(), Utc::now().timestamp_nanos_opt().unwrap_or_default());
+    let store = ferry::store::PostgresStore::connect(&format!("{}&application_name={name}", db.url), 2).await.unwrap();
+    let id = store.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    let admin = db.postgres.as_ref().unwrap().pool();
+    let dropped: Vec<bool> =
+        sqlx::query_scalar("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&name)
+            .fetch_all(admin)
+            .await
+            .unwrap();
+    assert!(!dropped.is_empty() && dropped.iter().all(|d| *d), "the store's connections were dropped: {dropped:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let row = store.get(id).await.expect("a dropped idle connection is replaced, not used");
+    assert_eq!(row.map(|r| r.id), Some(id));
 }
 
 async fn breakers_count_open_probe_and_close(db: TestDb) {

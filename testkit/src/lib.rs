@@ -568,6 +568,7 @@ impl Write for Captured {
 impl Captured {
     /// A plain-text subscriber writing into this buffer, for `.with_subscriber(..)`.
     pub fn subscriber(&self) -> tracing::Dispatch {
+        keep_interest_shared();
         let log = self.clone();
         tracing_subscriber::fmt().with_ansi(false).with_writer(move || log.clone()).finish().into()
     }
@@ -575,6 +576,17 @@ impl Captured {
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
     }
+}
+
+/// Keeps a second subscriber registered for the rest of the process, so that a scoped
+/// [`Captured`] subscriber is never the only one. With only one, `tracing` decides whether a log
+/// line is wanted by asking the subscriber of whichever thread reaches its call site first, and
+/// caches the answer for every thread: a test running beside another that reached the call site
+/// first, on a thread without a subscriber, lost the line (a flaky test). With two or more it
+/// asks every registered subscriber.
+fn keep_interest_shared() {
+    static SECOND: std::sync::OnceLock<tracing::Dispatch> = std::sync::OnceLock::new();
+    SECOND.get_or_init(|| tracing::Dispatch::new(tracing::subscriber::NoSubscriber::new()));
 }
 
 /// Ferry on a manual clock, driven one relay cycle at a time: for tests of what a plugin does with
@@ -612,5 +624,22 @@ impl Stepped {
             rows.push(self.db.store.get(id).await.expect("read back").expect("row exists"));
         }
         rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Captured;
+
+    /// A line logged in a test is captured even when another thread, with no subscriber, reached
+    /// the same call site first (the flake `keep_interest_shared` prevents).
+    #[test]
+    fn captured_sees_a_call_site_another_thread_reached_first() {
+        let log = Captured::default();
+        let dispatch = log.subscriber();
+        let emit = || tracing::info!("from a shared call site");
+        std::thread::spawn(emit).join().expect("the other thread logs");
+        tracing::dispatcher::with_default(&dispatch, emit);
+        assert!(log.text().contains("from a shared call site"), "{:?}", log.text());
     }
 }

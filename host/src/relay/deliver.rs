@@ -94,7 +94,7 @@ impl Relay {
         let fenced_off = items.len().saturating_sub(handed.len() + outcomes.len());
         let mut stats = CycleStats { claimed: items.len(), fenced_off, ..CycleStats::default() };
         if !outcomes.is_empty() {
-            let written = self.store.complete(token, now, &outcomes).await?;
+            let written = self.record(token, now, &outcomes).await?;
             let totals = super::Outcomes::of(&outcomes);
             self.count(&parents, &outcomes, &totals, now);
             self.log_failed(&outcomes, now);
@@ -358,6 +358,38 @@ impl Relay {
         };
         let attempt = AttemptLog { number: event.attempt, call: call.clone() };
         Completion { id: event.id, disposition, max_attempts, attempt, dead_letter }
+    }
+}
+
+/// Pauses before the second, third and fourth try of recording a batch's outcomes.
+const RECORD_RETRY_PAUSES: [Duration; 3] =
+    [Duration::from_millis(50), Duration::from_millis(250), Duration::from_millis(1_250)];
+
+impl Relay {
+    /// Records a delivered batch's outcomes, trying again when the statement could not run this
+    /// time (a dropped connection, a failover, a deadlock; not a refusal, which would fail
+    /// again): unrecorded, the batch would be delivered a second time once its claim's lease
+    /// ran out. Trying again is safe: writes are fenced by the claim's token and status, so
+    /// outcomes the first try did commit (its answer lost) are not written twice.
+    pub(super) async fn record(
+        &self,
+        token: &str,
+        at: DateTime<Utc>,
+        completions: &[Completion],
+    ) -> Result<u64, StoreError> {
+        for pause in RECORD_RETRY_PAUSES {
+            match self.store.complete(token, at, completions).await {
+                Err(error) if !error.is_refusal() => {
+                    tracing::warn!(
+                        events = completions.len(),
+                        "recording a batch's outcomes failed, trying again in {pause:?}: {error}"
+                    );
+                    tokio::time::sleep(pause).await;
+                }
+                done => return done,
+            }
+        }
+        self.store.complete(token, at, completions).await
     }
 }
 

@@ -500,7 +500,7 @@ impl Relay {
         let totals = Outcomes::of(&completions);
         let done_at = self.clock.now();
         let recording = std::time::Instant::now();
-        let written = self.store.complete(&token, done_at, &completions).await?;
+        let written = self.record(&token, done_at, &completions).await?;
         self.metrics.record_duration.observe(recording.elapsed().as_secs_f64());
         let stats = CycleStats {
             claimed: events.len() + handed_on.claimed,

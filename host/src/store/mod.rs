@@ -346,7 +346,8 @@ pub trait Store: std::fmt::Debug + Send + Sync {
 
     /// Where retention's sweep goes on from, kept in the database (`ferry_sweep`) so that a
     /// restarted relay goes on where the last left off and instances take turns moving it on;
-    /// `i64::MIN`, a new sweep, when none is kept.
+    /// `i64::MIN`, a new sweep, when none is kept (or, on SQLite, when a hand edit left a value
+    /// that is not an integer, which the next move then replaces).
     async fn sweep_position(&self) -> Result<i64, StoreError>;
 
     /// Keeps `next` as where retention's sweep goes on from, if it was still `was` (another
@@ -761,7 +762,8 @@ const MAX_CALLS_BY_TOKEN: usize = 8;
 /// retries and failures are written before the successes). Each statement must have written
 /// exactly the call's events (by count when they are one run of ids, by the ids it returns
 /// otherwise): if not (a row the batch has no outcome for, a row fenced off) the transaction is
-/// rolled back and written again by id, so the shortcut never decides an outcome.
+/// rolled back and written again by id, so the shortcut never decides an outcome. A batch whose
+/// only outcomes are one call's run needs no transaction ([`RecordOutcomes::record_run`]).
 fn sent_by_call<'a>(sent: &[&'a Completion]) -> Option<Vec<SentCall<'a>>> {
     let mut calls: Vec<SentCall<'a>> = Vec::new();
     for completion in sent {
@@ -820,6 +822,12 @@ trait RecordOutcomes {
         parts: &Partitioned<'_>,
         by_token: Option<&[SentCall<'_>]>,
     ) -> Result<Option<u64>, StoreError>;
+
+    /// Records `run`, the successes of a batch's only plugin call and its only outcomes, one run
+    /// of ids, with its statement by token alone, committed on its own: no transaction to open
+    /// and close, two round trips fewer for the common case. Returns how many rows it wrote:
+    /// those of the call's events the claim still holds.
+    async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError>;
 }
 
 /// [`Store::complete`] for both backends: successes by token where [`sent_by_call`] allows, and
@@ -832,6 +840,25 @@ async fn complete_batch(
 ) -> Result<u64, StoreError> {
     let parts = partition(items);
     if let Some(calls) = sent_by_call(&parts.sent) {
+        if let [run] = calls.as_slice()
+            && run.one_run
+            && parts.retry.is_empty()
+            && parts.failed.is_empty()
+        {
+            // The statement can write only the call's own events (the run is every id between
+            // its bounds), so what it wrote stands on its own. Rows it did not find are written
+            // by id, which finds any still held (one whose route was changed by hand); those
+            // fenced off are found by neither.
+            let written = store.record_run(token, now, run).await?;
+            if written == run.ids.len() as u64 {
+                return Ok(written);
+            }
+            tracing::debug!(
+                token,
+                "the claim's rows differ from its batch (some fenced off); recording the rest by id"
+            );
+            return Ok(written + store.record(token, now, &parts, None).await?.unwrap_or_default());
+        }
         if let Some(written) = store.record(token, now, &parts, Some(&calls)).await? {
             return Ok(written);
         }

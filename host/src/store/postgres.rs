@@ -49,6 +49,19 @@ impl PostgresStore {
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(std::time::Duration::from_secs(10))
+            // sqlx checks a connection with a round trip when it comes back to the pool; checking
+            // it again when it is taken out doubled the round trips of every statement the relay
+            // runs. Only a connection idle long enough for the server or the network to have
+            // dropped it meanwhile is checked again.
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for >= CHECK_AFTER_IDLE {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
             .connect_with(options)
             .await?;
         Ok(Self { pool })
@@ -62,6 +75,10 @@ impl PostgresStore {
         &self.pool
     }
 }
+
+/// How long a pooled connection may sit idle before it is checked with a round trip when taken
+/// out again (every connection is checked when it is given back).
+const CHECK_AFTER_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Records as SENT, at $2, the rows of route $3 with ids from $9 to $10 still held by claim $1,
 /// delivered by one plugin call ($5 to $8). See `SentCall::statement`.
@@ -150,21 +167,8 @@ impl RecordOutcomes for PostgresStore {
         match by_token {
             Some(calls) => {
                 for sent in calls {
-                    let call = sent.call;
-                    let (first, last) = sent.bounds();
                     let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
-                    let query = sqlx::query(&statement)
-                        .bind(token)
-                        .bind(now)
-                        .bind(&call.route)
-                        .bind(pin(sent.max_attempts))
-                        .bind(call.started_at)
-                        .bind(duration_ms(call))
-                        .bind(&call.plugin)
-                        .bind(&call.plugin_hash)
-                        .bind(first)
-                        .bind(last);
-                    if !sent.write(&mut tx, query).await? {
+                    if !sent.write(&mut tx, sent_by_token(&statement, token, now, sent)).await? {
                         tx.rollback().await?;
                         return Ok(None);
                     }
@@ -244,6 +248,33 @@ impl RecordOutcomes for PostgresStore {
         tx.commit().await?;
         Ok(Some(updated.len() as u64))
     }
+
+    async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError> {
+        let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, now, run).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// `statement` ([`COMPLETE_SENT_BY_TOKEN`], perhaps with `RETURNING id`) bound for `sent`.
+fn sent_by_token<'q>(
+    statement: &'q str,
+    token: &'q str,
+    now: DateTime<Utc>,
+    sent: &'q SentCall<'_>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let call = sent.call;
+    let (first, last) = sent.bounds();
+    sqlx::query(statement)
+        .bind(token)
+        .bind(now)
+        .bind(&call.route)
+        .bind(pin(sent.max_attempts))
+        .bind(call.started_at)
+        .bind(duration_ms(call))
+        .bind(&call.plugin)
+        .bind(&call.plugin_hash)
+        .bind(first)
+        .bind(last)
 }
 
 /// Copies FAILED events ($1) to their dead-letter routes ($2) as new PENDING events at $3, the

@@ -78,6 +78,9 @@ impl SqliteStore {
             let attempt = SqlitePoolOptions::new()
                 .max_connections(max_connections)
                 .acquire_timeout(Duration::from_secs(10))
+                // A connection is a handle on a file in this process: nothing can hang up on it,
+                // so taking one out of the pool needs no round trip to its thread to check it.
+                .test_before_acquire(false)
                 .connect_with(options.clone())
                 .await;
             match attempt {
@@ -183,21 +186,8 @@ impl RecordOutcomes for SqliteStore {
             })
             .collect();
         for sent in by_token.unwrap_or_default() {
-            let call = sent.call;
-            let (first, last) = sent.bounds();
             let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
-            let query = sqlx::query(&statement)
-                .bind(token)
-                .bind(now)
-                .bind(&call.route)
-                .bind(sent.max_attempts)
-                .bind(ms(call.started_at))
-                .bind(duration_ms(call))
-                .bind(&call.plugin)
-                .bind(&call.plugin_hash)
-                .bind(first)
-                .bind(last);
-            if !sent.write(&mut tx, query).await? {
+            if !sent.write(&mut tx, sent_by_token(&statement, token, now, sent)).await? {
                 tx.rollback().await?;
                 return Ok(None);
             }
@@ -232,6 +222,35 @@ impl RecordOutcomes for SqliteStore {
         tx.commit().await?;
         Ok(Some(updated.len() as u64))
     }
+
+    async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError> {
+        let _writing = self.writer.lock().await;
+        let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, ms(now), run).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// `statement` ([`COMPLETE_SENT_BY_TOKEN`], perhaps with `RETURNING id`) bound for `sent`; `now`
+/// in milliseconds.
+fn sent_by_token<'q>(
+    statement: &'q str,
+    token: &'q str,
+    now: i64,
+    sent: &'q SentCall<'_>,
+) -> sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>> {
+    let call = sent.call;
+    let (first, last) = sent.bounds();
+    sqlx::query(statement)
+        .bind(token)
+        .bind(now)
+        .bind(&call.route)
+        .bind(sent.max_attempts)
+        .bind(ms(call.started_at))
+        .bind(duration_ms(call))
+        .bind(&call.plugin)
+        .bind(&call.plugin_hash)
+        .bind(first)
+        .bind(last)
 }
 
 /// SQLITE_BUSY or SQLITE_LOCKED: another connection holds the lock.
@@ -541,16 +560,36 @@ impl Store for SqliteStore {
     }
 
     async fn sweep_position(&self) -> Result<i64, StoreError> {
-        let next = sqlx::query_scalar("SELECT next_id FROM ferry_sweep").fetch_optional(&self.pool).await?;
-        Ok(next.unwrap_or(i64::MIN))
+        // SQLite keeps whatever a hand edit writes in an INTEGER column; a position that is not
+        // an integer starts a new sweep (and the next move overwrites it) instead of failing
+        // every run's read.
+        let kept: Option<(Option<i64>, String)> = sqlx::query_as(
+            "SELECT CASE WHEN typeof(next_id) = 'integer' THEN next_id END, typeof(next_id) FROM ferry_sweep",
+        )
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(match kept {
+            Some((Some(next), _)) => next,
+            Some((None, kind)) => {
+                tracing::warn!(
+                    kind,
+                    "ferry_sweep.next_id is not an integer (edited by hand?); retention starts a new sweep and rewrites it"
+                );
+                i64::MIN
+            }
+            None => i64::MIN,
+        })
     }
 
     async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError> {
         let _writing = self.writer.lock().await;
-        // One statement: moved on from `was`, or the row made again if deleted by hand.
+        // One statement: moved on from `was`, or the row made again if deleted by hand. A value
+        // that is not an integer was read as a new sweep (`sweep_position`), so it counts as
+        // `i64::MIN` here.
         let done = sqlx::query(
             "INSERT INTO ferry_sweep (one, next_id) VALUES (1, ?2)
-             ON CONFLICT (one) DO UPDATE SET next_id = excluded.next_id WHERE next_id = ?1",
+             ON CONFLICT (one) DO UPDATE SET next_id = excluded.next_id
+             WHERE next_id = ?1 OR (typeof(next_id) <> 'integer' AND ?1 = -9223372036854775808)",
         )
         .bind(was)
         .bind(next)

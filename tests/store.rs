@@ -398,11 +398,16 @@ async fn purge_deletes_only_old_sent_events(db: TestDb) {
     assert!(s.set_sweep_position(i64::MIN, future).await.unwrap());
     assert_eq!(s.sweep_position().await.unwrap(), future);
     // SQLite keeps any value a hand edit writes: one that is not an integer reads as a new
-    // sweep, and the next move replaces it. (PostgreSQL's column takes only integers.)
+    // sweep and is put back to one, so a run that does not move the position (a short table)
+    // does not meet it again. (PostgreSQL's column takes only integers.)
     if db.backend == Backend::Sqlite {
         for bad in ["'somewhere'", "2.5", "x'00'"] {
             execute(&db, &format!("UPDATE ferry_sweep SET next_id = {bad}")).await.unwrap();
             assert_eq!(s.sweep_position().await.unwrap(), i64::MIN, "{bad}");
+            let pool = db.sqlite.as_ref().unwrap().pool();
+            let kept: (String, i64) =
+                sqlx::query_as("SELECT typeof(next_id), next_id FROM ferry_sweep").fetch_one(pool).await.unwrap();
+            assert_eq!(kept, ("integer".to_string(), i64::MIN), "{bad}");
             assert!(!s.set_sweep_position(pending, future).await.unwrap(), "{bad} is not where another run left it");
             assert!(s.set_sweep_position(i64::MIN, pending).await.unwrap(), "{bad}");
             assert_eq!(s.sweep_position().await.unwrap(), pending);
@@ -447,6 +452,15 @@ async fn postgres_a_connection_dropped_while_idle_is_replaced() {
     let name = format!("ferry-idle-{}-{}", std::process::id(), Utc::now().timestamp_nanos_opt().unwrap_or_default());
     let store = ferry::store::PostgresStore::connect(&format!("{}&application_name={name}", db.url), 2).await.unwrap();
     let id = store.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    // Dropped once back in the pool (sqlx checks a connection as it comes back): dropped during
+    // that check, it would be replaced there and never reach the check on taking it out.
+    for _ in 0..100 {
+        if store.pool().num_idle() as u32 == store.pool().size() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.pool().num_idle() as u32, store.pool().size(), "every connection back in the pool");
     let admin = db.postgres.as_ref().unwrap().pool();
     let dropped: Vec<bool> =
         sqlx::query_scalar("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")

@@ -94,13 +94,13 @@ impl Relay {
         let fenced_off = items.len().saturating_sub(handed.len() + outcomes.len());
         let mut stats = CycleStats { claimed: items.len(), fenced_off, ..CycleStats::default() };
         if !outcomes.is_empty() {
-            let written = self.record(token, now, &outcomes).await?;
+            let recorded = self.record_outcomes(token, now, &outcomes).await?;
             let totals = super::Outcomes::of(&outcomes);
             self.count(&parents, &outcomes, &totals, now);
             self.log_failed(&outcomes, now);
             stats.retried = totals.retried;
             stats.failed = totals.failed;
-            stats.fenced_off += outcomes.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX));
+            stats.fenced_off += recorded.fenced_off(outcomes.len());
         }
         Ok((rest, stats))
     }
@@ -361,35 +361,72 @@ impl Relay {
     }
 }
 
-/// Pauses before the second, third and fourth try of recording a batch's outcomes.
+/// Pauses before the second, third and fourth try of recording a batch's outcomes: 1.55 s in all,
+/// so the last try comes after more than `CHECK_AFTER_IDLE` and takes a pooled connection that is
+/// checked first, even when every connection was dropped at once (a failover).
 const RECORD_RETRY_PAUSES: [Duration; 3] =
     [Duration::from_millis(50), Duration::from_millis(250), Duration::from_millis(1_250)];
+const _: () = assert!(
+    RECORD_RETRY_PAUSES[0].as_millis() + RECORD_RETRY_PAUSES[1].as_millis() + RECORD_RETRY_PAUSES[2].as_millis()
+        > crate::store::CHECK_AFTER_IDLE.as_millis()
+);
+
+/// What recording a batch's outcomes wrote.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Recorded {
+    written: u64,
+    /// Whether a try failed before the one that succeeded.
+    after_failure: bool,
+}
+
+impl Recorded {
+    /// How many of `total` outcomes were fenced off: not written because their claims were
+    /// recovered meanwhile. After a failed try, rows the try that succeeded did not write may
+    /// instead be ones the failed try wrote before its answer was lost; the count cannot tell
+    /// them apart, so none are counted and their number is logged.
+    pub(super) fn fenced_off(self, total: usize) -> usize {
+        let missing = total.saturating_sub(usize::try_from(self.written).unwrap_or(usize::MAX));
+        if self.after_failure && missing > 0 {
+            tracing::info!(
+                missing,
+                "after trying again, some outcomes were not written: a try whose answer was lost wrote them, \
+                 or their claims were recovered meanwhile"
+            );
+            return 0;
+        }
+        missing
+    }
+}
 
 impl Relay {
-    /// Records a delivered batch's outcomes, trying again when the statement could not run this
-    /// time (a dropped connection, a failover, a deadlock; not a refusal, which would fail
-    /// again): unrecorded, the batch would be delivered a second time once its claim's lease
+    /// Records a delivered batch's outcomes, trying again when the database may well not fail
+    /// the same way twice ([`StoreError::is_transient`]: a dropped connection, a failover, a
+    /// deadlock): unrecorded, the batch would be delivered a second time once its claim's lease
     /// ran out. Trying again is safe: writes are fenced by the claim's token and status, so
-    /// outcomes the first try did commit (its answer lost) are not written twice.
-    pub(super) async fn record(
+    /// outcomes a failed try did commit (its answer lost) are not written twice. The pauses do
+    /// not watch for a stop: they add at most 1.55 s to it.
+    pub(super) async fn record_outcomes(
         &self,
         token: &str,
         at: DateTime<Utc>,
         completions: &[Completion],
-    ) -> Result<u64, StoreError> {
+    ) -> Result<Recorded, StoreError> {
+        let mut after_failure = false;
         for pause in RECORD_RETRY_PAUSES {
             match self.store.complete(token, at, completions).await {
-                Err(error) if !error.is_refusal() => {
+                Err(error) if error.is_transient() => {
                     tracing::warn!(
                         events = completions.len(),
                         "recording a batch's outcomes failed, trying again in {pause:?}: {error}"
                     );
+                    after_failure = true;
                     tokio::time::sleep(pause).await;
                 }
-                done => return done,
+                done => return Ok(Recorded { written: done?, after_failure }),
             }
         }
-        self.store.complete(token, at, completions).await
+        let written = self.store.complete(token, at, completions).await?;
+        Ok(Recorded { written, after_failure })
     }
 }
 

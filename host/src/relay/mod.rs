@@ -500,7 +500,7 @@ impl Relay {
         let totals = Outcomes::of(&completions);
         let done_at = self.clock.now();
         let recording = std::time::Instant::now();
-        let written = self.record(&token, done_at, &completions).await?;
+        let recorded = self.record_outcomes(&token, done_at, &completions).await?;
         self.metrics.record_duration.observe(recording.elapsed().as_secs_f64());
         let stats = CycleStats {
             claimed: events.len() + handed_on.claimed,
@@ -508,8 +508,7 @@ impl Relay {
             retried: totals.retried + handed_on.retried,
             deferred: totals.deferred,
             failed: totals.failed + handed_on.failed,
-            fenced_off: completions.len().saturating_sub(usize::try_from(written).unwrap_or(usize::MAX))
-                + handed_on.fenced_off,
+            fenced_off: recorded.fenced_off(completions.len()) + handed_on.fenced_off,
         };
         if let Some(tracer) = &self.tracer {
             let times =

@@ -65,12 +65,7 @@ impl StoreError {
     pub fn is_refusal(&self) -> bool {
         let StoreError::Database(sqlx::Error::Database(e)) = self else { return false };
         if let Some(pg) = e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
-            // Every class but those of a statement that could not run this time: connection (08),
-            // read-only transaction (25), rollback (40: deadlock, serialization), resources (53),
-            // lock not available (55), operator intervention (57: timeouts, shutdown), system
-            // (58) and internal (XX) errors.
-            const TRANSIENT: [&str; 8] = ["08", "25", "40", "53", "55", "57", "58", "XX"];
-            return !TRANSIENT.iter().any(|class| pg.code().starts_with(class));
+            return !PG_COULD_NOT_RUN.iter().any(|class| pg.code().starts_with(class));
         }
         if e.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
             // The primary result code of an extended one: SQLITE_TOOBIG, SQLITE_CONSTRAINT (a
@@ -81,6 +76,39 @@ impl StoreError {
         false
     }
 }
+
+impl StoreError {
+    /// Whether the same statement may well succeed if run again shortly: the connection failed
+    /// (an I/O error), PostgreSQL could not run it this time ([`PG_COULD_NOT_RUN`]), or SQLite
+    /// found the file busy or locked. Not a refusal, a pool that timed out or was closed, nor an
+    /// error ferry made (encoding, decoding): those would fail again.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Database(sqlx::Error::Io(_)) => true,
+            StoreError::Database(sqlx::Error::Database(e)) => {
+                if let Some(pg) = e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+                    return PG_COULD_NOT_RUN.iter().any(|class| pg.code().starts_with(class));
+                }
+                // SQLITE_BUSY and SQLITE_LOCKED, in their primary result code.
+                let primary = e.code().and_then(|code| code.parse::<i32>().ok()).map(|code| code & 0xff);
+                e.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() && matches!(primary, Some(5 | 6))
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The classes of PostgreSQL error codes of a statement that could not run this time: connection
+/// (08), read-only transaction (25), rollback (40: deadlock, serialization), resources (53), lock
+/// not available (55), operator intervention (57: timeouts, shutdown), system (58) and internal
+/// (XX) errors. Every other class refuses what the statement asked.
+const PG_COULD_NOT_RUN: [&str; 8] = ["08", "25", "40", "53", "55", "57", "58", "XX"];
+
+/// How long a pooled connection may sit idle before it is checked with a round trip when taken
+/// out again (every connection is checked when it is given back). Long enough to spare the
+/// relay's steady use a round trip per statement; a connection dropped within it (by a server
+/// restart or a failover) fails the statement that takes it, which the relay tries again.
+pub(crate) const CHECK_AFTER_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl From<EmitError> for StoreError {
     fn from(e: EmitError) -> Self {
@@ -347,7 +375,7 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// Where retention's sweep goes on from, kept in the database (`ferry_sweep`) so that a
     /// restarted relay goes on where the last left off and instances take turns moving it on;
     /// `i64::MIN`, a new sweep, when none is kept (or, on SQLite, when a hand edit left a value
-    /// that is not an integer, which the next move then replaces).
+    /// that is not an integer, which is then put back to it).
     async fn sweep_position(&self) -> Result<i64, StoreError>;
 
     /// Keeps `next` as where retention's sweep goes on from, if it was still `was` (another
@@ -1032,5 +1060,34 @@ mod tests {
         let events = super::claimed_events(&rows, 1024).unwrap();
         let defect = events[0].defect.as_deref().unwrap_or_default();
         assert!(defect.starts_with("event 7: column event_time cannot be read"), "{defect}");
+    }
+
+    /// Only what may well not happen again is tried again: a busy SQLite file and a failed
+    /// connection, not a constraint, a pool that timed out or was closed.
+    #[tokio::test]
+    async fn only_errors_that_may_pass_are_transient() {
+        use sqlx::Connection as _;
+        use std::str::FromStr as _;
+        let dir = tempfile::tempdir().unwrap();
+        let options =
+            sqlx::sqlite::SqliteConnectOptions::from_str(&format!("sqlite://{}", dir.path().join("t.db").display()))
+                .unwrap()
+                .create_if_missing(true)
+                .busy_timeout(std::time::Duration::ZERO);
+        let mut holder = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+        let mut other = sqlx::SqliteConnection::connect_with(&options).await.unwrap();
+        sqlx::query("CREATE TABLE t (x INTEGER CHECK (x > 0))").execute(&mut holder).await.unwrap();
+        let refused =
+            super::StoreError::from(sqlx::query("INSERT INTO t VALUES (-1)").execute(&mut holder).await.unwrap_err());
+        assert!(refused.is_refusal() && !refused.is_transient(), "{refused}");
+        sqlx::query("BEGIN EXCLUSIVE").execute(&mut holder).await.unwrap();
+        let busy =
+            super::StoreError::from(sqlx::query("INSERT INTO t VALUES (1)").execute(&mut other).await.unwrap_err());
+        assert!(busy.is_transient() && !busy.is_refusal(), "{busy}");
+        let dropped = super::StoreError::from(sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into()));
+        assert!(dropped.is_transient());
+        for lasting in [sqlx::Error::PoolTimedOut, sqlx::Error::PoolClosed] {
+            assert!(!super::StoreError::from(lasting).is_transient());
+        }
     }
 }

@@ -51,12 +51,11 @@ impl PostgresStore {
             .acquire_timeout(std::time::Duration::from_secs(10))
             // sqlx checks a connection with a round trip when it comes back to the pool; checking
             // it again when it is taken out doubled the round trips of every statement the relay
-            // runs. Only a connection idle long enough for the server or the network to have
-            // dropped it meanwhile is checked again.
+            // runs. Only a connection idle for `CHECK_AFTER_IDLE` or longer is checked again.
             .test_before_acquire(false)
             .before_acquire(|conn, meta| {
                 Box::pin(async move {
-                    if meta.idle_for >= CHECK_AFTER_IDLE {
+                    if meta.idle_for >= super::CHECK_AFTER_IDLE {
                         sqlx::Connection::ping(conn).await?;
                     }
                     Ok(true)
@@ -75,10 +74,6 @@ impl PostgresStore {
         &self.pool
     }
 }
-
-/// How long a pooled connection may sit idle before it is checked with a round trip when taken
-/// out again (every connection is checked when it is given back).
-const CHECK_AFTER_IDLE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Records as SENT, at $2, the rows of route $3 with ids from $9 to $10 still held by claim $1,
 /// delivered by one plugin call ($5 to $8). See `SentCall::statement`.

@@ -561,8 +561,7 @@ impl Store for SqliteStore {
 
     async fn sweep_position(&self) -> Result<i64, StoreError> {
         // SQLite keeps whatever a hand edit writes in an INTEGER column; a position that is not
-        // an integer starts a new sweep (and the next move overwrites it) instead of failing
-        // every run's read.
+        // an integer is put back to a new sweep's instead of failing every run's read.
         let kept: Option<(Option<i64>, String)> = sqlx::query_as(
             "SELECT CASE WHEN typeof(next_id) = 'integer' THEN next_id END, typeof(next_id) FROM ferry_sweep",
         )
@@ -571,9 +570,14 @@ impl Store for SqliteStore {
         Ok(match kept {
             Some((Some(next), _)) => next,
             Some((None, kind)) => {
+                let _writing = self.writer.lock().await;
+                sqlx::query("UPDATE ferry_sweep SET next_id = ?1 WHERE typeof(next_id) <> 'integer'")
+                    .bind(i64::MIN)
+                    .execute(&self.pool)
+                    .await?;
                 tracing::warn!(
                     kind,
-                    "ferry_sweep.next_id is not an integer (edited by hand?); retention starts a new sweep and rewrites it"
+                    "ferry_sweep.next_id was not an integer (edited by hand?); retention starts a new sweep"
                 );
                 i64::MIN
             }
@@ -583,13 +587,10 @@ impl Store for SqliteStore {
 
     async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError> {
         let _writing = self.writer.lock().await;
-        // One statement: moved on from `was`, or the row made again if deleted by hand. A value
-        // that is not an integer was read as a new sweep (`sweep_position`), so it counts as
-        // `i64::MIN` here.
+        // One statement: moved on from `was`, or the row made again if deleted by hand.
         let done = sqlx::query(
             "INSERT INTO ferry_sweep (one, next_id) VALUES (1, ?2)
-             ON CONFLICT (one) DO UPDATE SET next_id = excluded.next_id
-             WHERE next_id = ?1 OR (typeof(next_id) <> 'integer' AND ?1 = -9223372036854775808)",
+             ON CONFLICT (one) DO UPDATE SET next_id = excluded.next_id WHERE next_id = ?1",
         )
         .bind(was)
         .bind(next)

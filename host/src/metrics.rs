@@ -165,7 +165,7 @@ impl Metrics {
         let record_duration = statement_buckets();
         registry.register(
             "ferry_record_duration_seconds",
-            "Time taken to write the outcomes of one batch's plugin calls, waiting for a connection included",
+            "Time taken to write the outcomes of one batch's plugin calls, waiting for a connection and trying again included",
             record_duration.clone(),
         );
         let plugin_call_duration: Histograms<PluginLabels> = Family::new_with_constructor(call_buckets);

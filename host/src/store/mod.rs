@@ -75,9 +75,7 @@ impl StoreError {
         }
         false
     }
-}
 
-impl StoreError {
     /// Whether the same statement may well succeed if run again shortly: the connection failed
     /// (an I/O error), PostgreSQL could not run it this time ([`PG_COULD_NOT_RUN`]), or SQLite
     /// found the file busy or locked. Not a refusal, a pool that timed out or was closed, nor an

@@ -981,3 +981,36 @@ async fn sqlite_is_compiled_without_memory_statistics() {
         .unwrap();
     assert!(options.iter().any(|o| o == "DEFAULT_MEMSTATUS=0"), "compile options: {options:?}");
 }
+
+/// The relay writes to SQLite through one connection of its own. A write given up half-way (its
+/// task cancelled while another process held the file's write lock) leaves that connection fit
+/// for the next one: the cancelled transaction is rolled back, not left open and not committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_write_given_up_half_way_leaves_the_writing_connection_usable() {
+    use std::time::Duration;
+    let db = TestDb::new(Backend::Sqlite).await;
+    let s = &db.store;
+    for kind in ["sent", "failed"] {
+        s.insert(&NewEvent::new("r", kind, "{}"), t0()).await.unwrap();
+    }
+    let ids: Vec<i64> = s.claim(&claim(t0(), 10, "tok")).await.unwrap().iter().map(|e| e.id).collect();
+    // Two kinds of outcome: written in one transaction rather than by one statement.
+    let items = vec![
+        done(ids[0], Disposition::Sent),
+        done(ids[1], Disposition::Failed { reason: FailureReason::Permanent, error: "rejected".into() }),
+    ];
+    let mut other = db.sqlite.as_ref().unwrap().pool().acquire().await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE").execute(&mut *other).await.unwrap();
+    let waited = tokio::time::timeout(Duration::from_millis(300), s.complete("tok", t0(), &items)).await;
+    assert!(waited.is_err(), "the write waited for the lock held by the other connection");
+    sqlx::query("ROLLBACK").execute(&mut *other).await.unwrap();
+    drop(other);
+
+    let written = tokio::time::timeout(Duration::from_secs(20), s.complete("tok", t0(), &items)).await;
+    assert_eq!(written.expect("the next write is not stuck").unwrap(), 2, "the given-up write committed nothing");
+    assert_eq!(s.get(ids[0]).await.unwrap().unwrap().status, Status::Sent);
+    assert_eq!(s.get(ids[1]).await.unwrap().unwrap().status, Status::Failed);
+    // And the connection goes on writing.
+    s.insert(&NewEvent::new("r", "next", "{}"), t0()).await.unwrap();
+    assert_eq!(s.claim(&claim(t0(), 10, "tok2")).await.unwrap().len(), 1);
+}

@@ -95,8 +95,8 @@ pub struct Metrics {
     pub delivery_latency: Histograms<RouteOnly>,
     pub batch_size: Histogram,
     pub claim_duration: Histogram,
-    /// Writing the outcomes of one batch's plugin calls, waiting for a connection (and on SQLite
-    /// the write lock) included; events handed on to destinations are written without it.
+    /// Writing the outcomes of one batch's plugin calls, waiting for a connection (on SQLite the
+    /// relay's writing connection) included; events handed on to destinations are written without it.
     pub record_duration: Histogram,
     pub plugin_call_duration: Histograms<PluginLabels>,
     /// How long a plugin call waited for one of its route's instances to be free.

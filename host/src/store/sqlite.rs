@@ -1,7 +1,9 @@
 //! The SQLite store: the embedded default. One file, WAL journal, timestamps as integer
-//! milliseconds; batches of ids and outcomes reach SQL as JSON arrays (`json_each`). SQLite has a single writer, so a claim is one `UPDATE … RETURNING` statement that
-//! takes the write lock before it reads, which makes concurrent claimers (threads or processes)
-//! see disjoint batches.
+//! milliseconds; batches of ids and outcomes reach SQL as JSON arrays (`json_each`). SQLite has a
+//! single writer, so a claim is one `UPDATE … RETURNING` statement that takes the write lock
+//! before it reads, which makes concurrent claimers (threads or processes) see disjoint batches.
+//! The relay's own writes go through one connection of their own ([`Writer`]); reads and the
+//! operators' commands use the pool.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -12,7 +14,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Row, SqlitePool};
+use sqlx::{Connection, Row, SqliteConnection, SqlitePool};
 
 use ferry_outbox::Outbox;
 
@@ -28,12 +30,67 @@ use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEven
 /// The outbox in a SQLite database file.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
+    /// Reads, and the writes of commands and applications.
     pool: SqlitePool,
-    /// Taken by the relay's writes (claims, outcomes, breakers, recovery, retention). SQLite lets one
-    /// connection write at a time, and a connection that finds the file locked sleeps in steps of
-    /// milliseconds before trying again; the relay's own writers queue here instead, and wake the
-    /// moment the previous write commits. Other processes still wait on the busy timeout.
-    writer: Arc<tokio::sync::Mutex<()>>,
+    /// The relay's writes (claims, outcomes, breakers, recovery, retention), one at a time.
+    writer: Arc<Writer>,
+}
+
+/// The one connection the relay writes through. SQLite lets one connection write at a time, and a
+/// connection that finds the file locked sleeps in steps of milliseconds before trying again; the
+/// relay's writes queue here instead and start the moment the previous one ends. Writing through
+/// one connection also keeps its page cache, which SQLite empties on a connection whenever another
+/// one has written to the file, and its prepared statements; and it is not checked on its way back
+/// as a pooled one is (a round trip to its thread after every write). Other processes still wait
+/// on the busy timeout.
+#[derive(Debug)]
+struct Writer {
+    options: SqliteConnectOptions,
+    slot: tokio::sync::Mutex<WriterSlot>,
+}
+
+#[derive(Debug)]
+struct WriterSlot {
+    conn: SqliteConnection,
+    /// The last write through `conn` failed or was abandoned half-way: check the connection
+    /// before the next one (see [`SqliteStore::writer`]).
+    suspect: bool,
+}
+
+/// The writing connection, held for one write ([`SqliteStore::writer`]). Dropped before
+/// [`Writing::done`] (an error returned with `?`, a cancelled task), it leaves the connection
+/// suspect.
+struct Writing<'a> {
+    slot: tokio::sync::MutexGuard<'a, WriterSlot>,
+    done: bool,
+}
+
+impl Writing<'_> {
+    /// The write succeeded: the next one needs no check.
+    fn done(mut self) {
+        self.done = true;
+    }
+}
+
+impl std::ops::Deref for Writing<'_> {
+    type Target = SqliteConnection;
+    fn deref(&self) -> &SqliteConnection {
+        &self.slot.conn
+    }
+}
+
+impl std::ops::DerefMut for Writing<'_> {
+    fn deref_mut(&mut self) -> &mut SqliteConnection {
+        &mut self.slot.conn
+    }
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.slot.suspect = true;
+        }
+    }
 }
 
 impl SqliteStore {
@@ -83,8 +140,15 @@ impl SqliteStore {
                 .test_before_acquire(false)
                 .connect_with(options.clone())
                 .await;
-            match attempt {
-                Ok(pool) => return Ok(Self { pool, writer: Arc::default() }),
+            let opened = match attempt {
+                Ok(pool) => SqliteConnection::connect_with(&options).await.map(|conn| (pool, conn)),
+                Err(e) => Err(e),
+            };
+            match opened {
+                Ok((pool, conn)) => {
+                    let slot = tokio::sync::Mutex::new(WriterSlot { conn, suspect: false });
+                    return Ok(Self { pool, writer: Arc::new(Writer { options, slot }) });
+                }
                 Err(e) if is_locked(&e) && pause < Duration::from_secs(5) => {
                     tokio::time::sleep(pause).await;
                     pause *= 2;
@@ -97,6 +161,21 @@ impl SqliteStore {
     /// The pool, for applications that emit through their own transactions.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// Waits for the writing connection ([`Writer`]). After a write that failed or was abandoned
+    /// half-way, the connection is first checked (which also runs a rollback sqlx left queued on
+    /// it) and, if its thread is gone, opened again.
+    async fn writer(&self) -> Result<Writing<'_>, StoreError> {
+        let mut slot = self.writer.slot.lock().await;
+        if slot.suspect {
+            if let Err(e) = slot.conn.ping().await {
+                tracing::warn!(error = %e, "the SQLite writing connection failed its check; opening it again");
+                slot.conn = SqliteConnection::connect_with(&self.writer.options).await?;
+            }
+            slot.suspect = false;
+        }
+        Ok(Writing { slot, done: false })
     }
 }
 
@@ -140,8 +219,8 @@ impl RecordOutcomes for SqliteStore {
                 })
                 .collect(),
         };
-        let _writing = self.writer.lock().await;
-        let mut tx = self.pool.begin().await?;
+        let mut writing = self.writer().await?;
+        let mut tx = writing.begin().await?;
         let mut updated: Vec<i64> = Vec::new();
         for (rows, statement) in [(retry, COMPLETE_RETRY), (failed, COMPLETE_FAILED), (sent, COMPLETE_SENT)] {
             if rows.is_empty() {
@@ -189,6 +268,7 @@ impl RecordOutcomes for SqliteStore {
             let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
             if !sent.write(&mut tx, sent_by_token(&statement, token, now, sent)).await? {
                 tx.rollback().await?;
+                writing.done();
                 return Ok(None);
             }
             updated.extend(&sent.ids);
@@ -220,12 +300,14 @@ impl RecordOutcomes for SqliteStore {
             .await?;
         }
         tx.commit().await?;
+        writing.done();
         Ok(Some(updated.len() as u64))
     }
 
     async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError> {
-        let _writing = self.writer.lock().await;
-        let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, ms(now), run).execute(&self.pool).await?;
+        let mut writing = self.writer().await?;
+        let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, ms(now), run).execute(&mut *writing).await?;
+        writing.done();
         Ok(done.rows_affected())
     }
 }
@@ -422,7 +504,7 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         let rows = sqlx::query(CLAIM_SQL)
             .bind(ms(claim.now))
             .bind(i64::from(claim.limit))
@@ -434,9 +516,9 @@ impl Store for SqliteStore {
             .bind(serde_json::to_string(&claim.paused_routes).expect("strings serialize"))
             .bind(&claim.only_route)
             .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *writing)
             .await?;
-        drop(writing);
+        writing.done();
         claimed_events(&rows, claim.max_payload)
     }
 
@@ -445,7 +527,7 @@ impl Store for SqliteStore {
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
-        let _writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         let done = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PENDING', attempts = MAX(attempts - 1, 0), last_status_at = ?1,
@@ -455,13 +537,14 @@ impl Store for SqliteStore {
         .bind(ms(now))
         .bind(token)
         .bind(json!(ids).to_string())
-        .execute(&self.pool)
+        .execute(&mut *writing)
         .await?;
+        writing.done();
         Ok(done.rows_affected())
     }
 
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
-        let _writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         let rows = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PENDING', last_status_at = ?1, next_attempt_at = ?1, claim_token = NULL,
@@ -471,8 +554,9 @@ impl Store for SqliteStore {
              RETURNING id, claimed_by",
         )
         .bind(ms(now))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *writing)
         .await?;
+        writing.done();
         rows.iter()
             .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
             .collect::<Result<_, sqlx::Error>>()
@@ -529,13 +613,13 @@ impl Store for SqliteStore {
 
     async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError> {
         let SweepWindow { from, limit, before, now } = *window;
-        let _writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         let found = sqlx::query(SWEEP_SQL[0])
             .bind(from)
             .bind(i64::from(limit))
             .bind(ms(before))
             .bind(ms(now))
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *writing)
             .await?;
         let last: Option<i64> = found.try_get("last")?;
         let deleted = match last {
@@ -546,11 +630,12 @@ impl Store for SqliteStore {
                 .bind(from)
                 .bind(last)
                 .bind(ms(before))
-                .execute(&self.pool)
+                .execute(&mut *writing)
                 .await?
                 .rows_affected(),
             None => 0,
         };
+        writing.done();
         Ok(SweepStep {
             seen: u64::try_from(found.try_get::<i64, _>("seen")?).unwrap_or_default(),
             last,
@@ -570,11 +655,12 @@ impl Store for SqliteStore {
         Ok(match kept {
             Some((Some(next), _)) => next,
             Some((None, kind)) => {
-                let _writing = self.writer.lock().await;
+                let mut writing = self.writer().await?;
                 sqlx::query("UPDATE ferry_sweep SET next_id = ?1 WHERE typeof(next_id) <> 'integer'")
                     .bind(i64::MIN)
-                    .execute(&self.pool)
+                    .execute(&mut *writing)
                     .await?;
+                writing.done();
                 tracing::warn!(
                     kind,
                     "ferry_sweep.next_id was not an integer (edited by hand?); retention starts a new sweep"
@@ -586,7 +672,7 @@ impl Store for SqliteStore {
     }
 
     async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError> {
-        let _writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         // One statement: moved on from `was`, or the row made again if deleted by hand.
         let done = sqlx::query(
             "INSERT INTO ferry_sweep (one, next_id) VALUES (1, ?2)
@@ -594,8 +680,9 @@ impl Store for SqliteStore {
         )
         .bind(was)
         .bind(next)
-        .execute(&self.pool)
+        .execute(&mut *writing)
         .await?;
+        writing.done();
         Ok(done.rows_affected() == 1)
     }
 
@@ -676,8 +763,8 @@ impl Store for SqliteStore {
         now: DateTime<Utc>,
         items: &[(i64, Vec<String>)],
     ) -> Result<Vec<i64>, StoreError> {
-        let _writing = self.writer.lock().await;
-        let mut tx = self.pool.begin().await?;
+        let mut writing = self.writer().await?;
+        let mut tx = writing.begin().await?;
         let ids: Vec<i64> = items.iter().map(|(id, _)| *id).collect();
         let handed: Vec<i64> = sqlx::query_scalar(
             "UPDATE ferry_events
@@ -696,6 +783,7 @@ impl Store for SqliteStore {
             sqlx::query(FAN_OUT_SQL).bind(Value::Array(rows).to_string()).bind(ms(now)).execute(&mut *tx).await?;
         }
         tx.commit().await?;
+        writing.done();
         Ok(handed)
     }
 
@@ -761,7 +849,7 @@ impl Store for SqliteStore {
         threshold: u32,
         now: DateTime<Utc>,
     ) -> Result<Breaker, StoreError> {
-        let _writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         let row = sqlx::query_as(
             "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
              VALUES (?1, ?2, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?5 END, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?3 END, ?5)
@@ -784,8 +872,9 @@ impl Store for SqliteStore {
         .bind(reason)
         .bind(i64::from(threshold))
         .bind(ms(now))
-        .fetch_one(&self.pool)
+        .fetch_one(&mut *writing)
         .await?;
+        writing.done();
         Ok(row)
     }
 
@@ -796,7 +885,7 @@ impl Store for SqliteStore {
         now: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> Result<bool, StoreError> {
-        let _writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         let done = sqlx::query(
             "UPDATE ferry_breakers SET probe_until = ?4, updated_at = ?3
              WHERE route = ?1 AND opened_at <= ?2 AND manual = 0 AND (probe_until IS NULL OR probe_until <= ?3)",
@@ -805,17 +894,19 @@ impl Store for SqliteStore {
         .bind(ms(cooled))
         .bind(ms(now))
         .bind(ms(until))
-        .execute(&self.pool)
+        .execute(&mut *writing)
         .await?;
+        writing.done();
         Ok(done.rows_affected() == 1)
     }
 
     async fn release_probe(&self, route: &str) -> Result<(), StoreError> {
-        let _writing = self.writer.lock().await;
+        let mut writing = self.writer().await?;
         sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = ?1")
             .bind(route)
-            .execute(&self.pool)
+            .execute(&mut *writing)
             .await?;
+        writing.done();
         Ok(())
     }
 

@@ -983,7 +983,7 @@ async fn sqlite_is_compiled_without_memory_statistics() {
 }
 
 /// The relay writes to SQLite through one connection of its own. A write given up half-way (its
-/// task cancelled while another process held the file's write lock) leaves that connection fit
+/// task cancelled while another connection held the file's write lock) leaves that connection fit
 /// for the next one: the cancelled transaction is rolled back, not left open and not committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_a_write_given_up_half_way_leaves_the_writing_connection_usable() {
@@ -1013,4 +1013,41 @@ async fn sqlite_a_write_given_up_half_way_leaves_the_writing_connection_usable()
     // And the connection goes on writing.
     s.insert(&NewEvent::new("r", "next", "{}"), t0()).await.unwrap();
     assert_eq!(s.claim(&claim(t0(), 10, "tok2")).await.unwrap().len(), 1);
+}
+
+/// When SQLite ends a transaction itself (here a trigger's `RAISE(ROLLBACK)`; a full disk does the
+/// same), sqlx's rollback of it fails and sqlx goes on counting it open, so on that connection the
+/// next transaction would be a savepoint, and rolling that back would leave every later write of
+/// the relay uncommitted and the file locked. The writing connection is replaced instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_transaction_sqlite_ended_itself_does_not_stay_open_on_the_writing_connection() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let s = &db.store;
+    let id = s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    assert_eq!(s.claim(&claim(t0(), 10, "tok")).await.unwrap().len(), 1);
+    // A retry writes a history row in the outcome's transaction.
+    let retry = [done(id, Disposition::Retry { at: t0() + secs(30), error: "busy".into() })];
+    let history_refused = |how: &str| {
+        format!(
+            "CREATE TRIGGER refuse_history BEFORE INSERT ON ferry_attempts BEGIN SELECT RAISE({how}, 'history refused'); END"
+        )
+    };
+    // One connection changes the schema: another one may still hold the schema as it was and
+    // refuse the next change for it.
+    let mut ddl = db.sqlite.as_ref().unwrap().pool().acquire().await.unwrap();
+    let mut change = async |sql: &str| sqlx::query(sql).execute(&mut *ddl).await.map(drop);
+    change(&history_refused("ROLLBACK")).await.unwrap();
+    let err = s.complete("tok", t0(), &retry).await.unwrap_err();
+    assert!(err.to_string().contains("history refused"), "{err}");
+    // A failed statement inside the next transaction: its rollback must end the transaction.
+    change("DROP TRIGGER refuse_history").await.unwrap();
+    change(&history_refused("ABORT")).await.unwrap();
+    let err = s.complete("tok", t0(), &retry).await.unwrap_err();
+    assert!(err.to_string().contains("history refused"), "{err}");
+    // Other connections can write (the file is not left locked), and the relay's writes commit.
+    let dropped = tokio::time::timeout(std::time::Duration::from_secs(5), change("DROP TRIGGER refuse_history"));
+    dropped.await.expect("the file is not left locked by the writing connection").unwrap();
+    assert_eq!(s.complete("tok", t0(), &retry).await.unwrap(), 1);
+    let row = s.get(id).await.unwrap().unwrap();
+    assert_eq!((row.status, row.last_error.as_deref()), (Status::Pending, Some("busy")));
 }

@@ -164,13 +164,23 @@ impl SqliteStore {
     }
 
     /// Waits for the writing connection ([`Writer`]). After a write that failed or was abandoned
-    /// half-way, the connection is first checked (which also runs a rollback sqlx left queued on
-    /// it) and, if its thread is gone, opened again.
+    /// half-way, the connection is checked first, and opened again if it is not fit for the next.
     async fn writer(&self) -> Result<Writing<'_>, StoreError> {
         let mut slot = self.writer.slot.lock().await;
-        if slot.suspect {
-            if let Err(e) = slot.conn.ping().await {
-                tracing::warn!(error = %e, "the SQLite writing connection failed its check; opening it again");
+        if slot.suspect || slot.conn.is_in_transaction() {
+            // The round trip waits for what the last write left queued on the connection's thread
+            // (sqlx's rollback of a transaction dropped unfinished) and finds a thread that is gone.
+            // A transaction still counted open after it means SQLite had already ended it (a full
+            // disk, a trigger's `RAISE(ROLLBACK)`), so sqlx's rollback failed and still counts one:
+            // on that connection the next transaction would be a savepoint, whose rollback leaves
+            // every later write uncommitted and the file locked.
+            let unfit = match slot.conn.ping().await {
+                Err(e) => Some(e.to_string()),
+                Ok(()) if slot.conn.is_in_transaction() => Some("a transaction is still counted open".into()),
+                Ok(()) => None,
+            };
+            if let Some(why) = unfit {
+                tracing::warn!(why, "the SQLite writing connection is not fit for the next write; opening a new one");
                 slot.conn = SqliteConnection::connect_with(&self.writer.options).await?;
             }
             slot.suspect = false;

@@ -1001,7 +1001,9 @@ async fn sqlite_a_write_given_up_half_way_leaves_the_writing_connection_usable()
     ];
     let mut other = db.sqlite.as_ref().unwrap().pool().acquire().await.unwrap();
     sqlx::query("BEGIN IMMEDIATE").execute(&mut *other).await.unwrap();
-    let waited = tokio::time::timeout(Duration::from_millis(300), s.complete("tok", t0(), &items)).await;
+    // Two seconds: long enough for the write to reach the locked file on a loaded machine, well
+    // short of the busy timeout (ten).
+    let waited = tokio::time::timeout(Duration::from_secs(2), s.complete("tok", t0(), &items)).await;
     assert!(waited.is_err(), "the write waited for the lock held by the other connection");
     sqlx::query("ROLLBACK").execute(&mut *other).await.unwrap();
     drop(other);
@@ -1029,7 +1031,8 @@ async fn sqlite_a_transaction_sqlite_ended_itself_does_not_stay_open_on_the_writ
     let retry = [done(id, Disposition::Retry { at: t0() + secs(30), error: "busy".into() })];
     let history_refused = |how: &str| {
         format!(
-            "CREATE TRIGGER refuse_history BEFORE INSERT ON ferry_attempts BEGIN SELECT RAISE({how}, 'history refused'); END"
+            "CREATE TRIGGER refuse_history BEFORE INSERT ON ferry_attempts
+             BEGIN SELECT RAISE({how}, 'history refused'); END"
         )
     };
     // One connection changes the schema: another one may still hold the schema as it was and

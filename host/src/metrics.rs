@@ -96,7 +96,7 @@ pub struct Metrics {
     pub batch_size: Histogram,
     pub claim_duration: Histogram,
     /// Writing the outcomes of one batch's plugin calls, waiting for a connection (on SQLite the
-    /// relay's writing connection) included; events handed on to destinations are written without it.
+    /// relay's writing connection) included; events handed on to destinations are not timed here.
     pub record_duration: Histogram,
     pub plugin_call_duration: Histograms<PluginLabels>,
     /// How long a plugin call waited for one of its route's instances to be free.

@@ -597,8 +597,8 @@ impl Config {
     /// the relay's: each busy worker holds one for its statements and LISTEN holds one for good.
     /// With fewer, workers wait for each other's connections, and the admin API and readiness
     /// probe wait behind them under load. Nothing breaks, so it is not an error: a config that ran
-    /// with two workers keeps running with the default four. SQLite's writes take turns on one
-    /// connection, so it needs none.
+    /// with two workers keeps running with the default four. On SQLite the relay's writes take
+    /// turns on a connection of their own, so it needs none.
     pub fn pool_warning(&self) -> Option<String> {
         let (pool, workers, listen) = (self.database.max_connections, self.relay.workers, u32::from(self.relay.listen));
         let needed = workers + listen + 1;

@@ -285,7 +285,7 @@ fn a_postgres_pool_without_a_spare_connection_is_warned_about() {
     assert!(quiet.contains("at least 9, or relay.workers to at most 7") && !quiet.contains("LISTEN"), "{quiet}");
     let postgresql = "[database]\nurl = \"postgresql://db.internal/outbox\"\n[relay]\nworkers = 7\n";
     assert!(Config::from_toml_str(postgresql, "t").unwrap().pool_warning().is_some(), "either URL scheme");
-    // SQLite's writes take turns on one connection: more workers than connections is fine there.
+    // SQLite's relay writes take turns on a connection of their own: more workers than connections is fine.
     let sqlite = "[database]\nmax_connections = 2\n[relay]\nworkers = 16\n";
     assert_eq!(Config::from_toml_str(sqlite, "t").unwrap().pool_warning(), None);
 }

@@ -32,7 +32,8 @@ use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEven
 pub struct SqliteStore {
     /// Reads, and the writes of commands and applications.
     pool: SqlitePool,
-    /// The relay's writes (claims, outcomes, breakers, recovery, retention), one at a time.
+    /// The relay's writes (claims, outcomes, hand-backs and hand-ons, breakers, recovery,
+    /// retention), one at a time.
     writer: Arc<Writer>,
 }
 
@@ -53,22 +54,23 @@ struct Writer {
 struct WriterSlot {
     conn: SqliteConnection,
     /// The last write through `conn` failed or was abandoned half-way: check the connection
-    /// before the next one (see [`SqliteStore::writer`]).
+    /// before the next one (see [`SqliteStore::writing`]).
     suspect: bool,
 }
 
-/// The writing connection, held for one write ([`SqliteStore::writer`]). Dropped before
-/// [`Writing::done`] (an error returned with `?`, a cancelled task), it leaves the connection
+/// The writing connection, held for one write ([`SqliteStore::writing`]). Dropped before
+/// [`Writing::finish`] (an error returned with `?`, a cancelled task), it leaves the connection
 /// suspect.
 struct Writing<'a> {
     slot: tokio::sync::MutexGuard<'a, WriterSlot>,
-    done: bool,
+    finished: bool,
 }
 
 impl Writing<'_> {
-    /// The write succeeded: the next one needs no check.
-    fn done(mut self) {
-        self.done = true;
+    /// The write ran to its end (committed, or rolled back on purpose): the next one needs no
+    /// check.
+    fn finish(mut self) {
+        self.finished = true;
     }
 }
 
@@ -87,7 +89,7 @@ impl std::ops::DerefMut for Writing<'_> {
 
 impl Drop for Writing<'_> {
     fn drop(&mut self) {
-        if !self.done {
+        if !self.finished {
             self.slot.suspect = true;
         }
     }
@@ -165,7 +167,7 @@ impl SqliteStore {
 
     /// Waits for the writing connection ([`Writer`]). After a write that failed or was abandoned
     /// half-way, the connection is checked first, and opened again if it is not fit for the next.
-    async fn writer(&self) -> Result<Writing<'_>, StoreError> {
+    async fn writing(&self) -> Result<Writing<'_>, StoreError> {
         let mut slot = self.writer.slot.lock().await;
         if slot.suspect || slot.conn.is_in_transaction() {
             // The round trip waits for what the last write left queued on the connection's thread
@@ -185,7 +187,7 @@ impl SqliteStore {
             }
             slot.suspect = false;
         }
-        Ok(Writing { slot, done: false })
+        Ok(Writing { slot, finished: false })
     }
 }
 
@@ -229,7 +231,7 @@ impl RecordOutcomes for SqliteStore {
                 })
                 .collect(),
         };
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let mut tx = writing.begin().await?;
         let mut updated: Vec<i64> = Vec::new();
         for (rows, statement) in [(retry, COMPLETE_RETRY), (failed, COMPLETE_FAILED), (sent, COMPLETE_SENT)] {
@@ -278,7 +280,7 @@ impl RecordOutcomes for SqliteStore {
             let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
             if !sent.write(&mut tx, sent_by_token(&statement, token, now, sent)).await? {
                 tx.rollback().await?;
-                writing.done();
+                writing.finish();
                 return Ok(None);
             }
             updated.extend(&sent.ids);
@@ -310,14 +312,14 @@ impl RecordOutcomes for SqliteStore {
             .await?;
         }
         tx.commit().await?;
-        writing.done();
+        writing.finish();
         Ok(Some(updated.len() as u64))
     }
 
     async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, ms(now), run).execute(&mut *writing).await?;
-        writing.done();
+        writing.finish();
         Ok(done.rows_affected())
     }
 }
@@ -514,7 +516,7 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let rows = sqlx::query(CLAIM_SQL)
             .bind(ms(claim.now))
             .bind(i64::from(claim.limit))
@@ -528,7 +530,7 @@ impl Store for SqliteStore {
             .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
             .fetch_all(&mut *writing)
             .await?;
-        writing.done();
+        writing.finish();
         claimed_events(&rows, claim.max_payload)
     }
 
@@ -537,7 +539,7 @@ impl Store for SqliteStore {
     }
 
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let done = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PENDING', attempts = MAX(attempts - 1, 0), last_status_at = ?1,
@@ -549,12 +551,12 @@ impl Store for SqliteStore {
         .bind(json!(ids).to_string())
         .execute(&mut *writing)
         .await?;
-        writing.done();
+        writing.finish();
         Ok(done.rows_affected())
     }
 
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let rows = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PENDING', last_status_at = ?1, next_attempt_at = ?1, claim_token = NULL,
@@ -566,7 +568,7 @@ impl Store for SqliteStore {
         .bind(ms(now))
         .fetch_all(&mut *writing)
         .await?;
-        writing.done();
+        writing.finish();
         rows.iter()
             .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
             .collect::<Result<_, sqlx::Error>>()
@@ -623,7 +625,7 @@ impl Store for SqliteStore {
 
     async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError> {
         let SweepWindow { from, limit, before, now } = *window;
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let found = sqlx::query(SWEEP_SQL[0])
             .bind(from)
             .bind(i64::from(limit))
@@ -645,7 +647,7 @@ impl Store for SqliteStore {
                 .rows_affected(),
             None => 0,
         };
-        writing.done();
+        writing.finish();
         Ok(SweepStep {
             seen: u64::try_from(found.try_get::<i64, _>("seen")?).unwrap_or_default(),
             last,
@@ -665,12 +667,12 @@ impl Store for SqliteStore {
         Ok(match kept {
             Some((Some(next), _)) => next,
             Some((None, kind)) => {
-                let mut writing = self.writer().await?;
+                let mut writing = self.writing().await?;
                 sqlx::query("UPDATE ferry_sweep SET next_id = ?1 WHERE typeof(next_id) <> 'integer'")
                     .bind(i64::MIN)
                     .execute(&mut *writing)
                     .await?;
-                writing.done();
+                writing.finish();
                 tracing::warn!(
                     kind,
                     "ferry_sweep.next_id was not an integer (edited by hand?); retention starts a new sweep"
@@ -682,7 +684,7 @@ impl Store for SqliteStore {
     }
 
     async fn set_sweep_position(&self, was: i64, next: i64) -> Result<bool, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         // One statement: moved on from `was`, or the row made again if deleted by hand.
         let done = sqlx::query(
             "INSERT INTO ferry_sweep (one, next_id) VALUES (1, ?2)
@@ -692,7 +694,7 @@ impl Store for SqliteStore {
         .bind(next)
         .execute(&mut *writing)
         .await?;
-        writing.done();
+        writing.finish();
         Ok(done.rows_affected() == 1)
     }
 
@@ -773,7 +775,7 @@ impl Store for SqliteStore {
         now: DateTime<Utc>,
         items: &[(i64, Vec<String>)],
     ) -> Result<Vec<i64>, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let mut tx = writing.begin().await?;
         let ids: Vec<i64> = items.iter().map(|(id, _)| *id).collect();
         let handed: Vec<i64> = sqlx::query_scalar(
@@ -793,7 +795,7 @@ impl Store for SqliteStore {
             sqlx::query(FAN_OUT_SQL).bind(Value::Array(rows).to_string()).bind(ms(now)).execute(&mut *tx).await?;
         }
         tx.commit().await?;
-        writing.done();
+        writing.finish();
         Ok(handed)
     }
 
@@ -859,7 +861,7 @@ impl Store for SqliteStore {
         threshold: u32,
         now: DateTime<Utc>,
     ) -> Result<Breaker, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let row = sqlx::query_as(
             "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
              VALUES (?1, ?2, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?5 END, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?3 END, ?5)
@@ -884,7 +886,7 @@ impl Store for SqliteStore {
         .bind(ms(now))
         .fetch_one(&mut *writing)
         .await?;
-        writing.done();
+        writing.finish();
         Ok(row)
     }
 
@@ -895,7 +897,7 @@ impl Store for SqliteStore {
         now: DateTime<Utc>,
         until: DateTime<Utc>,
     ) -> Result<bool, StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         let done = sqlx::query(
             "UPDATE ferry_breakers SET probe_until = ?4, updated_at = ?3
              WHERE route = ?1 AND opened_at <= ?2 AND manual = 0 AND (probe_until IS NULL OR probe_until <= ?3)",
@@ -906,17 +908,17 @@ impl Store for SqliteStore {
         .bind(ms(until))
         .execute(&mut *writing)
         .await?;
-        writing.done();
+        writing.finish();
         Ok(done.rows_affected() == 1)
     }
 
     async fn release_probe(&self, route: &str) -> Result<(), StoreError> {
-        let mut writing = self.writer().await?;
+        let mut writing = self.writing().await?;
         sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = ?1")
             .bind(route)
             .execute(&mut *writing)
             .await?;
-        writing.done();
+        writing.finish();
         Ok(())
     }
 

@@ -1054,3 +1054,19 @@ async fn sqlite_a_transaction_sqlite_ended_itself_does_not_stay_open_on_the_writ
     let row = s.get(id).await.unwrap().unwrap();
     assert_eq!((row.status, row.last_error.as_deref()), (Status::Pending, Some("busy")));
 }
+
+/// An in-memory SQLite database private to each connection would be a different, empty database
+/// for the relay's writing connection and for each pooled one: refused at open, naming the setting.
+#[tokio::test]
+async fn sqlite_a_private_in_memory_database_is_refused() {
+    for url in ["sqlite://?mode=memory&cache=private", "sqlite::memory:?cache=private"] {
+        let err = ferry::store::SqliteStore::connect(url, 2).await.expect_err(url);
+        assert!(err.to_string().contains("cache=private") && err.to_string().contains("sqlite::memory:"), "{err}");
+    }
+    // A shared one works: what the pool writes, the relay's writing connection claims.
+    let store = ferry::store::SqliteStore::connect("sqlite::memory:", 2).await.unwrap();
+    use ferry::store::Store as _;
+    store.migrate().await.unwrap();
+    store.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    assert_eq!(store.claim(&claim(t0(), 10, "tok")).await.unwrap().len(), 1);
+}

@@ -109,6 +109,14 @@ impl SqliteStore {
 
     async fn open(url: &str, max_connections: u32, create: bool) -> Result<Self, StoreError> {
         let connect_error = |source| StoreError::Connect { url: url.to_string(), source };
+        if private_memory(url) {
+            return Err(connect_error(sqlx::Error::Configuration(
+                "an in-memory database with cache=private is a different, empty database on each \
+                 connection, and ferry uses several; leave out cache=private (sqlite::memory: is shared) \
+                 or name a file"
+                    .into(),
+            )));
+        }
         let options = SqliteConnectOptions::from_str(url).map_err(connect_error)?;
         let path = options.get_filename().to_path_buf();
         let in_memory = path.as_os_str().is_empty() || path.as_os_str() == ":memory:";
@@ -345,6 +353,15 @@ fn sent_by_token<'q>(
         .bind(&call.plugin_hash)
         .bind(first)
         .bind(last)
+}
+
+/// Whether `url` names an in-memory database private to each connection (`cache=private` with
+/// `:memory:` or `mode=memory`): the relay's writing connection and each pooled one would see a
+/// database of their own.
+fn private_memory(url: &str) -> bool {
+    let (database, query) = url.split_once('?').unwrap_or((url, ""));
+    let params: Vec<&str> = query.split('&').collect();
+    (database.ends_with(":memory:") || params.contains(&"mode=memory")) && params.contains(&"cache=private")
 }
 
 /// SQLITE_BUSY or SQLITE_LOCKED: another connection holds the lock.

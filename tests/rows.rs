@@ -264,11 +264,50 @@ async fn random_column_values_never_stop_the_relay(db: TestDb) {
     assert_eq!(processing, 0, "seed {seed}: every claimed row ended");
 }
 
+/// A breaker's row edited by hand into what ferry cannot read holds only its own route, as if
+/// opened by hand, and says so in `ferry breaker list`; the other routes keep flowing, and
+/// `ferry breaker close` mends it.
+async fn a_malformed_breaker_row_holds_only_its_route(db: TestDb) {
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let routes = "[route.s]\nplugin = \"scripted\"\n[route.u]\nplugin = \"scripted\"\n";
+    let s = Stepped::start(db, &format!("[plugins]\ndir = {plugins:?}\n{routes}")).await;
+    // What an operator might type: a time as text (SQLite) or one ferry cannot represent.
+    let bad_time = match s.db.backend {
+        Backend::Sqlite => "datetime('now')",
+        Backend::Postgres => "'infinity'",
+    };
+    for route in ["u", "gone"] {
+        let edit = format!("INSERT INTO ferry_breakers (route, opened_at, reason) VALUES ('{route}', {bad_time}, 'by hand')");
+        assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
+    }
+    let on_s = insert(&s, "ok").await;
+    let on_u = s.db.store.insert(&NewEvent::new("u", "ok", "{}"), s.clock.now()).await.unwrap();
+    s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(s.db.store.get(on_s).await.unwrap().unwrap().status, Status::Sent, "route s flows");
+    assert_eq!(s.db.store.get(on_u).await.unwrap().unwrap().status, Status::Pending, "route u is held");
+
+    let config = s.db.dir.path().join("breakers.toml");
+    std::fs::write(&config, format!("[database]\nurl = {:?}\n{routes}", s.db.url)).unwrap();
+    let (code, stdout, stderr) = run_ferry(&config, &["breaker", "list", "--json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let listed: Value = serde_json::from_str(&stdout).unwrap();
+    let u = listed.as_array().unwrap().iter().find(|b| b["route"] == "u").expect("u is listed");
+    assert_eq!((u["state"].as_str(), u["manual"].as_bool()), (Some("open"), Some(true)), "{u}");
+    let reason = u["reason"].as_str().unwrap();
+    assert!(reason.contains("opened_at") && reason.contains("ferry breaker close u"), "{reason}");
+
+    let (code, _, stderr) = run_ferry(&config, &["breaker", "close", "u"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(s.db.store.get(on_u).await.unwrap().unwrap().status, Status::Sent, "route u flows once mended");
+}
+
 crate::both_backends!(
     malformed_rows_fail_alone_and_the_rest_is_delivered,
     the_schema_refuses_what_ferry_cannot_represent,
     operators_cancel_or_fail_an_event_fenced_against_its_claim,
     random_column_values_never_stop_the_relay,
+    a_malformed_breaker_row_holds_only_its_route,
 );
 
 /// On PostgreSQL, route, event_type and headers are checked by the INSERT trigger (migration 9)

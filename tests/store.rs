@@ -1070,3 +1070,18 @@ async fn sqlite_a_private_in_memory_database_is_refused() {
     store.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
     assert_eq!(store.claim(&claim(t0(), 10, "tok")).await.unwrap().len(), 1);
 }
+
+/// A command that must not create a database (`ferry::store::connect` with `create` off) refuses
+/// an in-memory one, which would be a fresh, empty database in the command's own process: the
+/// message says so and what to set, rather than naming the file sqlx made up for it.
+#[tokio::test]
+async fn sqlite_a_command_refuses_an_in_memory_database() {
+    for url in ["sqlite::memory:", "sqlite://events.db?mode=memory"] {
+        let Err(err) = ferry::store::connect(url, 1, false).await else { panic!("{url} was opened") };
+        let message = err.to_string();
+        assert!(message.contains("in-memory") && message.contains("database.url"), "{url}: {message}");
+        assert!(!message.contains("sqlx-in-memory"), "{url}: {message}");
+    }
+    // Opening it to serve (create on) still works.
+    ferry::store::connect("sqlite::memory:", 1, true).await.unwrap();
+}

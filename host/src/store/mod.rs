@@ -634,6 +634,40 @@ pub fn ahead_in_key_sql(failed_blocks: bool) -> &'static str {
     }
 }
 
+/// Reads the breakers' rows one by one. A row that cannot be read (a value edited by hand that
+/// ferry cannot represent: text in a time column, a negative count) holds its route as if opened
+/// by hand, its reason saying what is wrong and how to mend it, rather than failing every cycle
+/// of every route and every listing. A row whose route itself cannot be read names no configured
+/// route, and is left out.
+fn breakers_from<R>(rows: &[R]) -> Vec<Breaker>
+where
+    R: Row,
+    for<'r> Breaker: FromRow<'r, R>,
+    &'static str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    rows.iter()
+        .filter_map(|row| match Breaker::from_row(row) {
+            Ok(breaker) => Some(breaker),
+            Err(e) => {
+                let route: String = row.try_get("route").ok()?;
+                let reason = format!(
+                    "this route's row in ferry_breakers cannot be read ({e}); the route is held until \
+                     `ferry breaker close {route}` rewrites it"
+                );
+                // When it opened is unknown: the epoch says so rather than invent a time.
+                let unknown = DateTime::<Utc>::UNIX_EPOCH;
+                Some(Breaker {
+                    opened_at: Some(unknown),
+                    reason: Some(reason),
+                    manual: true,
+                    ..Breaker::closed(&route, unknown)
+                })
+            }
+        })
+        .collect()
+}
+
 /// Counts per status from `SELECT status, COUNT(*) … GROUP BY status`, with zero for the rest.
 fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
     let mut counts: BTreeMap<Status, u64> = Status::ALL.into_iter().map(|s| (s, 0)).collect();

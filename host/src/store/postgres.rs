@@ -718,8 +718,8 @@ impl Store for PostgresStore {
     }
 
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError> {
-        let rows = sqlx::query_as("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
-        Ok(rows)
+        let rows = sqlx::query("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
+        Ok(super::breakers_from(&rows))
     }
 
     async fn record_breaker(

@@ -109,7 +109,8 @@ impl SqliteStore {
 
     async fn open(url: &str, max_connections: u32, create: bool) -> Result<Self, StoreError> {
         let connect_error = |source| StoreError::Connect { url: url.to_string(), source };
-        if private_memory(url) {
+        let memory = MemoryUrl::of(url);
+        if memory.private {
             return Err(connect_error(sqlx::Error::Configuration(
                 "an in-memory database with cache=private is a different, empty database on each \
                  connection, and ferry uses several; leave out cache=private (sqlite::memory: is shared) \
@@ -117,10 +118,18 @@ impl SqliteStore {
                     .into(),
             )));
         }
+        if memory.in_memory && !create {
+            // sqlx names a shared in-memory database `file:sqlx-in-memory-N`, so the check below
+            // would report that name as a missing file.
+            return Err(StoreError::Missing(format!(
+                "{} is an in-memory database, which lives only in the process that opens it: this command \
+                 would see none of ferry serve's events; set database.url to a file",
+                super::redact_url(url)
+            )));
+        }
         let options = SqliteConnectOptions::from_str(url).map_err(connect_error)?;
         let path = options.get_filename().to_path_buf();
-        let in_memory = path.as_os_str().is_empty() || path.as_os_str() == ":memory:";
-        if !create && !in_memory && !path.is_file() {
+        if !create && !path.is_file() {
             return Err(StoreError::Missing(format!(
                 "no SQLite database at {}: `ferry migrate` (or `ferry serve`) creates it; check database.url",
                 path.display()
@@ -355,13 +364,22 @@ fn sent_by_token<'q>(
         .bind(last)
 }
 
-/// Whether `url` names an in-memory database private to each connection (`cache=private` with
-/// `:memory:` or `mode=memory`): the relay's writing connection and each pooled one would see a
-/// database of their own.
-fn private_memory(url: &str) -> bool {
-    let (database, query) = url.split_once('?').unwrap_or((url, ""));
-    let params: Vec<&str> = query.split('&').collect();
-    (database.ends_with(":memory:") || params.contains(&"mode=memory")) && params.contains(&"cache=private")
+/// Whether a `sqlite:` URL names an in-memory database (`:memory:` or `mode=memory`), read from
+/// the URL itself: sqlx renames a shared one, so the file name it parses to says nothing.
+struct MemoryUrl {
+    in_memory: bool,
+    /// Private to each connection (`cache=private`): the relay's writing connection and each
+    /// pooled one would see a database of their own.
+    private: bool,
+}
+
+impl MemoryUrl {
+    fn of(url: &str) -> Self {
+        let (database, query) = url.split_once('?').unwrap_or((url, ""));
+        let params: Vec<&str> = query.split('&').collect();
+        let in_memory = database.ends_with(":memory:") || params.contains(&"mode=memory");
+        Self { in_memory, private: in_memory && params.contains(&"cache=private") }
+    }
 }
 
 /// SQLITE_BUSY or SQLITE_LOCKED: another connection holds the lock.
@@ -866,8 +884,8 @@ impl Store for SqliteStore {
     }
 
     async fn breakers(&self) -> Result<Vec<Breaker>, StoreError> {
-        let rows = sqlx::query_as("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
-        Ok(rows)
+        let rows = sqlx::query("SELECT * FROM ferry_breakers ORDER BY route").fetch_all(&self.pool).await?;
+        Ok(super::breakers_from(&rows))
     }
 
     async fn record_breaker(

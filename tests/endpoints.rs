@@ -199,6 +199,7 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
         id: "ep_00000000000000000bad".into(),
         route: "hooks".into(),
         body: r#"{"url": "http://evil.example.com/", "secret": 7}"#.into(),
+        unreadable: None,
     };
     assert!(hooks.s.db.store.insert_endpoint(&garbage).await.unwrap());
     let (status, error) = hooks.get(&format!("/v1/endpoints/{}", garbage.id)).await;
@@ -338,6 +339,42 @@ async fn each_endpoint_keeps_the_order_of_a_key(db: TestDb) {
     let failed = failed["events"].as_array().cloned().unwrap_or_default();
     assert_eq!(failed.len(), 1, "{failed:?}");
     assert!(failed[0]["route"] != ok_route && failed[0]["event_type"] == "first", "{failed:?}");
+}
+
+/// An endpoint whose row holds what is not text (a BLOB body, as SQLite lets a hand edit store)
+/// costs that endpoint only: from a fresh start, with the row already broken, the other endpoint
+/// and the plain route are delivered, and the broken one is shown as a conflict naming the column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_an_endpoint_row_that_is_not_text_costs_that_endpoint_only() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new(Backend::Sqlite).await;
+    let row = |id: &str, path: &str| ferry::store::StoredEndpoint {
+        id: id.into(),
+        route: "hooks".into(),
+        body: format!(
+            r#"{{"url":"{}","secret":"whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=","enabled":true,"event_types":["order.*"],
+                "created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z"}}"#,
+            receiver.url(path)
+        ),
+        unreadable: None,
+    };
+    let (good, broken) = ("ep_0000000000000000000a", "ep_0000000000000000000b");
+    for endpoint in [row(good, "/good"), row(broken, "/broken")] {
+        assert!(db.store.insert_endpoint(&endpoint).await.unwrap());
+    }
+    let edit = format!("UPDATE ferry_endpoints SET body = CAST(body AS BLOB) WHERE id = '{broken}'");
+    assert_eq!(sqlx::query(&edit).execute(db.sqlite.as_ref().unwrap().pool()).await.unwrap().rows_affected(), 1);
+
+    let hooks = Hooks::start(db, &receiver).await;
+    hooks.emit_and_deliver(&["order.created"]).await;
+    let plain = hooks.s.db.store.insert(&NewEvent::new("plain", "t", "{}"), hooks.s.clock.now()).await.unwrap();
+    hooks.cycles().await;
+    assert_eq!(received(&receiver, "/good"), ["order.created"], "the other endpoint is delivered");
+    assert!(received(&receiver, "/broken").is_empty());
+    assert_eq!(hooks.s.db.store.get(plain).await.unwrap().unwrap().status, Status::Sent, "the plain route too");
+    let (status, error) = hooks.get(&format!("/v1/endpoints/{broken}")).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{error}");
+    assert!(error.to_string().contains("body cannot be read"), "{error}");
 }
 
 crate::both_backends!(endpoints_are_managed_at_run_time, each_endpoint_keeps_the_order_of_a_key);

@@ -277,7 +277,8 @@ async fn a_malformed_breaker_row_holds_only_its_route(db: TestDb) {
         Backend::Postgres => "'infinity'",
     };
     for route in ["u", "gone"] {
-        let edit = format!("INSERT INTO ferry_breakers (route, opened_at, reason) VALUES ('{route}', {bad_time}, 'by hand')");
+        let edit =
+            format!("INSERT INTO ferry_breakers (route, opened_at, reason) VALUES ('{route}', {bad_time}, 'by hand')");
         assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
     }
     let on_s = insert(&s, "ok").await;

@@ -143,7 +143,6 @@ pub struct DeletedEndpoint {
 }
 
 impl Endpoint {
-    /// Reads a stored endpoint; the error says what is wrong with the row.
     /// Reads a stored endpoint and checks it as an input (a row may have been edited by hand);
     /// the error says what is wrong with the row.
     pub fn decode(stored: &StoredEndpoint) -> Result<Endpoint, String> {
@@ -151,6 +150,9 @@ impl Endpoint {
             return Err(format!("endpoint id {:?} is not one ferry makes", crate::untrusted::clean(&stored.id, 100)));
         }
         let unusable = |why: String| format!("endpoint {} cannot be used as stored: {why}", stored.id);
+        if let Some(defect) = &stored.unreadable {
+            return Err(unusable(defect.clone()));
+        }
         let body: EndpointBody = serde_json::from_str(&stored.body).map_err(|e| unusable(e.to_string()))?;
         check_stored_url(&body.url).map_err(unusable)?;
         check_description(&body.description).map_err(unusable)?;
@@ -166,6 +168,7 @@ impl Endpoint {
             id: self.id.clone(),
             route: self.route.clone(),
             body: serde_json::to_string(&self.body).unwrap_or_default(),
+            unreadable: None,
         }
     }
 
@@ -701,17 +704,17 @@ mod tests {
         let id = new_id();
         assert!(id.starts_with(ENDPOINT_ID_PREFIX) && id.len() == ENDPOINT_ID_PREFIX.len() + 20, "{id}");
         assert_ne!(id, new_id());
-        let bad = StoredEndpoint { id: "orders/x".into(), route: "r".into(), body: "{}".into() };
+        let bad = StoredEndpoint { id: "orders/x".into(), route: "r".into(), body: "{}".into(), unreadable: None };
         assert!(Endpoint::decode(&bad).is_err());
         assert!(
             is_id(&id) && !is_id("ep_0123") && !is_id("ep_0123456789ABCDEF0123") && !is_id("ep_../../0123456789ab")
         );
-        let garbage = StoredEndpoint { id: new_id(), route: "r".into(), body: "{not json".into() };
+        let garbage = StoredEndpoint { id: new_id(), route: "r".into(), body: "{not json".into(), unreadable: None };
         assert!(Endpoint::decode(&garbage).unwrap_err().contains("cannot be used as stored"));
         // A row edited by hand is checked as an input would be.
         let forged = r#"{"url":"http://a.example.com/","secret":"whsec_x","enabled":true,
             "created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z","headers":{"host":"evil"}}"#;
-        let forged = StoredEndpoint { id: new_id(), route: "r".into(), body: forged.into() };
+        let forged = StoredEndpoint { id: new_id(), route: "r".into(), body: forged.into(), unreadable: None };
         assert!(Endpoint::decode(&forged).unwrap_err().contains("host"));
         let fine = StoredEndpoint { body: forged.body.replace(r#""host":"evil""#, r#""x-a":"1""#), ..forged.clone() };
         assert!(Endpoint::decode(&fine).is_ok(), "{:?}", Endpoint::decode(&fine));
@@ -728,6 +731,7 @@ mod tests {
                 r#"{{"url":"{url}","secret":"whsec_x","enabled":true,"event_types":["a.*"],
                     "created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z","added_later":1}}"#
             ),
+            unreadable: None,
         };
         let (ok, moved, broken) = ("ep_0000000000000000000a", "ep_0000000000000000000b", "ep_0000000000000000000c");
         let stored = [

@@ -523,11 +523,31 @@ pub trait Store: std::fmt::Debug + Send + Sync {
 
 /// A webhook endpoint as stored: its id, its route and its body (JSON, read by
 /// `crate::endpoints`).
-#[derive(Debug, Clone, PartialEq, Eq, FromRow)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredEndpoint {
     pub id: String,
     pub route: String,
     pub body: String,
+    /// What of the row could not be read (a column edited by hand into what is not text, such as
+    /// a BLOB on SQLite), its value then empty: the endpoint cannot be used, and says why, but
+    /// the other rows are read.
+    pub unreadable: Option<String>,
+}
+
+impl<'r, R> FromRow<'r, R> for StoredEndpoint
+where
+    R: Row,
+    &'static str: ColumnIndex<R>,
+    Lenient<String>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
+        let mut defects = Vec::new();
+        let mut column = |name: &'static str| -> Result<String, sqlx::Error> {
+            Ok(row.try_get::<Lenient<String>, _>(name)?.or(name, String::new(), &mut defects))
+        };
+        let (id, route, body) = (column("id")?, column("route")?, column("body")?);
+        Ok(Self { id, route, body, unreadable: (!defects.is_empty()).then(|| defects.join("; ")) })
+    }
 }
 
 /// The endpoint statements, written once with `$n` parameters (SQLite reads them too).

@@ -35,6 +35,47 @@ fn hostile(name: &str, hogs: usize, grow_mib: u32, idle: usize) -> Vec<u8> {
     wat::parse_str(&text).expect("the hostile component is valid")
 }
 
+/// A transport component reporting the name `name`, whose `deliver-batch` answers `count`
+/// outcomes whatever it was given, each `permanent` with a reason of `reason_mib` MiB, and every
+/// reason the same bytes of its memory: a few bytes of the plugin's, `count` copies on the host.
+fn aliasing(name: &str, count: u32, reason_mib: u32) -> Vec<u8> {
+    const DELIVER: &str = r#"(func (export "deliver-batch") (param i32 i32) (result i32)
+      (global.set $next (i32.const 1024))
+      (i32.store (i32.const 80) (i32.const 32768))
+      (i32.store (i32.const 84) (local.get 1))
+      (i32.const 80)))"#;
+    // An outcome takes 32 bytes: its case at 0, the failure's reason (pointer, length) at 8 and
+    // 12, and its retry-after option's case at 16. The reason's bytes start at 64 KiB.
+    let answer = format!(
+        r#"(func (export "deliver-batch") (param i32 i32) (result i32)
+      (local $i i32) (local $at i32)
+      (global.set $next (i32.const 1024))
+      (if (i32.lt_u (memory.size) (i32.const {pages}))
+        (then (drop (memory.grow (i32.sub (i32.const {pages}) (memory.size))))))
+      (block $done (loop $each
+        (br_if $done (i32.ge_u (local.get $i) (i32.const {count})))
+        (local.set $at (i32.add (i32.const 32768) (i32.mul (local.get $i) (i32.const 32))))
+        (i32.store8 (local.get $at) (i32.const 2))
+        (i32.store (i32.add (local.get $at) (i32.const 8)) (i32.const 65536))
+        (i32.store (i32.add (local.get $at) (i32.const 12)) (i32.const {bytes}))
+        (i32.store8 (i32.add (local.get $at) (i32.const 16)) (i32.const 0))
+        (local.set $i (i32.add (local.get $i) (i32.const 1)))
+        (br $each)))
+      (i32.store (i32.const 80) (i32.const 32768))
+      (i32.store (i32.const 84) (i32.const {count}))
+      (i32.const 80)))"#,
+        pages = 1 + reason_mib * 16,
+        bytes = reason_mib << 20,
+    );
+    assert!(TRANSPORT.contains(DELIVER));
+    let transport = TRANSPORT.replace(DELIVER, &answer);
+    let text = format!(
+        "(component\n{})",
+        transport.replace("NAME_LEN", &format!("\\{:02x}", name.len())).replace("NAME", name)
+    );
+    wat::parse_str(&text).expect("the aliasing component is valid")
+}
+
 /// The `ferry:transport/transport` export in the text format: a core module with one page of
 /// memory (plugin-info at 0, the name at 16, the version at 48, init's result at 64,
 /// deliver-batch's list at 80, outcomes from 32768, a bump allocator from 1024), its functions
@@ -330,6 +371,42 @@ async fn host_objects_a_plugin_makes_are_bounded() {
     let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
     assert_eq!(attempted(&db, ok).await.status, Status::Sent, "the host and other routes are fine");
     assert!(served.log().contains("plugin=scripted"), "the fault is logged naming the plugin");
+}
+
+/// What one call may copy from a plugin to the host is capped at the plugin's memory limit: an
+/// answer of 120 reasons of 1 MiB, all the same bytes in the plugin's memory, would have the host
+/// copy 120 MiB for a plugin allowed 64 MiB (wasmtime's own cap is 128 MiB per call). The call
+/// fails as a fault of the plugin, the event is retried, and the host's memory does not grow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_copies_no_more_than_the_plugin_may_hold() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
+    std::fs::write(plugins.join("alias.wasm"), aliasing("alias", 120, 1)).unwrap();
+    let out = db.dir.path().join("out");
+    let served = Served::start(
+        &db,
+        &format!(
+            "{}[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.a]\nplugin = \"alias\"\n\
+             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n",
+            plugins_table(&plugins)
+        ),
+    );
+    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
+    assert_eq!(attempted(&db, ok).await.status, Status::Sent);
+    let before = served.peak_rss_mib();
+
+    let aliased = emit(&db, NewEvent::new("a", "e", "{}")).await;
+    let row = attempted(&db, aliased).await;
+    let after = served.peak_rss_mib();
+    // Up to the limit is copied before the call is stopped.
+    assert!(after < before + 64 + 16, "ferry's peak RSS went from {before} MiB to {after} MiB");
+    assert_eq!(row.status, Status::Pending, "the plugin's fault, retried: {row:?}");
+    let error = row.last_error.unwrap_or_default();
+    assert!(error.contains("too much data is being copied between the host and the guest"), "{error}");
+
+    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
+    assert_eq!(attempted(&db, ok).await.status, Status::Sent, "the host and other routes are fine");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

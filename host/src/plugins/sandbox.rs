@@ -316,6 +316,11 @@ impl Runtime {
         };
         let mut store = WasmStore::new(&self.engine, state);
         store.limiter(|state| &mut state.limiter);
+        // What one call may copy from the guest to the host (an answer's strings and lists, an
+        // import's arguments): no more than the instance's own memory limit, as a guest that
+        // stays within it needs. Without it wasmtime allows 128 MiB per call, and one answer whose
+        // strings all point at the same bytes is copied once per string.
+        store.set_hostcall_fuel(limits.memory);
         store.set_epoch_deadline(ticks(limits.timeout));
         store.epoch_deadline_trap();
         Ok(store)

@@ -303,12 +303,37 @@ async fn a_malformed_breaker_row_holds_only_its_route(db: TestDb) {
     assert_eq!(s.db.store.get(on_u).await.unwrap().unwrap().status, Status::Sent, "route u flows once mended");
 }
 
+/// A row left PROCESSING by hand without a lease ferry can read (none; on SQLite text) is
+/// recovered by housekeeping like an expired claim and then delivered, rather than held forever
+/// (and on an ordered route, every later event of its key with it).
+async fn a_processing_row_without_a_lease_is_recovered(db: TestDb) {
+    let s = stepped(db).await;
+    let leases: &[&str] = match s.db.backend {
+        Backend::Sqlite => &["NULL", "'tomorrow'"],
+        Backend::Postgres => &["NULL"],
+    };
+    let mut stuck = Vec::new();
+    for lease in leases {
+        let id = insert(&s, "ok").await;
+        let edit = format!("UPDATE ferry_events SET status = 'PROCESSING', lease_until = {lease} WHERE id = {id}");
+        assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
+        stuck.push(id);
+    }
+    s.ferry.relay.housekeeping().await;
+    s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    for id in stuck {
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+        assert_eq!(row.status, Status::Sent, "event {id}: {:?}", row.last_error);
+    }
+}
+
 crate::both_backends!(
     malformed_rows_fail_alone_and_the_rest_is_delivered,
     the_schema_refuses_what_ferry_cannot_represent,
     operators_cancel_or_fail_an_event_fenced_against_its_claim,
     random_column_values_never_stop_the_relay,
     a_malformed_breaker_row_holds_only_its_route,
+    a_processing_row_without_a_lease_is_recovered,
 );
 
 /// On PostgreSQL, route, event_type and headers are checked by the INSERT trigger (migration 9)

@@ -433,7 +433,8 @@ impl Store for PostgresStore {
         let rows = sqlx::query(
             "WITH expired AS (
                  SELECT id, claimed_by FROM ferry_events
-                 WHERE status = 'PROCESSING' AND lease_until < $1
+                 -- A row left PROCESSING without a lease (by hand) would otherwise be held forever.
+                 WHERE status = 'PROCESSING' AND (lease_until < $1 OR lease_until IS NULL)
                  FOR UPDATE SKIP LOCKED
              )
              UPDATE ferry_events e

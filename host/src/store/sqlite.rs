@@ -597,7 +597,10 @@ impl Store for SqliteStore {
              SET status = 'PENDING', last_status_at = ?1, next_attempt_at = ?1, claim_token = NULL,
                  lease_until = NULL,
                  last_error = 'claim lease expired while PROCESSING (claimed by ' || COALESCE(claimed_by, '?') || ')'
-             WHERE status = 'PROCESSING' AND lease_until < ?1
+             WHERE status = 'PROCESSING'
+               -- A row left PROCESSING without a lease ferry can read (by hand: NULL, text)
+               -- would otherwise be held forever.
+               AND (lease_until < ?1 OR typeof(lease_until) NOT IN ('integer', 'real'))
              RETURNING id, claimed_by",
         )
         .bind(ms(now))

@@ -159,6 +159,9 @@ impl WasiHttpView for HostState {
     }
 }
 
+/// Origins an instance keeps slots for before it forgets those without a request in flight.
+const IDLE_ORIGINS: usize = 256;
+
 /// Outgoing wasi:http requests go only to the plugin's allowed origins, on the plugin's pooled
 /// connections (`http_pool.rs`), with at most `connections` per origin waiting for an answer in
 /// this instance; the `Host` header is set from the request's authority.
@@ -200,6 +203,12 @@ impl WasiHttpHooks for HttpPolicy {
             return Box::new(async { Err(HttpError::HttpRequestDenied) });
         };
         let connections = self.connections.max(1) as usize;
+        if self.slots.len() >= IDLE_ORIGINS && !self.slots.contains_key(&origin) {
+            // A wildcard grant allows endless origins: forget the ones without a request in flight
+            // (a ticket holds its semaphore), which a new semaphore of the same size replaces as
+            // well. What stays is bounded by the requests in flight, hence by the resource table.
+            self.slots.retain(|_, slots| Arc::strong_count(slots) > 1);
+        }
         let slots = self.slots.entry(origin).or_insert_with(|| Arc::new(Semaphore::new(connections)));
         // Taken now, while the plugin hands the request over: slots go in the order of requests.
         let ticket = Ticket::take(slots.clone());
@@ -381,5 +390,34 @@ mod tests {
         assert!(addrs.contains(&"127.0.0.1:9".parse().unwrap()), "{addrs:?}");
         assert!(addrs.iter().any(|a| a.port() == 10 && a.ip().is_loopback()), "localhost resolves: {addrs:?}");
         assert!(addrs.iter().all(|a| a.port() == 9 || a.port() == 10), "{addrs:?}");
+    }
+
+    /// A plugin granted a wildcard origin can name endless origins; the slots kept for them stay
+    /// bounded, while those with a request in flight are kept.
+    #[tokio::test]
+    async fn slots_for_endless_wildcard_origins_stay_bounded() {
+        use http_body_util::BodyExt as _;
+        let mut policy = HttpPolicy {
+            plugin: Arc::from("p"),
+            // As the configuration stores it: normalized, with the port.
+            origins: HashSet::from(["http://*.example.com:80".to_string()]),
+            connections: 2,
+            sender: None,
+            slots: HashMap::new(),
+        };
+        let request = |host: &str| {
+            let body = http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync();
+            http::Request::get(format!("http://{host}/")).body(body).unwrap()
+        };
+        // One origin with a request in flight: its semaphore is held by a ticket.
+        let _ = policy.send_request(request("held.example.com"), None, Box::new(async { Ok(()) }));
+        let held = policy.slots["http://held.example.com:80"].clone();
+        let in_flight = Ticket::take(held);
+        for n in 0..10_000 {
+            let _ = policy.send_request(request(&format!("h{n}.example.com")), None, Box::new(async { Ok(()) }));
+            assert!(policy.slots.len() <= IDLE_ORIGINS + 1, "{n}: {} origins kept", policy.slots.len());
+        }
+        assert!(policy.slots.contains_key("http://held.example.com:80"), "the origin in flight keeps its slots");
+        drop(in_flight);
     }
 }

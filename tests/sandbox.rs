@@ -283,6 +283,39 @@ async fn wasi_http_reaches_only_allowed_origins_with_the_right_host_header() {
     assert!(other_receiver.requests().is_empty(), "nothing reached the origin that is not allowed");
 }
 
+/// A server's response head is read up to 16 KiB, what a plugin's own header fields may hold:
+/// a longer one (here 40 KiB in one header) fails the request, so a plugin cannot keep many such
+/// heads in the host's memory; a head within it is answered as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasi_http_refuses_a_response_head_longer_than_a_plugins_fields() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut n = 0;
+        while let Ok((mut socket, _)) = listener.accept().await {
+            // The first answer's head is 40 KiB, the next ones' 4 KiB.
+            let value = "v".repeat(if n == 0 { 40 << 10 } else { 4 << 10 });
+            n += 1;
+            tokio::spawn(async move {
+                let mut request = [0; 4096];
+                let _ = socket.read(&mut request).await;
+                let head =
+                    format!("HTTP/1.1 200 OK\r\nx-big: {value}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                let _ = socket.write_all(head.as_bytes()).await;
+            });
+        }
+    });
+    let s = setup(&format!("http = [\"http://{addr}\"]")).await;
+    let get = || NewEvent::new("s", "http", "{}").with_header("authority", addr.to_string());
+    let refused = s.deliver_beside_a_healthy_route(get()).await;
+    assert_eq!(refused.status, Status::Failed, "{:?}", refused.last_error);
+    let error = refused.last_error.unwrap();
+    assert!(error.starts_with(&format!("http {addr}: ")), "{error}");
+    let ok = s.deliver_beside_a_healthy_route(get()).await;
+    assert_eq!(ok.status, Status::Sent, "a head within the limit: {:?}", ok.last_error);
+}
+
 /// A host name on the allowlist that resolves to a loopback, private or metadata address (as one
 /// whose DNS answer an attacker changed after it was allowed would) is not connected to: the
 /// address is checked when the connection is made. The sandbox's `http_private` allows it.

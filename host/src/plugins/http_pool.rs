@@ -40,6 +40,11 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per origin and plugin; more are closed when they become idle.
 const IDLE_PER_ORIGIN: usize = 64;
+/// The largest response head (status line and headers) read from a server, as much as a plugin's
+/// own header `fields` may hold: each response `fields` a plugin keeps holds on to the buffer its
+/// head was read into, so a server's 400 KiB heads (hyper's own limit) would let a plugin keep far
+/// more of the host's memory than its limits count. A longer head fails the request.
+const MAX_RESPONSE_HEAD: usize = 16 << 10;
 /// How long opening a connection (TCP and TLS) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// wasmtime's timeouts when a request sets none of its own.
@@ -90,6 +95,8 @@ impl HttpPool {
                 let client = Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(IDLE_TIMEOUT)
                     .pool_max_idle_per_host(IDLE_PER_ORIGIN)
+                    .http1_max_buf_size(MAX_RESPONSE_HEAD)
+                    .http2_max_header_list_size(MAX_RESPONSE_HEAD as u32)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
                     .build(Connector { tls: tls_connector(ca)?, private });

@@ -371,11 +371,26 @@ async fn addresses(host: &str, port: u16, private: bool) -> Result<Vec<SocketAdd
 pub(crate) fn is_metadata(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => v4.is_link_local() || [[100, 100, 100, 200], [168, 63, 129, 16]].contains(&v4.octets()),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => is_metadata(IpAddr::V4(v4)),
-            None => v6.segments() == [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254],
-        },
+        IpAddr::V6(v6) => {
+            embedded_v4(v6).is_some_and(|v4| is_metadata(IpAddr::V4(v4)))
+                || v6.segments() == [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254]
+        }
     }
+}
+
+/// The IPv4 address inside an IPv6 one that carries one: mapped (`::ffff:a.b.c.d`), compatible
+/// (`::a.b.c.d`) and NAT64 (`64:ff9b::a.b.c.d`) addresses end in it, 6to4 (`2002::/16`) ones
+/// carry it after their prefix.
+fn embedded_v4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+    let segments = v6.segments();
+    let v4 = |high: u16, low: u16| std::net::Ipv4Addr::from((u32::from(high) << 16) | u32::from(low));
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || segments[..6] == [0; 6] {
+        return Some(v4(segments[6], segments[7]));
+    }
+    (segments[0] == 0x2002).then(|| v4(segments[1], segments[2]))
 }
 
 /// Whether `ip` is an address on the public internet: not loopback, private (RFC 1918, unique
@@ -400,20 +415,11 @@ pub(crate) fn is_public(ip: IpAddr) -> bool {
                 || a >= 240)
         }
         IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
+            // `::` and `::1` are judged as 0.0.0.0 and 0.0.0.1, in 0.0.0.0/8: not public.
+            if let Some(v4) = embedded_v4(v6) {
                 return is_public(IpAddr::V4(v4));
             }
             let segments = v6.segments();
-            let v4 =
-                |high: u16, low: u16| IpAddr::V4(std::net::Ipv4Addr::from((u32::from(high) << 16) | u32::from(low)));
-            // NAT64 (64:ff9b::/96) and IPv4-compatible addresses end in an IPv4 one; 6to4
-            // (2002::/16) carries one after its prefix.
-            if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || segments[..6] == [0; 6] {
-                return !v6.is_unspecified() && !v6.is_loopback() && is_public(v4(segments[6], segments[7]));
-            }
-            if segments[0] == 0x2002 {
-                return is_public(v4(segments[1], segments[2]));
-            }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
@@ -555,6 +561,10 @@ mod tests {
             "168.63.129.16",
             "fd00:ec2::254",
             "::ffff:169.254.169.254",
+            // The same address inside compatible, NAT64 and 6to4 ones.
+            "::a9fe:a9fe",
+            "64:ff9b::a9fe:a9fe",
+            "2002:a9fe:a9fe::",
         ] {
             assert!(is_metadata(metadata.parse().unwrap()), "{metadata}");
         }

@@ -1055,13 +1055,18 @@ async fn sqlite_a_transaction_sqlite_ended_itself_does_not_stay_open_on_the_writ
     assert_eq!((row.status, row.last_error.as_deref()), (Status::Pending, Some("busy")));
 }
 
-/// An in-memory SQLite database private to each connection would be a different, empty database
-/// for the relay's writing connection and for each pooled one: refused at open, naming the setting.
+/// An in-memory SQLite database private to each connection (or, with no file name, a temporary
+/// one) would be a different, empty database for the relay's writing connection and for each
+/// pooled one: refused at open, naming the setting.
 #[tokio::test]
 async fn sqlite_a_private_in_memory_database_is_refused() {
-    for url in ["sqlite://?mode=memory&cache=private", "sqlite::memory:?cache=private"] {
+    for (url, named) in [
+        ("sqlite://?mode=memory&cache=private", "cache=private"),
+        ("sqlite::memory:?cache=private", "cache=private"),
+        ("sqlite://", "without a file name"),
+    ] {
         let err = ferry::store::SqliteStore::connect(url, 2).await.expect_err(url);
-        assert!(err.to_string().contains("cache=private") && err.to_string().contains("sqlite::memory:"), "{err}");
+        assert!(err.to_string().contains(named) && err.to_string().contains("sqlite::memory:"), "{url}: {err}");
     }
     // A shared one works: what the pool writes, the relay's writing connection claims.
     let store = ferry::store::SqliteStore::connect("sqlite::memory:", 2).await.unwrap();
@@ -1076,7 +1081,7 @@ async fn sqlite_a_private_in_memory_database_is_refused() {
 /// message says so and what to set, rather than naming the file sqlx made up for it.
 #[tokio::test]
 async fn sqlite_a_command_refuses_an_in_memory_database() {
-    for url in ["sqlite::memory:", "sqlite://events.db?mode=memory"] {
+    for url in ["sqlite::memory:", "sqlite://:memory:", "sqlite://events.db?mode=memory", "sqlite:file:x?mode=memory"] {
         let Err(err) = ferry::store::connect(url, 1, false).await else { panic!("{url} was opened") };
         let message = err.to_string();
         assert!(message.contains("in-memory") && message.contains("database.url"), "{url}: {message}");

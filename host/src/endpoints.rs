@@ -151,7 +151,8 @@ impl Endpoint {
         }
         let unusable = |why: String| format!("endpoint {} cannot be used as stored: {why}", stored.id);
         if let Some(defect) = &stored.unreadable {
-            return Err(unusable(defect.clone()));
+            let fix = format!("delete it (`ferry endpoints delete {}`) and create it again", stored.id);
+            return Err(unusable(format!("{defect}; {fix}")));
         }
         let body: EndpointBody = serde_json::from_str(&stored.body).map_err(|e| unusable(e.to_string()))?;
         check_stored_url(&body.url).map_err(unusable)?;

@@ -40,10 +40,12 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per origin and plugin; more are closed when they become idle.
 const IDLE_PER_ORIGIN: usize = 64;
-/// The largest response head (status line and headers) read from a server, as much as a plugin's
-/// own header `fields` may hold: each response `fields` a plugin keeps holds on to the buffer its
-/// head was read into, so a server's 400 KiB heads (hyper's own limit) would let a plugin keep far
-/// more of the host's memory than its limits count. A longer head fails the request.
+/// The largest HTTP/1 response head (status line and headers) read from a server, as much as a
+/// plugin's own header `fields` may hold: each response `fields` a plugin keeps holds on to the
+/// buffer its head was read into, so heads of 400 KiB (hyper's own limit for HTTP/1) would let a
+/// plugin keep far more of the host's memory than its limits count. A longer head fails the
+/// request with `HTTP-response-header-section-size`. hyper's HTTP/2 client takes at most 16 KiB of
+/// headers already.
 const MAX_RESPONSE_HEAD: usize = 16 << 10;
 /// How long opening a connection (TCP and TLS) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -96,7 +98,6 @@ impl HttpPool {
                     .pool_idle_timeout(IDLE_TIMEOUT)
                     .pool_max_idle_per_host(IDLE_PER_ORIGIN)
                     .http1_max_buf_size(MAX_RESPONSE_HEAD)
-                    .http2_max_header_list_size(MAX_RESPONSE_HEAD as u32)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
                     .build(Connector { tls: tls_connector(ca)?, private });
@@ -261,6 +262,8 @@ fn client_error(e: &hyper_util::client::legacy::Error) -> HttpError {
         if let Some(e) = cause.downcast_ref::<hyper::Error>() {
             return if e.is_timeout() {
                 HttpError::ConnectionReadTimeout
+            } else if e.is_parse_too_large() {
+                HttpError::HttpResponseHeaderSectionSize(Some(MAX_RESPONSE_HEAD as u32))
             } else if e.is_parse() || e.is_parse_status() {
                 HttpError::HttpProtocolError
             } else if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {

@@ -655,7 +655,7 @@ pub fn ahead_in_key_sql(failed_blocks: bool) -> &'static str {
 }
 
 /// Reads the breakers' rows one by one. A row that cannot be read (a value edited by hand that
-/// ferry cannot represent: text in a time column, a negative count) holds its route as if opened
+/// ferry cannot represent: text in a time column, an infinite time, a count past 2^32) holds its route as if opened
 /// by hand, its reason saying what is wrong and how to mend it, rather than failing every cycle
 /// of every route and every listing. A row whose route itself cannot be read names no configured
 /// route, and is left out.
@@ -673,7 +673,7 @@ where
                 let route: String = row.try_get("route").ok()?;
                 let reason = format!(
                     "this route's row in ferry_breakers cannot be read ({e}); the route is held until \
-                     `ferry breaker close {route}` rewrites it"
+                     `ferry breaker close {route}` rewrites it (for a route no longer configured, delete the row)"
                 );
                 // When it opened is unknown: the epoch says so rather than invent a time.
                 let unknown = DateTime::<Utc>::UNIX_EPOCH;

@@ -433,8 +433,9 @@ impl Store for PostgresStore {
         let rows = sqlx::query(
             "WITH expired AS (
                  SELECT id, claimed_by FROM ferry_events
-                 -- A row left PROCESSING without a lease (by hand) would otherwise be held forever.
-                 WHERE status = 'PROCESSING' AND (lease_until < $1 OR lease_until IS NULL)
+                 -- A row left PROCESSING without a lease ferry can read (by hand: none, or an
+                 -- infinite time) would otherwise be held forever.
+                 WHERE status = 'PROCESSING' AND (lease_until < $1 OR lease_until IS NULL OR NOT isfinite(lease_until))
                  FOR UPDATE SKIP LOCKED
              )
              UPDATE ferry_events e

@@ -110,12 +110,13 @@ impl SqliteStore {
     async fn open(url: &str, max_connections: u32, create: bool) -> Result<Self, StoreError> {
         let connect_error = |source| StoreError::Connect { url: url.to_string(), source };
         let memory = MemoryUrl::of(url);
-        if memory.private {
+        if let Some(why) = memory.per_connection {
             return Err(connect_error(sqlx::Error::Configuration(
-                "an in-memory database with cache=private is a different, empty database on each \
-                 connection, and ferry uses several; leave out cache=private (sqlite::memory: is shared) \
-                 or name a file"
-                    .into(),
+                format!(
+                    "{why} is a different, empty database on each connection, and ferry uses several; \
+                     name a file, or use sqlite::memory: (one in-memory database the connections share)"
+                )
+                .into(),
             )));
         }
         if memory.in_memory && !create {
@@ -364,21 +365,32 @@ fn sent_by_token<'q>(
         .bind(last)
 }
 
-/// Whether a `sqlite:` URL names an in-memory database (`:memory:` or `mode=memory`), read from
-/// the URL itself: sqlx renames a shared one, so the file name it parses to says nothing.
+/// What a `sqlite:` URL says about where its database lives, read from the URL as sqlx reads it:
+/// sqlx renames a shared in-memory database, so the file name it parses to says nothing.
 struct MemoryUrl {
+    /// An in-memory database (`:memory:` or `mode=memory`): it lives in the opening process only.
     in_memory: bool,
-    /// Private to each connection (`cache=private`): the relay's writing connection and each
-    /// pooled one would see a database of their own.
-    private: bool,
+    /// Why each connection would get a database of its own, which the relay's writing connection
+    /// and the pooled ones would not share: in memory with `cache=private`, or no file name at
+    /// all (SQLite then makes a temporary database per connection).
+    per_connection: Option<&'static str>,
 }
 
 impl MemoryUrl {
+    /// Reads `url` (`sqlite://…` or `sqlite:…`, then the file name and `?` parameters).
     fn of(url: &str) -> Self {
-        let (database, query) = url.split_once('?').unwrap_or((url, ""));
+        let rest = url.trim_start_matches("sqlite://").trim_start_matches("sqlite:");
+        let (database, query) = rest.split_once('?').unwrap_or((rest, ""));
         let params: Vec<&str> = query.split('&').collect();
-        let in_memory = database.ends_with(":memory:") || params.contains(&"mode=memory");
-        Self { in_memory, private: in_memory && params.contains(&"cache=private") }
+        let in_memory = database == ":memory:" || params.contains(&"mode=memory");
+        let per_connection = if in_memory && params.contains(&"cache=private") {
+            Some("an in-memory database with cache=private")
+        } else if database.is_empty() && !in_memory {
+            Some("a database URL without a file name")
+        } else {
+            None
+        };
+        Self { in_memory, per_connection }
     }
 }
 

@@ -92,7 +92,8 @@ pub const WATCH_SQL: &str = "SELECT
         (SELECT MIN(created_at) FROM ferry_events WHERE status = 'PENDING') AS oldest_pending,
         (SELECT MIN(next_attempt_at) FROM ferry_events WHERE status = 'PENDING' AND next_attempt_at <= $1)
             AS oldest_due,
-        (SELECT COUNT(*) FROM ferry_events WHERE status = 'PROCESSING' AND lease_until < $1) AS stuck,
+        (SELECT COUNT(*) FROM ferry_events
+         WHERE status = 'PROCESSING' AND (lease_until < $1 OR lease_until IS NULL)) AS stuck,
         (SELECT COUNT(*) FROM ferry_events
          WHERE status = 'PENDING' AND max_attempts > 0 AND attempts >= max_attempts - 1) AS last_attempt";
 

@@ -254,13 +254,16 @@ mod send {
     }
 
     /// A request that did not get an HTTP answer: denied by the sandbox is permanent (it will not
-    /// change until the configuration does), everything else (refused, timed out, DNS) transient.
+    /// change until the configuration does), and so is an answer whose headers are larger than
+    /// the host reads (the receiver's answer will not shrink by itself); everything else (refused,
+    /// timed out, DNS) transient.
     fn network(error: &ErrorCode) -> Verdict {
         let reason = format!("request failed: {error:?}");
         match error {
-            ErrorCode::HttpRequestDenied | ErrorCode::HttpRequestUriInvalid | ErrorCode::DestinationIpProhibited => {
-                Verdict::Permanent { reason }
-            }
+            ErrorCode::HttpRequestDenied
+            | ErrorCode::HttpRequestUriInvalid
+            | ErrorCode::DestinationIpProhibited
+            | ErrorCode::HttpResponseHeaderSectionSize(_) => Verdict::Permanent { reason },
             _ => Verdict::Transient { reason, retry_after_ms: None },
         }
     }

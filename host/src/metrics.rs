@@ -219,7 +219,11 @@ impl Metrics {
             claim_lag.clone(),
         );
         let stuck = Gauge::default();
-        registry.register("ferry_events_stuck", "PROCESSING events whose claim lease has expired", stuck.clone());
+        registry.register(
+            "ferry_events_stuck",
+            "PROCESSING events whose claim lease has expired, or that have none",
+            stuck.clone(),
+        );
         let last_attempt = Gauge::default();
         registry.register("ferry_events_last_attempt", "PENDING events with one attempt left", last_attempt.clone());
         let breaker_state = Family::<RouteOnly, Gauge>::default();

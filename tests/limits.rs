@@ -218,6 +218,28 @@ async fn emit(db: &TestDb, event: NewEvent) -> i64 {
     db.store.insert(&event, ferry::clock::SystemClock.now()).await.unwrap()
 }
 
+/// Starts `ferry serve` on `db` with the plugins in `plugins`, the log plugin on route `ok` and
+/// `extra` (TOML tables), and waits until an event on `ok` is delivered.
+async fn serve_beside_log(db: &TestDb, plugins: &Path, extra: &str) -> Served {
+    let out = db.dir.path().join("out");
+    let served = Served::start(
+        db,
+        &format!(
+            "{}[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
+             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n{extra}",
+            plugins_table(plugins)
+        ),
+    );
+    assert_eq!(delivered_on_ok(db).await.status, Status::Sent);
+    served
+}
+
+/// Emits an event on route `ok` and returns its row once it has been attempted.
+async fn delivered_on_ok(db: &TestDb) -> EventRecord {
+    let ok = emit(db, NewEvent::new("ok", "e", "{}")).await;
+    attempted(db, ok).await
+}
+
 /// Runs `ferry serve` with the log plugin on route `ok` and `files` (name, component) in its
 /// plugins directory, routes `w` and `m` naming plugins `wide` and `many`, and `[sandbox.wide]`
 /// allowed 128 MiB; delivers one event on each route, and returns the process's peak RSS, its
@@ -335,20 +357,13 @@ async fn a_plugin_on_many_routes_leaves_the_instance_pool_to_the_others() {
 async fn host_objects_a_plugin_makes_are_bounded() {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_transport_log"]);
-    let out = db.dir.path().join("out");
     // The origin is never contacted: the grant only links wasi:http for the plugin.
-    let served = Served::start(
+    let served = serve_beside_log(
         &db,
-        &format!(
-            "{}[sandbox.scripted]\nhttp = [\"http://127.0.0.1:9\"]\n\
-             [sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
-             [route.s]\nplugin = \"scripted\"\n\
-             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n",
-            plugins_table(&plugins)
-        ),
-    );
-    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
-    assert_eq!(attempted(&db, ok).await.status, Status::Sent);
+        &plugins,
+        "[sandbox.scripted]\nhttp = [\"http://127.0.0.1:9\"]\n[route.s]\nplugin = \"scripted\"\n",
+    )
+    .await;
     let before = served.peak_rss_mib();
 
     // 10 000 copies of 120 KiB of headers (within wasmtime's default limit of 128 KiB per
@@ -368,8 +383,7 @@ async fn host_objects_a_plugin_makes_are_bounded() {
         assert!(after < before + 64, "ferry's peak RSS went from {before} MiB to {after} MiB");
     }
 
-    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
-    assert_eq!(attempted(&db, ok).await.status, Status::Sent, "the host and other routes are fine");
+    assert_eq!(delivered_on_ok(&db).await.status, Status::Sent, "the host and other routes are fine");
     assert!(served.log().contains("plugin=scripted"), "the fault is logged naming the plugin");
 }
 
@@ -382,18 +396,7 @@ async fn an_answer_copies_no_more_than_the_plugin_may_hold() {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
     std::fs::write(plugins.join("alias.wasm"), aliasing("alias", 120, 1)).unwrap();
-    let out = db.dir.path().join("out");
-    let served = Served::start(
-        &db,
-        &format!(
-            "{}[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\n\
-             [route.a]\nplugin = \"alias\"\n\
-             [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n",
-            plugins_table(&plugins)
-        ),
-    );
-    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
-    assert_eq!(attempted(&db, ok).await.status, Status::Sent);
+    let served = serve_beside_log(&db, &plugins, "[route.a]\nplugin = \"alias\"\n").await;
     let before = served.peak_rss_mib();
 
     let aliased = emit(&db, NewEvent::new("a", "e", "{}")).await;
@@ -405,8 +408,7 @@ async fn an_answer_copies_no_more_than_the_plugin_may_hold() {
     let error = row.last_error.unwrap_or_default();
     assert!(error.contains("too much data is being copied between the host and the guest"), "{error}");
 
-    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
-    assert_eq!(attempted(&db, ok).await.status, Status::Sent, "the host and other routes are fine");
+    assert_eq!(delivered_on_ok(&db).await.status, Status::Sent, "the host and other routes are fine");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

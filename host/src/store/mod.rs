@@ -655,10 +655,10 @@ pub fn ahead_in_key_sql(failed_blocks: bool) -> &'static str {
 }
 
 /// Reads the breakers' rows one by one. A row that cannot be read (a value edited by hand that
-/// ferry cannot represent: text in a time column, an infinite time, a count past 2^32) holds its route as if opened
-/// by hand, its reason saying what is wrong and how to mend it, rather than failing every cycle
-/// of every route and every listing. A row whose route itself cannot be read names no configured
-/// route, and is left out.
+/// ferry cannot represent: text in a time column, an infinite time, a count past 2^32) holds its
+/// route as if opened by hand, its reason saying what is wrong and how to mend it, rather than
+/// failing every cycle of every route and every listing. A row whose route itself cannot be read
+/// names no configured route, and is left out.
 fn breakers_from<R>(rows: &[R]) -> Vec<Breaker>
 where
     R: Row,

@@ -10,7 +10,9 @@ use ferry::NewEvent;
 use ferry::clock::Clock as _;
 use ferry::event::{EventRecord, Status};
 
-use crate::common::{Backend, Stepped, TestDb, eventually, plugins_dir, spawn_serve, target_dir};
+use crate::common::{
+    Backend, Stepped, TestDb, eventually, plugins_dir, spawn_serve, spawn_serve_with_open_files, target_dir,
+};
 
 /// A transport component reporting the name `name`, whose `deliver-batch` answers success for
 /// every event, and which also holds `hogs` core instances, each with a linear memory of its own
@@ -174,6 +176,11 @@ struct Served {
 impl Served {
     /// Starts `ferry serve` on `db` with `config` (TOML after the database and relay sections).
     fn start(db: &TestDb, config: &str) -> Served {
+        Served::start_with(db, config, spawn_serve)
+    }
+
+    /// [`Served::start`], spawned by `spawn`, given the config file and the log.
+    fn start_with(db: &TestDb, config: &str, spawn: impl FnOnce(&Path, &Path) -> std::process::Child) -> Served {
         let path = db.dir.path().join("ferry.toml");
         let text = format!(
             // Some routes here have no plugin at all, on purpose: their events fail alone.
@@ -182,7 +189,7 @@ impl Served {
         );
         std::fs::write(&path, text).unwrap();
         let log = db.dir.path().join("serve.log");
-        Served { child: spawn_serve(&path, &log), log }
+        Served { child: spawn(&path, &log), log }
     }
 
     fn peak_rss_mib(&self) -> u64 {
@@ -443,4 +450,70 @@ async fn a_plugin_without_an_http_grant_gets_no_wasi_http() {
     // The plugin itself still runs: without wasi:http calls it delivers.
     let rows = s.deliver(&[NewEvent::new("s", "ok", "{}")]).await;
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+}
+
+/// A plugin that uses up every file the process may open costs the other routes time, not their
+/// events. `hoard` connects to a local listener until the host refuses, and holds the connections
+/// for a while; meanwhile an instance of the log plugin cannot be set up (its directory grant needs
+/// a descriptor). That start is retried, as a fault that may pass, and the event is delivered
+/// once the connections are closed; it used to fail for good (`no_transport`). Also: `serve`
+/// raises its soft limit on open files to the hard one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_that_uses_up_open_files_delays_other_routes_but_fails_none() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log", "ferry_test_scripted"]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = accepted.clone();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+            counted.store(held.len(), std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    let out = db.dir.path().join("out");
+    // Every call of the log plugin starts an instance of its own (`max_calls = 1`).
+    let config = format!(
+        "{}[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\nmax_calls = 1\n\
+         [sandbox.scripted]\ntcp = [\"{addr}\"]\ntimeout = \"20s\"\n\
+         [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n\
+         [route.h]\nplugin = \"scripted\"\n",
+        plugins_table(&plugins)
+    );
+    const HARD: u64 = 320;
+    let served = Served::start_with(&db, &config, |path, log| spawn_serve_with_open_files(path, log, 96, HARD));
+    assert_eq!(delivered_on_ok(&db).await.status, Status::Sent);
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", served.child.id())).unwrap();
+    let open_files = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
+    assert_eq!(open_files.split_whitespace().collect::<Vec<_>>()[3..5], [HARD.to_string(), HARD.to_string()]);
+
+    let hoard = NewEvent::new("h", "hoard", "{}").with_header("addr", addr.to_string()).with_header("hold-ms", "4000");
+    let hoard = emit(&db, hoard).await;
+    // Hoarding ends when the process runs out: the count stops growing.
+    let mut last = 0;
+    eventually(Duration::from_secs(30), "the plugin to hold all it can", || {
+        let now = accepted.load(std::sync::atomic::Ordering::SeqCst);
+        let settled = now > HARD as usize / 2 && now == last;
+        last = now;
+        async move { settled.then_some(()) }
+    })
+    .await;
+    let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
+    let first = attempted(&db, ok).await;
+    assert_eq!(first.status, Status::Pending, "retried, not failed: {first:?}");
+    let why = first.last_error.as_deref().unwrap_or_default();
+    assert!(why.contains("could not set up the sandbox") && why.contains("open files"), "{why}");
+
+    let hoard = attempted(&db, hoard).await;
+    assert!(hoard.last_error.as_deref().unwrap_or_default().starts_with("held "), "{hoard:?}");
+    let ok = eventually(Duration::from_secs(60), "event on ok delivered", || async {
+        db.store.get(ok).await.unwrap().filter(|row| row.status == Status::Sent)
+    })
+    .await;
+    assert!(ok.attempts >= 2, "{ok:?}");
+    let log = served.log();
+    assert!(!log.contains("panicked"), "{log}");
+    holder.abort();
 }

@@ -438,6 +438,28 @@ async fn open(config: &Config, create: bool) -> anyhow::Result<Arc<dyn Store>> {
 /// Reads the configuration again, from where it was read at start: what a reload puts in effect.
 pub type Reread = Box<dyn Fn() -> anyhow::Result<Config> + Send + Sync>;
 
+/// Raises the soft limit on open files to the hard limit, as servers that hold many connections do,
+/// and returns the soft limit now in force (`None`: unlimited). Every plugin socket, pooled HTTP
+/// connection, granted directory and database connection takes a descriptor; many systems start
+/// processes at 1024, which a few busy plugins can use up, and a start that then fails is retried
+/// rather than failing its events (see `plugins::pool`). The hard limit is the operator's (systemd's
+/// `LimitNOFILE=`, `ulimit -Hn`) and stays as it is; where it is unlimited, the soft one is kept.
+fn raise_open_files_limit() -> Option<u64> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let (Some(soft), Some(hard)) = (limit.current, limit.maximum) else { return limit.current };
+    if soft >= hard {
+        return Some(soft);
+    }
+    match setrlimit(Resource::Nofile, Rlimit { current: Some(hard), maximum: Some(hard) }) {
+        Ok(()) => Some(hard),
+        Err(e) => {
+            tracing::warn!(soft, hard, "could not raise the limit on open files to the hard limit: {e}");
+            Some(soft)
+        }
+    }
+}
+
 /// Runs ferry until `shutdown` is cancelled, which may come while it is still starting (loading
 /// plugins, say): then it stops at once. With `reread`, SIGHUP reloads the configuration
 /// ([`Ferry::reload`]).
@@ -452,6 +474,7 @@ pub async fn serve(config: &Config, shutdown: CancellationToken, reread: Option<
         Some(reread) => Some((hangups()?, reread)),
         None => None,
     };
+    let open_files = raise_open_files_limit();
     let ferry = tokio::select! {
         ferry = Ferry::start(config, Arc::new(SystemClock)) => ferry?,
         _ = shutdown.cancelled() => {
@@ -484,6 +507,7 @@ pub async fn serve(config: &Config, shutdown: CancellationToken, reread: Option<
         routes = %routes,
         plugins = %plugins.join(","),
         admin = %admin.as_ref().map_or_else(|| "off".into(), |(address, _)| address.to_string()),
+        open_files = %open_files.map_or_else(|| "unlimited".into(), |n| n.to_string()),
         "ferry started"
     );
     let systemd = Arc::new(crate::systemd::Notifier::from_env());

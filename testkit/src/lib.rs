@@ -293,8 +293,20 @@ pub fn install(path: &Path, bytes: &[u8]) {
 /// Starts `ferry serve --config CONFIG` (the binary this package builds), warnings and errors
 /// appended to `log`.
 pub fn spawn_serve(config: &Path, log: &Path) -> std::process::Child {
+    serve(std::process::Command::new(ferry_bin()), config, log)
+}
+
+/// [`spawn_serve`], with at most `hard` open files, `soft` of them at first (set by `sh`'s
+/// `ulimit`, which `exec`s ferry: the child is ferry itself).
+pub fn spawn_serve_with_open_files(config: &Path, log: &Path, soft: u64, hard: u64) -> std::process::Child {
+    let mut sh = std::process::Command::new("sh");
+    sh.arg("-c").arg(format!("ulimit -Sn {soft} && ulimit -Hn {hard} && exec \"$0\" \"$@\"")).arg(ferry_bin());
+    serve(sh, config, log)
+}
+
+fn serve(mut command: std::process::Command, config: &Path, log: &Path) -> std::process::Child {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("serve log");
-    std::process::Command::new(ferry_bin())
+    command
         .arg("--config")
         .arg(config)
         .arg("serve")

@@ -29,6 +29,15 @@ pub(super) struct Instance {
     calls: u64,
 }
 
+/// Whether `e` comes from the host running short of open files or memory (another plugin holding
+/// thousands of sockets, say): a shortage that may pass, unlike a grant that cannot be met.
+fn short_of_resources(e: &anyhow::Error) -> bool {
+    e.chain().filter_map(|cause| cause.downcast_ref::<std::io::Error>()).any(|io| {
+        io.kind() == std::io::ErrorKind::OutOfMemory
+            || matches!(io.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOBUFS))
+    })
+}
+
 /// A plugin config given per call (an endpoint's), shared by the instances made with it.
 pub type PluginConfig = Arc<[(String, String)]>;
 
@@ -41,7 +50,8 @@ pub(super) enum StartError {
     #[error("{0}")]
     Unusable(String),
     /// A fault that may pass (the instance pool is full, a limit was hit while starting, `init`
-    /// timed out): its events are retried like after any other fault.
+    /// timed out, the host is short of open files): its events are retried like after any other
+    /// fault.
     #[error(transparent)]
     Fault(PluginFault),
 }
@@ -67,9 +77,14 @@ impl Instance {
         let mut store = match runtime.store(name, &grants.sandbox, limits, &tcp) {
             Ok(store) => store,
             Err(e) => {
-                // A sandbox that cannot be set up is a configuration error, not a start.
+                // A sandbox that cannot be set up is a configuration error, not a start; unless
+                // the host is short of descriptors or memory, which may pass.
                 if let Some(timer) = timer {
                     timer.discard();
+                }
+                if short_of_resources(&e) {
+                    let why = format!("the host could not set up the sandbox: {e:#}");
+                    return Err(StartError::Fault(PluginFault::NotInstantiated(why)));
                 }
                 return Err(StartError::Unusable(format!("{e:#}")));
             }
@@ -148,7 +163,7 @@ impl RouteTransport {
     pub fn new(registry: Arc<Registry>, route: Arc<RouteSettings>) -> Self {
         let grants = registry.settings().plugin(&route.plugin);
         let limits = grants.limits;
-        let labels = PluginLabels { plugin: route.plugin.clone() };
+        let labels = PluginLabels { plugin: route.plugin.as_str().into() };
         let metrics = &registry.metrics;
         let call_duration = metrics.plugin_call_duration.get_or_create(&labels).clone();
         let instance_wait = metrics.plugin_instance_wait.get_or_create(&labels).clone();
@@ -277,7 +292,7 @@ impl RouteTransport {
                 PluginFault::WrongOutcomeCount { .. } => "wrong_outcome_count",
                 PluginFault::NotInstantiated(_) => "not_instantiated",
             };
-            let labels = FaultLabels { plugin: self.route.plugin.clone(), kind: kind.to_string() };
+            let labels = FaultLabels { plugin: self.route.plugin.as_str().into(), kind: kind.into() };
             self.registry.metrics.plugin_faults.get_or_create(&labels).inc();
         }
         Delivery { plugin_hash, result }

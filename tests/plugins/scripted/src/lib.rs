@@ -12,6 +12,9 @@
 //! - `hog` → allocates memory without bound (the host's memory limit must stop it);
 //! - `connect` → opens a TCP connection to the address in the `addr` header: success if it
 //!   connects, permanent failure with the error otherwise;
+//! - `hoard` → opens TCP connections to the address in the `addr` header until one fails, holds
+//!   them all for the `hold-ms` header (default 1000), then closes them; permanent failure saying
+//!   how many it held and why the next one failed (to use up the host's open files);
 //! - `http` → sends a wasi:http GET to `http://<authority header>/`: success on a 2xx answer,
 //!   permanent failure with the status or the error otherwise;
 //! - `env` → permanent failure whose reason is `env NAME=VALUE` (or `env NAME unset`) for the
@@ -169,6 +172,17 @@ fn outcome(event: &Event, kind: &str) -> Outcome {
             Ok(_) => Outcome::Success,
             Err(e) => refused(format!("connect {}: {e}", header("addr"))),
         },
+        "hoard" => {
+            let mut held = Vec::new();
+            let error = loop {
+                match std::net::TcpStream::connect(header("addr")) {
+                    Ok(stream) => held.push(stream),
+                    Err(e) => break e,
+                }
+            };
+            std::thread::sleep(Duration::from_millis(header("hold-ms").parse().unwrap_or(1000)));
+            refused(format!("held {} connections, then: {error}", held.len()))
+        }
         "http" => match http_get(&header("authority")) {
             Ok(status) if (200..300).contains(&status) => Outcome::Success,
             Ok(status) => refused(format!("http {}: status {status}", header("authority"))),

@@ -506,6 +506,18 @@ async fn bad_requests_get_errors_that_name_the_input() {
         "deliver_at",
     );
     expect(post(r#"{"route": "s", "type": "x", "payload": 1, "delay": "soon"}"#).await, S::BAD_REQUEST, "delay");
+    // Due past the year 9999, which the database refuses: the request's fault, not the database's.
+    expect(post(r#"{"route": "s", "type": "x", "payload": 1, "delay": "3000000d"}"#).await, S::BAD_REQUEST, "delay");
+    expect(
+        post(r#"{"route": "s", "type": "x", "payload": 1, "deliver_at": "0000-06-01T00:00:00Z"}"#).await,
+        S::BAD_REQUEST,
+        "deliver_at 0000-06-01 00:00:00 UTC is not a time ferry can store",
+    );
+    expect(
+        post(r#"{"route": "s", "type": "x", "payload": 1, "event_time": "0000-06-01T00:00:00Z"}"#).await,
+        S::BAD_REQUEST,
+        "event_time",
+    );
     expect(
         post(r#"{"route": "s", "type": "x", "payload": 1, "max_attempts": -1}"#).await,
         S::BAD_REQUEST,
@@ -555,11 +567,35 @@ async fn bad_requests_get_errors_that_name_the_input() {
     assert_error(api.post("/v1/breakers/nowhere/open", json!({})).await, S::NOT_FOUND, "\"nowhere\" is not configured");
     assert_error(api.post("/v1/breakers/s/open", json!({ "why": "x" })).await, S::BAD_REQUEST, "unknown field `why`");
     assert_error(api.post("/v1/breakers/%FF/close", json!(null)).await, S::BAD_REQUEST, "route in the path");
+    let long = "why ".repeat(600);
+    assert_error(
+        api.post("/v1/breakers/s/open", json!({ "reason": long })).await,
+        S::BAD_REQUEST,
+        "reason is 2400 bytes long; give at most 2048",
+    );
+    assert_error(api.post("/v1/events/1/fail", json!({ "reason": long })).await, S::BAD_REQUEST, "reason is 2400");
     assert_error(api.get("/v1/nothing-here").await, S::NOT_FOUND, "no endpoint GET /v1/nothing-here");
     assert_error(api.call(Method::DELETE, "/v1/events", None).await, S::METHOD_NOT_ALLOWED, "DELETE is not allowed");
     let big = format!(r#"{{"route": "s", "type": "x", "payload": "{}"}}"#, "x".repeat(3 << 20));
     let (status, message) = api.raw(Method::POST, "/v1/events", json, &big).await;
     assert_eq!(status, S::PAYLOAD_TOO_LARGE, "{message}");
+
+    // A JSON payload is stored as sent: a number past 64 bits, the keys' order and spacing, a
+    // repeated key (read back through a JSON parser, it would have come back as none of these).
+    let exact = r#"{"n": 12345678901234567890123, "b": 1, "a": 2, "a": 3}"#;
+    let response = api
+        .http
+        .post(format!("{}/v1/events", api.base))
+        .bearer_auth(TOKEN)
+        .header("content-type", json)
+        .body(format!(r#"{{"route": "s", "type": "x", "payload": {exact} }}"#))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), S::CREATED);
+    let id = response.json::<Value>().await.unwrap()["id"].as_i64().unwrap();
+    let (_, text) = api.get(&format!("/v1/events/{id}?payload=text")).await;
+    assert_eq!(text["payload"].as_str(), Some(exact), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -49,7 +49,13 @@ async fn webhooks_carry_the_event_and_standard_signatures() {
     let receiver = Receiver::start().await;
     let config = format!(", secret = \"{SECRET}\", secret_previous = \"{OLD_SECRET}\", \"header.x-api-key\" = \"k1\"");
     let s = setup(&receiver, "http://127.0.0.1:9", &[("hooks", receiver.url("/in?v=1"), &config)]).await;
-    let event = NewEvent::new("hooks", "order.paid", r#"{"order":42}"#).with_header("tenant", "acme");
+    // Headers the request sets itself, given by the event too, go out once: the request's.
+    let event = NewEvent::new("hooks", "order.paid", r#"{"order":42}"#)
+        .with_header("tenant", "acme")
+        .with_header("Webhook-Signature", "v1,forged")
+        .with_header("webhook-id", "7")
+        .with_header("Content-Type", "text/forged")
+        .with_header("content-length", "1");
     let rows = s.deliver(&[event]).await;
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
 
@@ -57,6 +63,9 @@ async fn webhooks_carry_the_event_and_standard_signatures() {
     assert_eq!(got.len(), 1);
     let r = &got[0];
     assert_eq!((r.method.as_str(), r.path.as_str(), r.body.as_slice()), ("POST", "/in?v=1", &br#"{"order":42}"#[..]));
+    for name in ["webhook-signature", "webhook-id", "content-type", "content-length"] {
+        assert_eq!(r.headers.iter().filter(|(n, _)| n == name).count(), 1, "{name}: {:?}", r.headers);
+    }
     assert_eq!(r.header("content-type"), Some("application/json"));
     assert_eq!(r.header("tenant"), Some("acme"));
     assert_eq!(r.header("x-api-key"), Some("k1"));

@@ -299,6 +299,24 @@ async fn routes_without_a_transport_fail_with_no_transport(db: TestDb) {
         let error = row.last_error.unwrap();
         assert!(error.contains(needle), "{error:?} should mention {needle}");
     }
+    // Rows naming routes without end add no series: the unconfigured ones are counted together,
+    // the configured ones under their names.
+    for n in 0..40 {
+        s.emit(&format!("typo-{n}"), "ok").await;
+    }
+    assert_eq!(s.cycle().await.failed, 40);
+    let stats = s.db.store.stats(s.clock.now(), None, false).await.unwrap();
+    let routes = s.ferry.settings.get().route_names();
+    let metrics = s.ferry.metrics.render(&stats, &[], &routes, Duration::ZERO);
+    assert!(!metrics.contains("typo-") && !metrics.contains("nowhere"), "{metrics}");
+    for line in [
+        r#"ferry_events_failed_total{route="(not configured)",plugin="",reason="no_transport"} 41"#,
+        r#"ferry_events_failed_total{route="refused",plugin="scripted",reason="no_transport"} 1"#,
+        r#"ferry_events{route="(not configured)",status="FAILED"} 41"#,
+        r#"ferry_events{route="orphan",status="FAILED"} 1"#,
+    ] {
+        assert!(metrics.contains(line), "metrics lack {line:?}:\n{metrics}");
+    }
 }
 
 async fn an_ordered_key_waits_for_its_head(db: TestDb) {

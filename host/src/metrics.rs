@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -20,47 +20,89 @@ use crate::store::{Breaker, Stats};
 /// The content type of [`Metrics::render`]'s output.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// The `route` label of events whose route is not configured here, all in one series: rows may
+/// carry any number of route names (a typo, an id in the name), and each name would otherwise be
+/// a series of its own until the process ends. `ferry stats` and `ferry failed list` name them.
+pub const UNCONFIGURED: &str = "(not configured)";
+
+/// A label value, escaped as the text format asks (`\\`, `\"`, `\n`) when rendered: prometheus-client
+/// writes label values as they are, and route names come from rows and requests, so a name
+/// holding a quote or a line break could otherwise close its label early, forge series or end the
+/// scrape with its own `# EOF`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq)]
+pub struct Label(String);
+
+impl From<&str> for Label {
+    fn from(text: &str) -> Label {
+        Label(text.to_string())
+    }
+}
+
+impl From<String> for Label {
+    fn from(text: String) -> Label {
+        Label(text)
+    }
+}
+
+impl EncodeLabelValue for Label {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> std::fmt::Result {
+        use std::fmt::Write as _;
+        let mut rest = self.0.as_str();
+        while let Some(at) = rest.find(['\\', '"', '\n']) {
+            encoder.write_str(&rest[..at])?;
+            let escaped = match rest[at..].chars().next() {
+                Some('\\') => "\\\\",
+                Some('"') => "\\\"",
+                _ => "\\n",
+            };
+            encoder.write_str(escaped)?;
+            rest = &rest[at + 1..];
+        }
+        encoder.write_str(rest)
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteLabels {
-    pub route: String,
-    pub plugin: String,
+    pub route: Label,
+    pub plugin: Label,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailedLabels {
-    pub route: String,
-    pub plugin: String,
-    pub reason: String,
+    pub route: Label,
+    pub plugin: Label,
+    pub reason: Label,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteOnly {
-    pub route: String,
+    pub route: Label,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PluginLabels {
-    pub plugin: String,
+    pub plugin: Label,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FaultLabels {
-    pub plugin: String,
+    pub plugin: Label,
     /// `trap`, `timeout`, `out_of_memory`, `wrong_outcome_count` or `not_instantiated`.
-    pub kind: String,
+    pub kind: Label,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReloadLabels {
-    pub plugin: String,
+    pub plugin: Label,
     /// `loaded`, `removed` or `failed`.
-    pub result: String,
+    pub result: Label,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabels {
-    pub route: String,
-    pub status: String,
+    pub route: Label,
+    pub status: Label,
 }
 
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -270,17 +312,26 @@ impl Metrics {
     /// Sets the outbox gauges from fresh figures and renders every metric in the OpenMetrics text
     /// format. `routes` are the configured routes: each gets a breaker state, closed by default,
     /// and its event counts, 0 when it has none (a series that drops to 0 rather than going
-    /// stale when a route's last unfinished event is delivered).
+    /// stale when a route's last unfinished event is delivered). Events of other routes are
+    /// counted together, as route [`UNCONFIGURED`].
     pub fn render(&self, stats: &Stats, breakers: &[Breaker], routes: &[String], cooldown: Duration) -> String {
         self.events.clear();
-        let none = BTreeMap::new();
-        let configured = routes.iter().filter(|r| !stats.routes.contains_key(*r)).map(|r| (r, &none));
-        for (route, counts) in stats.routes.iter().chain(configured) {
+        // Every configured route, 0 where it has no events; the others summed under one label.
+        let mut by_label: BTreeMap<&str, BTreeMap<Status, u64>> =
+            routes.iter().map(|r| (r.as_str(), BTreeMap::new())).collect();
+        for (route, counts) in &stats.routes {
+            let label = if by_label.contains_key(route.as_str()) { route.as_str() } else { UNCONFIGURED };
+            let sums = by_label.entry(label).or_default();
+            for (status, n) in counts {
+                *sums.entry(*status).or_default() += n;
+            }
+        }
+        for (route, counts) in by_label {
             // SENT rows are not counted on a scrape (see `Store::stats`): ferry_events_delivered
             // counts deliveries.
             for status in Status::ALL.into_iter().filter(|s| *s != Status::Sent) {
                 let n = counts.get(&status).copied().unwrap_or(0);
-                let labels = StatusLabels { route: route.clone(), status: status.to_string() };
+                let labels = StatusLabels { route: route.into(), status: status.as_str().into() };
                 self.events.get_or_create(&labels).set(i64::try_from(n).unwrap_or(i64::MAX));
             }
         }
@@ -294,7 +345,7 @@ impl Metrics {
         }
         self.breaker_state.clear();
         for (route, state) in states {
-            self.breaker_state.get_or_create(&RouteOnly { route: route.to_string() }).set(state);
+            self.breaker_state.get_or_create(&RouteOnly { route: route.into() }).set(state);
         }
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry).expect("writing to a String cannot fail");
@@ -305,4 +356,27 @@ impl Metrics {
 /// Seconds from `since` to `now`, 0 when there is nothing to measure.
 fn age(now: DateTime<Utc>, since: Option<DateTime<Utc>>) -> f64 {
     since.map_or(0.0, |t| (now - t).num_milliseconds().max(0) as f64 / 1000.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus_client::encoding::text::encode;
+
+    use super::*;
+
+    /// A name with a quote, a backslash and line breaks stays inside its label: one series, and
+    /// the scrape ends where the registry's own `# EOF` is.
+    #[test]
+    fn label_values_are_escaped() {
+        let mut registry = Registry::default();
+        let family = Family::<RouteOnly, Counter>::default();
+        registry.register("forged", "a counter", family.clone());
+        let route = "r\"} 7\n# EOF\nferry_up{x=\"\\";
+        family.get_or_create(&RouteOnly { route: route.into() }).inc();
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        assert!(text.contains(r#"forged_total{route="r\"} 7\n# EOF\nferry_up{x=\"\\"} 1"#), "{text}");
+        assert_eq!(text.lines().filter(|l| l.starts_with("# EOF")).count(), 1, "{text}");
+        assert_eq!(text.lines().filter(|l| !l.starts_with('#')).count(), 1, "{text}");
+    }
 }

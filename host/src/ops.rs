@@ -228,7 +228,32 @@ impl Ops {
         chrono::Duration::from_std(delay)
             .ok()
             .and_then(|d| now.checked_add_signed(d))
+            .filter(|at| storable(*at))
             .ok_or_else(|| OpError::Invalid(format!("{} is too long", self.front.name("delay"))))
+    }
+
+    /// Refuses `at`, given as `field`, when the database cannot store it (it would refuse the row
+    /// with an error of its own).
+    pub fn check_time(&self, field: &str, at: DateTime<Utc>) -> Result<(), OpError> {
+        match storable(at) {
+            true => Ok(()),
+            false => Err(OpError::Invalid(format!(
+                "{} {at} is not a time ferry can store: use a year from 1 to 9999",
+                self.front.name(field)
+            ))),
+        }
+    }
+
+    /// Refuses an operator's reason longer than a plugin's may be.
+    fn check_reason(&self, reason: &str) -> Result<(), OpError> {
+        match reason.len() {
+            n if n > crate::untrusted::MAX_REASON => Err(OpError::Invalid(format!(
+                "{} is {n} bytes long; give at most {}",
+                self.front.name("reason"),
+                crate::untrusted::MAX_REASON
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Refuses an event id that cannot exist.
@@ -393,11 +418,8 @@ impl Ops {
     /// Defers PENDING event `id` until `at` (which may also be sooner), without counting an
     /// attempt; returns the event as it is afterwards.
     pub async fn reschedule(&self, id: i64, at: DateTime<Utc>) -> Result<EventView, OpError> {
-        use chrono::Datelike as _;
         self.check_id(id)?;
-        if !(1..=9999).contains(&at.year()) {
-            return Err(OpError::Invalid(format!("{at} is not a time ferry can store: use a year from 1 to 9999")));
-        }
+        self.check_time("at", at)?;
         let at = crate::clock::truncate_ms(at);
         if !self.store.reschedule(id, at).await? {
             // As it is now: a claim may have taken it a moment ago.
@@ -424,6 +446,9 @@ impl Ops {
     /// its outcome is not recorded. Returns the event as it is afterwards (`None`: deleted).
     pub async fn end_event(&self, id: i64, end: EndEvent<'_>) -> Result<Option<EventView>, OpError> {
         self.check_id(id)?;
+        if let EndEvent::Fail { note } = end {
+            self.check_reason(note)?;
+        }
         let verb = match end {
             EndEvent::Cancel => "cancelled",
             EndEvent::Fail { .. } => "failed",
@@ -552,6 +577,7 @@ impl Ops {
         if !self.settings().is_configured(route) {
             return Err(OpError::NotFound(format!("route {route:?} is not configured")));
         }
+        self.check_reason(reason)?;
         let now = self.clock.now();
         let breaker = self.store.set_breaker(route, open, reason, now).await?;
         tracing::info!(route, open, "circuit breaker switched by an operator");
@@ -668,4 +694,10 @@ pub async fn reload_plugins(registry: &Registry) -> anyhow::Result<ReloadView> {
         })
         .collect();
     Ok(ReloadView { files })
+}
+
+/// Whether the database can store `at`: a year from 1 to 9999, as the schema checks.
+fn storable(at: DateTime<Utc>) -> bool {
+    use chrono::Datelike as _;
+    (1..=9999).contains(&at.year())
 }

@@ -32,7 +32,15 @@ pub(super) async fn live() -> Json<Value> {
 /// Ready when the database answers, every configured route's plugin is loaded, and no relay
 /// worker is stuck in a cycle.
 pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value>) {
-    let database = admin.ops.store.ping().await.map_err(|e| e.to_string());
+    const LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+    let slow = || Err(format!("the database did not answer within {LIMIT:?}"));
+    let ping = async {
+        match tokio::time::timeout(LIMIT, admin.ops.store.ping()).await {
+            Ok(answer) => answer.map_err(|e| e.to_string()),
+            Err(_) => slow(),
+        }
+    };
+    let database = admin.database.get(LIMIT, ping).await.unwrap_or_else(slow);
     let loaded = admin.registry.names();
     let settings = admin.ops.settings();
     let missing: BTreeMap<&String, &String> =
@@ -54,21 +62,14 @@ pub(super) async fn metrics(State(admin): State<Admin>) -> Result<Response, ApiE
     // answering must not pile scrapers up on the admin port's connections.
     let limit = std::time::Duration::from_secs(10);
     let busy = || ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the metrics could not be read within 10 s");
-    let mut last = tokio::time::timeout(limit, admin.scrape.lock()).await.map_err(|_| busy())?;
-    let fresh = last.as_ref().filter(|(at, _)| at.elapsed() < std::time::Duration::from_secs(1));
-    // Failures are kept for the second as well, so waiting scrapers do not each retry them.
-    let answer = match fresh {
-        Some((_, answer)) => answer.clone(),
-        None => {
-            let answer = match tokio::time::timeout(limit, scrape(&admin)).await {
-                Ok(Ok(text)) => Ok(text),
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err("the metrics could not be read within 10 s".to_string()),
-            };
-            *last = Some((std::time::Instant::now(), answer.clone()));
-            answer
+    let read = async {
+        match tokio::time::timeout(limit, scrape(&admin)).await {
+            Ok(Ok(text)) => Ok(text),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("the metrics could not be read within 10 s".to_string()),
         }
     };
+    let answer = admin.scrape.get(limit, read).await.ok_or_else(busy)?;
     let text = answer.map_err(|message| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message))?;
     Ok(([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], text).into_response())
 }
@@ -82,7 +83,9 @@ async fn scrape(admin: &Admin) -> Result<String, ops::OpError> {
     let stats = ops.store.stats(ops.clock.now(), None, false).await.map_err(store_error)?;
     let breakers: Vec<Breaker> = ops.store.breakers().await.map_err(store_error)?;
     let settings = ops.settings();
-    let routes = settings.route_names();
+    let mut routes = settings.route_names();
+    // Deliveries to webhook endpoints go by `route/endpoint`, and are counted under that name.
+    routes.extend(stats.routes.keys().filter(|r| settings.endpoints_of(r).is_some()).cloned());
     Ok(admin.metrics.render(&stats, &breakers, &routes, settings.breaker_cooldown()))
 }
 
@@ -116,8 +119,9 @@ pub(super) struct EnqueueRequest {
     route: String,
     #[serde(rename = "type")]
     event_type: String,
-    /// A JSON payload, stored as its JSON text.
-    payload: Option<Value>,
+    /// A JSON payload, stored as its JSON text exactly as sent: numbers past 64 bits, key order
+    /// and repeated keys are the application's business.
+    payload: Option<Box<serde_json::value::RawValue>>,
     /// A binary payload, base64-encoded.
     payload_base64: Option<String>,
     content_type: Option<String>,
@@ -147,7 +151,7 @@ impl EnqueueRequest {
         let (payload, default_type) = match (self.payload, self.payload_base64) {
             (Some(_), Some(_)) => return Err(ApiError::bad_request("give either payload or payload_base64, not both")),
             (None, None) => return Err(ApiError::bad_request("missing payload (or payload_base64)")),
-            (Some(value), None) => (value.to_string().into_bytes(), "application/json"),
+            (Some(value), None) => (value.get().as_bytes().to_vec(), "application/json"),
             (None, Some(encoded)) => (
                 base64::engine::general_purpose::STANDARD
                     .decode(encoded.trim())
@@ -161,11 +165,17 @@ impl EnqueueRequest {
         event.headers = self.headers.into_iter().collect();
         event.max_attempts = self.max_attempts;
         if let Some(text) = &self.event_time {
-            event.event_time = Some(rfc3339("event_time", text)?);
+            let at = rfc3339("event_time", text)?;
+            ops.check_time("event_time", at)?;
+            event.event_time = Some(at);
         }
         match (&self.deliver_at, &self.delay) {
             (Some(_), Some(_)) => return Err(ApiError::bad_request("give either deliver_at or delay, not both")),
-            (Some(text), None) => event.not_before = Some(rfc3339("deliver_at", text)?),
+            (Some(text), None) => {
+                let at = rfc3339("deliver_at", text)?;
+                ops.check_time("deliver_at", at)?;
+                event.not_before = Some(at);
+            }
             (None, Some(text)) => {
                 let delay = parse_duration(text).map_err(|e| ApiError::bad_request(format!("delay: {e}")))?;
                 event.not_before = Some(ops.deliver_after(now, delay)?);

@@ -34,8 +34,33 @@ use crate::store::Store;
 /// The OpenAPI description served at `/v1/openapi.json`.
 pub const OPENAPI: &str = include_str!("openapi.json");
 
-/// A `/metrics` answer (or why there is none) and when it was made.
-type Scrape = (std::time::Instant, Result<String, String>);
+/// An answer shared for a second: within it, callers get the last one made; past it, one caller
+/// at a time makes a new one while the others wait for it. Endpoints that anyone may call
+/// (`/health/ready`, and `/metrics` with `admin.metrics_public`) reach the database at most once a
+/// second this way, however many requests arrive.
+#[derive(Debug)]
+pub(crate) struct Recent<T>(tokio::sync::Mutex<Option<(std::time::Instant, T)>>);
+
+impl<T> Default for Recent<T> {
+    fn default() -> Self {
+        Recent(tokio::sync::Mutex::new(None))
+    }
+}
+
+impl<T: Clone> Recent<T> {
+    /// The answer of the last second, or else the one `make` gives (kept for the next second, a
+    /// failure too, so that waiting callers do not each retry it); `None` when the wait for
+    /// another caller's answer took longer than `limit`.
+    pub(crate) async fn get(&self, limit: std::time::Duration, make: impl Future<Output = T>) -> Option<T> {
+        let mut last = tokio::time::timeout(limit, self.0.lock()).await.ok()?;
+        if let Some((_, answer)) = last.as_ref().filter(|(at, _)| at.elapsed() < std::time::Duration::from_secs(1)) {
+            return Some(answer.clone());
+        }
+        let answer = make.await;
+        *last = Some((std::time::Instant::now(), answer.clone()));
+        Some(answer)
+    }
+}
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -48,10 +73,10 @@ pub struct Admin {
     token: Arc<str>,
     /// The dashboard's signed-in browsers.
     sessions: Arc<ui::Sessions>,
-    /// The last `/metrics` answer and when it was made: scrapes within a second share it, and
-    /// one at a time reaches the database (`/metrics` may be open to anyone, see
-    /// `admin.metrics_public`).
-    scrape: Arc<tokio::sync::Mutex<Option<Scrape>>>,
+    /// The last `/metrics` answer, or why there is none.
+    scrape: Arc<Recent<Result<String, String>>>,
+    /// Whether the database answered `/health/ready`'s last check, or why not.
+    database: Arc<Recent<Result<(), String>>>,
 }
 
 impl std::fmt::Debug for Admin {
@@ -81,6 +106,7 @@ impl Admin {
             token: token.into(),
             sessions: Default::default(),
             scrape: Default::default(),
+            database: Default::default(),
         })
     }
 
@@ -209,5 +235,28 @@ impl Admin {
             }
         });
         Ok((bound, task))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::Recent;
+
+    /// A hundred callers at once make one answer, and share it (a failure too).
+    #[tokio::test]
+    async fn callers_within_a_second_share_one_answer() {
+        let recent = Recent::<Result<(), String>>::default();
+        let made = AtomicUsize::new(0);
+        let make = || async {
+            made.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Err("down".to_string())
+        };
+        let answers = futures::future::join_all((0..100).map(|_| recent.get(Duration::from_secs(10), make()))).await;
+        assert!(answers.iter().all(|a| a == &Some(Err("down".to_string()))), "{answers:?}");
+        assert_eq!(made.load(Ordering::SeqCst), 1);
     }
 }

@@ -359,8 +359,9 @@ pub fn event(view: &EventView) -> String {
     let _ = writeln!(out, "history       {} attempts recorded", attempts.len());
     for a in attempts {
         let plugin = match (&a.plugin, &a.plugin_hash) {
-            (Some(name), Some(hash)) => format!("{name}@{}", &hash[..hash.len().min(12)]),
-            (Some(name), None) => name.clone(),
+            // As stored: a row edited by hand may hold any text here.
+            (Some(name), Some(hash)) => format!("{}@{}", text(name), text(&hash.chars().take(12).collect::<String>())),
+            (Some(name), None) => text(name),
             _ => "-".into(),
         };
         let outcome = match &a.reason {

@@ -125,14 +125,16 @@ impl AdminConfig {
         self.listen.parse().ok()
     }
 
-    /// The token from `token`, or else read from `token_file`. Errors name the key and the file.
+    /// The token from `token`, or else read from `token_file`, without the white space around it
+    /// (a presented token is read without it too, so a token given with a trailing newline still
+    /// matches). Errors name the key and the file.
     pub fn bearer_token(&self) -> Result<String, String> {
         let token = if self.token.is_empty() {
             let text = std::fs::read_to_string(&self.token_file)
                 .map_err(|e| format!("admin.token_file: cannot read {}: {e}", self.token_file.display()))?;
             text.trim().to_string()
         } else {
-            self.token.clone()
+            self.token.trim().to_string()
         };
         if token.chars().count() < MIN_TOKEN_LEN {
             let key = if self.token.is_empty() { "admin.token_file" } else { "admin.token" };
@@ -568,7 +570,7 @@ impl Config {
             if self.admin.header_timeout.0.is_zero() {
                 return Err("admin.header_timeout must be greater than 0".into());
             }
-            if !self.admin.token.is_empty() && self.admin.token.chars().count() < MIN_TOKEN_LEN {
+            if !self.admin.token.is_empty() && self.admin.token.trim().chars().count() < MIN_TOKEN_LEN {
                 return Err(format!("admin.token must be at least {MIN_TOKEN_LEN} characters long"));
             }
         }

@@ -123,7 +123,7 @@ impl EventTypes {
     }
 
     pub fn matches(&self, event_type: &str) -> bool {
-        self.0.is_empty() || self.0.iter().any(|pattern| glob(pattern.as_bytes(), event_type.as_bytes()))
+        self.0.is_empty() || self.0.iter().any(|pattern| glob(pattern, event_type))
     }
 
     /// The patterns as configured.
@@ -132,34 +132,26 @@ impl EventTypes {
     }
 }
 
-/// Whether `text` matches `pattern`, where `*` stands for any run of bytes (none included) and
-/// every other byte for itself. Only the last `*` is ever backtracked to, so a match takes at most
-/// pattern length × text length steps: no pattern can make it blow up.
-fn glob(pattern: &[u8], text: &[u8]) -> bool {
-    let (mut p, mut t) = (0, 0);
-    // Where the last `*` was, and the text position it is currently taken to end at.
-    let mut star: Option<(usize, usize)> = None;
-    while t < text.len() {
-        match pattern.get(p) {
-            Some(b'*') => {
-                star = Some((p, t));
-                p += 1;
-            }
-            Some(&c) if c == text[t] => {
-                p += 1;
-                t += 1;
-            }
-            _ => match star {
-                Some((star_p, star_t)) => {
-                    star = Some((star_p, star_t + 1));
-                    p = star_p + 1;
-                    t = star_t + 1;
-                }
-                None => return false,
-            },
+/// Whether `text` matches `pattern`, where `*` stands for any run of characters (none included)
+/// and every other character for itself. The pieces between the stars are looked for in turn, each
+/// at its first place after the one before (the first piece must begin the text, the last end it):
+/// for stars alone that first place is always as good as any later one, so nothing is tried twice,
+/// and a match takes time in proportion to the text and the pattern together. Event types come from
+/// rows, patterns from whoever may create endpoints: neither can make the relay's matching slow.
+fn glob(pattern: &str, text: &str) -> bool {
+    let mut pieces = pattern.split('*');
+    let first = pieces.next().unwrap_or_default();
+    let Some(rest) = text.strip_prefix(first) else { return false };
+    let mut middle: Vec<&str> = pieces.collect();
+    let Some(last) = middle.pop() else { return rest.is_empty() };
+    let Some(mut rest) = rest.strip_suffix(last) else { return false };
+    for piece in middle {
+        match rest.find(piece) {
+            Some(at) => rest = &rest[at + piece.len()..],
+            None => return false,
         }
     }
-    pattern[p..].iter().all(|&c| c == b'*')
+    true
 }
 
 /// Route `name`'s `dead_letter`, checked: another configured route, which has none of its own (a
@@ -387,11 +379,13 @@ impl Settings {
         self.routes.get(name).or_else(|| self.routes.get(&self.endpoints_of(name)?.template))
     }
 
-    /// For the route of an endpoint's deliveries (`route/ep_…`), the endpoint settings of its
-    /// route, if that route takes endpoints.
+    /// For the route of an endpoint's deliveries (`route/ep_…`, with an id as ferry makes them),
+    /// the endpoint settings of its route, if that route takes endpoints.
     pub fn endpoints_of(&self, delivery_route: &str) -> Option<&Arc<EndpointsSettings>> {
         let (route, endpoint) = delivery_route.split_once(DESTINATION_SEPARATOR)?;
-        endpoint.strip_prefix(ENDPOINT_ID_PREFIX)?;
+        if !crate::endpoints::is_id(endpoint) {
+            return None;
+        }
         self.fan_outs.get(route)?.endpoints.as_ref()
     }
 

@@ -218,7 +218,10 @@ impl Registry {
             Err(_) => Some((path.file_stem().unwrap_or_default().to_string_lossy().into_owned(), "failed")),
         };
         if let Some((plugin, result)) = counted {
-            self.metrics.plugin_reloads.get_or_create(&ReloadLabels { plugin, result: result.to_string() }).inc();
+            self.metrics
+                .plugin_reloads
+                .get_or_create(&ReloadLabels { plugin: plugin.into(), result: result.into() })
+                .inc();
         }
         let mut errors = self.errors.lock().unwrap_or_else(|e| e.into_inner());
         match &result {

@@ -96,8 +96,9 @@ impl Relay {
         if !outcomes.is_empty() {
             let recorded = self.record_outcomes(token, now, &outcomes).await?;
             let totals = super::Outcomes::of(&outcomes);
-            self.count(&parents, &outcomes, &totals, now);
-            self.log_failed(&outcomes, now);
+            let label = |route| super::route_label(routes, endpoints, route);
+            self.count(&parents, &outcomes, &totals, now, &label);
+            self.log_failed(&outcomes, now, &label);
             stats.retried = totals.retried;
             stats.failed = totals.failed;
             stats.fenced_off += recorded.fenced_off(outcomes.len());
@@ -111,7 +112,7 @@ impl Relay {
         let handed: std::collections::HashSet<&i64> = handed.iter().collect();
         for (event, (id, routes)) in parents.iter().zip(items) {
             if handed.contains(id) {
-                let labels = crate::metrics::RouteOnly { route: event.route.clone() };
+                let labels = crate::metrics::RouteOnly { route: event.route.as_str().into() };
                 self.metrics.handed_on.get_or_create(&labels).inc();
                 self.metrics.deliveries_made.get_or_create(&labels).inc_by(routes.len() as u64);
             }

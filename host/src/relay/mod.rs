@@ -515,9 +515,11 @@ impl Relay {
                 BatchTimes { started: now, claim: (claim_started, claim_ended), record: (done_at, self.clock.now()) };
             self.trace(tracer, &events, &completions, &times, &totals, stats.fenced_off);
         }
-        self.count(&events, &completions, &totals, done_at);
+        // Routes not configured here are counted and logged together (see `metrics::UNCONFIGURED`).
+        let label = |route| route_label(&routes, &endpoints, route);
+        self.count(&events, &completions, &totals, done_at, &label);
         self.wait_where_deferred(&completions);
-        self.log_failed(&completions, done_at);
+        self.log_failed(&completions, done_at, &label);
         self.record_breakers(&events, &completions, &breakers, &probed).await?;
         if stats.fenced_off > 0 {
             tracing::warn!(
@@ -688,21 +690,23 @@ impl Relay {
 
     /// Says in the log, at most once a minute per route, that events ended FAILED: how many since
     /// the last line, why the last one failed, and the command that lists them.
-    fn log_failed(&self, completions: &[Completion], now: DateTime<Utc>) {
-        let mut failed: BTreeMap<&str, (u64, FailureReason, &str)> = BTreeMap::new();
+    /// Routes not configured here share one notice (by `label`), which names the last of them.
+    fn log_failed<'a>(&self, completions: &'a [Completion], now: DateTime<Utc>, label: &dyn Fn(&'a str) -> &'a str) {
+        let mut failed: BTreeMap<&str, (u64, FailureReason, &str, &str)> = BTreeMap::new();
         for completion in completions {
             if let Disposition::Failed { reason, error } = &completion.disposition {
                 // A plugin call is for one route: the event's.
-                let entry = failed.entry(&completion.attempt.call.route).or_insert((0, *reason, error));
-                *entry = (entry.0 + 1, *reason, error);
+                let route = completion.attempt.call.route.as_str();
+                let entry = failed.entry(label(route)).or_insert((0, *reason, error, route));
+                *entry = (entry.0 + 1, *reason, error, route);
             }
         }
         if failed.is_empty() {
             return;
         }
         let mut notices = self.failed_notices.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for (route, (count, reason, error)) in failed {
-            let notice = notices.entry(route.to_string()).or_default();
+        for (key, (count, reason, error, route)) in failed {
+            let notice = notices.entry(key.to_string()).or_default();
             notice.unlogged += count;
             let due = notice.logged_at.is_none_or(|at| crate::clock::later(at, FAILED_NOTICE_EVERY) <= now);
             if due {
@@ -719,8 +723,15 @@ impl Relay {
         }
     }
 
-    /// Counts a batch's outcomes in the metrics.
-    fn count(&self, events: &[ClaimedEvent], completions: &[Completion], totals: &Outcomes, done_at: DateTime<Utc>) {
+    /// Counts a batch's outcomes in the metrics, each route under its `label`.
+    fn count<'a>(
+        &self,
+        events: &'a [ClaimedEvent],
+        completions: &[Completion],
+        totals: &Outcomes,
+        done_at: DateTime<Utc>,
+        label: &dyn Fn(&'a str) -> &'a str,
+    ) {
         // Tallied first, so each label set is looked up once per batch, not once per event.
         let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
         // By route, plugin and (for failures) failure reason.
@@ -730,14 +741,15 @@ impl Relay {
             let Some(event) = by_id.get(&completion.id) else { continue };
             let plugin = completion.attempt.call.plugin.as_deref().unwrap_or_default();
             let reason = completion.disposition.reason();
-            tally.entry((&event.route, plugin, reason)).or_default().count(&completion.disposition);
+            let route = label(&event.route);
+            tally.entry((route, plugin, reason)).or_default().count(&completion.disposition);
             if completion.disposition == Disposition::Sent {
                 let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
-                latencies.entry(&event.route).or_default().push(latency);
+                latencies.entry(route).or_default().push(latency);
             }
         }
         for ((route, plugin, reason), outcomes) in tally {
-            let labels = RouteLabels { route: route.to_string(), plugin: plugin.to_string() };
+            let labels = RouteLabels { route: route.into(), plugin: plugin.into() };
             match reason {
                 None => {
                     self.metrics.delivered.get_or_create(&labels).inc_by(count(outcomes.sent));
@@ -746,7 +758,7 @@ impl Relay {
                 }
                 Some(reason) => {
                     let labels =
-                        FailedLabels { route: labels.route, plugin: labels.plugin, reason: reason.to_string() };
+                        FailedLabels { route: labels.route, plugin: labels.plugin, reason: reason.as_str().into() };
                     self.metrics.failed.get_or_create(&labels).inc_by(count(outcomes.failed));
                 }
             }
@@ -754,10 +766,19 @@ impl Relay {
         let all: Vec<f64> = latencies.values().flatten().map(|seconds| seconds * 1000.0).collect();
         self.metrics.activity.record(done_at, count(totals.sent), count(totals.retried), count(totals.failed), &all);
         for (route, values) in latencies {
-            let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: route.to_string() });
+            let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: route.into() });
             values.into_iter().for_each(|v| histogram.observe(v));
         }
     }
+}
+
+/// `route`, if it is configured here (a route, a route's destination or one of the endpoints in
+/// `endpoints`); [`crate::metrics::UNCONFIGURED`] otherwise.
+fn route_label<'a>(routes: &Routes, endpoints: &EndpointTable, route: &'a str) -> &'a str {
+    let settings = &routes.settings;
+    let known =
+        settings.routes.contains_key(route) || settings.fan_outs.contains_key(route) || endpoints.get(route).is_some();
+    if known { route } else { crate::metrics::UNCONFIGURED }
 }
 
 /// How many events of a call or batch ended each way.

@@ -183,7 +183,16 @@ mod send {
         }
         // A known length lets the body go out in one piece rather than chunked.
         add("content-length", &body.len().to_string())?;
-        for (name, value) in event.headers.iter().chain(&settings.headers) {
+        // The headers each request sets itself are not the event's to repeat: a second
+        // `webhook-signature` or `content-length` would leave the receiver to pick one.
+        let own = |name: &str| {
+            let name = name.to_ascii_lowercase();
+            name == "content-type"
+                || name == "content-length"
+                || name.starts_with("webhook-")
+                || (settings.cloudevents.is_some() && name.starts_with("ce-"))
+        };
+        for (name, value) in event.headers.iter().filter(|(name, _)| !own(name)).chain(&settings.headers) {
             add(name, value)?;
         }
         add("webhook-id", &id)?;

@@ -414,12 +414,19 @@ async fn bad_route_config_is_refused_by_init() {
         ("badurl", "ftp://x".to_string(), ""),
         ("typo", receiver.url("/ok"), ", secrett = \"x\""),
         ("limits", receiver.url("/ok"), ", rate_limited = \"wait\""),
+        ("twice", receiver.url("/ok"), ", \"header.Webhook-Signature\" = \"v1,forged\""),
     ];
     let text_routes: Vec<(&str, String, &str)> = routes.to_vec();
     let s = setup(&receiver, "http://127.0.0.1:9", &text_routes).await;
     let events: Vec<NewEvent> = routes.iter().map(|(r, _, _)| NewEvent::new(*r, "t", "{}")).collect();
     let rows = s.deliver(&events).await;
-    let needles = ["url:", "url:", "unknown config key \"secrett\"", "rate_limited: \"wait\" is neither"];
+    let needles = [
+        "url:",
+        "url:",
+        "unknown config key \"secrett\"",
+        "rate_limited: \"wait\" is neither",
+        "header.webhook-signature: each request sets this header itself",
+    ];
     assert_eq!(rows.len(), needles.len());
     for (row, needle) in rows.iter().zip(needles) {
         assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("no_transport"));

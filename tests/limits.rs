@@ -454,57 +454,56 @@ async fn a_plugin_without_an_http_grant_gets_no_wasi_http() {
 
 /// A plugin that uses up every file the process may open costs the other routes time, not their
 /// events. `hoard` connects to a local listener until the host refuses, and holds the connections
-/// for a while; meanwhile an instance of the log plugin cannot be set up (its directory grant needs
-/// a descriptor). That start is retried, as a fault that may pass, and the event is delivered
-/// once the connections are closed; it used to fail for good (`no_transport`). Also: `serve`
-/// raises its soft limit on open files to the hard one.
+/// for a while; meanwhile an instance of the log plugin cannot be started (its directory grant,
+/// and the output file its `init` opens, each need a descriptor). Its event waits, no attempt
+/// spent and its route's breaker untouched, and is delivered once the connections are closed; it
+/// used to fail for good (`no_transport`). Also: `serve` raises its soft limit on open files to
+/// the hard one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_that_uses_up_open_files_delays_other_routes_but_fails_none() {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log", "ferry_test_scripted"]);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let counted = accepted.clone();
     let holder = tokio::spawn(async move {
         let mut held = Vec::new();
         while let Ok((stream, _)) = listener.accept().await {
             held.push(stream);
-            counted.store(held.len(), std::sync::atomic::Ordering::SeqCst);
         }
     });
     let out = db.dir.path().join("out");
     // Every call of the log plugin starts an instance of its own (`max_calls = 1`).
     let config = format!(
         "{}[sandbox.log]\ndirs = {{ \"/out\" = {out:?} }}\nmax_calls = 1\n\
-         [sandbox.scripted]\ntcp = [\"{addr}\"]\ntimeout = \"20s\"\n\
+         [sandbox.scripted]\ntcp = [\"{addr}\"]\ntimeout = \"30s\"\n\
          [route.ok]\nplugin = \"log\"\nconfig = {{ output = \"/out/ok.jsonl\" }}\n\
          [route.h]\nplugin = \"scripted\"\n",
         plugins_table(&plugins)
     );
-    const HARD: u64 = 320;
-    let served = Served::start_with(&db, &config, |path, log| spawn_serve_with_open_files(path, log, 96, HARD));
+    const HARD: usize = 320;
+    let spawn = |path: &Path, log: &Path| spawn_serve_with_open_files(path, log, 96, HARD as u64);
+    let served = Served::start_with(&db, &config, spawn);
     assert_eq!(delivered_on_ok(&db).await.status, Status::Sent);
-    let limits = std::fs::read_to_string(format!("/proc/{}/limits", served.child.id())).unwrap();
+    let pid = served.child.id();
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
     let open_files = limits.lines().find(|l| l.starts_with("Max open files")).unwrap();
     assert_eq!(open_files.split_whitespace().collect::<Vec<_>>()[3..5], [HARD.to_string(), HARD.to_string()]);
 
-    let hoard = NewEvent::new("h", "hoard", "{}").with_header("addr", addr.to_string()).with_header("hold-ms", "4000");
+    let hoard = NewEvent::new("h", "hoard", "{}").with_header("addr", addr.to_string()).with_header("hold-ms", "8000");
     let hoard = emit(&db, hoard).await;
-    // Hoarding ends when the process runs out: the count stops growing.
-    let mut last = 0;
-    eventually(Duration::from_secs(30), "the plugin to hold all it can", || {
-        let now = accepted.load(std::sync::atomic::Ordering::SeqCst);
-        let settled = now > HARD as usize / 2 && now == last;
-        last = now;
-        async move { settled.then_some(()) }
+    eventually(Duration::from_secs(30), "the plugin to hold every descriptor left", || async {
+        let open = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |fds| fds.count());
+        (open >= HARD - 2).then_some(())
     })
     .await;
     let ok = emit(&db, NewEvent::new("ok", "e", "{}")).await;
-    let first = attempted(&db, ok).await;
-    assert_eq!(first.status, Status::Pending, "retried, not failed: {first:?}");
-    let why = first.last_error.as_deref().unwrap_or_default();
-    assert!(why.contains("could not set up the sandbox") && why.contains("open files"), "{why}");
+    let waiting = eventually(Duration::from_secs(30), "the event on ok to wait", || async {
+        db.store.get(ok).await.unwrap().filter(|row| row.last_error.is_some())
+    })
+    .await;
+    assert_eq!((waiting.status, waiting.attempts), (Status::Pending, 0), "waiting, no attempt spent: {waiting:?}");
+    let why = waiting.last_error.as_deref().unwrap_or_default();
+    assert!(why.contains("open files"), "{why}");
 
     let hoard = attempted(&db, hoard).await;
     assert!(hoard.last_error.as_deref().unwrap_or_default().starts_with("held "), "{hoard:?}");
@@ -512,8 +511,31 @@ async fn a_plugin_that_uses_up_open_files_delays_other_routes_but_fails_none() {
         db.store.get(ok).await.unwrap().filter(|row| row.status == Status::Sent)
     })
     .await;
-    assert!(ok.attempts >= 2, "{ok:?}");
+    assert_eq!(ok.attempts, 1, "the shortage cost no attempt: {ok:?}");
+    let breakers = db.store.breakers().await.unwrap();
+    assert!(breakers.iter().all(|b| b.route != "ok" || b.consecutive_failures == 0), "{breakers:?}");
     let log = served.log();
     assert!(!log.contains("panicked"), "{log}");
     holder.abort();
+}
+
+/// A component of a few kilobytes that instantiates a nested component a thousand times, which
+/// does the same, three levels deep: wasmtime, asked to compile it, took gigabytes of memory and
+/// aborted the process (at start-up, and again at every restart while the file stayed). It is now
+/// refused by its shape, before compiling, the host's memory stays where it was, and the other
+/// routes flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_component_that_expands_without_bound_is_refused_before_it_is_compiled() {
+    let instances: String = (0..1000).map(|_| "(instance (instantiate $c))").collect();
+    let mut body = String::new();
+    for _ in 0..3 {
+        body = format!("(component $c {body}) {instances}");
+    }
+    let bomb = wat::parse_str(format!("(component {body})")).unwrap();
+    assert!(bomb.len() < 20_000, "{} bytes", bomb.len());
+    let (baseline, _, _) = serve_with(&[]).await;
+    let (peak, log, rows) = serve_with(&[("bomb.wasm", bomb)]).await;
+    assert_eq!(rows[0].status, Status::Sent, "the log route flows: {:?}", rows[0].last_error);
+    assert!(log.contains("bomb.wasm is refused: compiling it would expand"), "{log}");
+    assert!(peak <= baseline + 16, "peak RSS {peak} MiB with the file, {baseline} MiB without");
 }

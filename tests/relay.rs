@@ -553,6 +553,23 @@ async fn a_probe_that_fails_permanently_is_given_back_at_once(db: TestDb) {
     assert_eq!(s.row(x1).await.attempts, 2);
 }
 
+/// A half-open breaker whose probe cannot be taken (the database fails the write) costs its route
+/// this cycle's probe, not the batch claimed with it: the other routes' events are delivered.
+async fn a_probe_that_cannot_be_taken_leaves_the_batch_alone(db: TestDb) {
+    let s = setup_breaker(db).await;
+    let (x1, x2) = (s.emit("s", "transient").await, s.emit("s", "transient").await);
+    s.cycle().await;
+    s.clock.advance(Duration::from_secs(60));
+    s.db.refuse("ferry_breakers", "UPDATE OF probe_until", "no probe now").await;
+    let elsewhere = s.emit("o", "ok").await;
+    let stats = s.cycle().await;
+    assert_eq!((stats.claimed, stats.sent), (1, 1));
+    assert_eq!(s.status(elsewhere).await, Status::Sent);
+    assert_eq!((s.row(x1).await.attempts, s.row(x2).await.attempts), (1, 1), "no probe went out");
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.opened_at.is_some(), b.probe_until), (true, None), "still open, no probe held");
+}
+
 async fn operators_open_and_close_breakers_by_hand(db: TestDb) {
     let s = setup_breaker(db).await;
     s.db.store.set_breaker("s", true, "receiver maintenance", s.clock.now()).await.unwrap();
@@ -754,6 +771,7 @@ crate::both_backends!(
     an_open_breaker_pauses_its_route_until_a_probe_succeeds,
     a_failed_probe_opens_the_breaker_again_at_once,
     a_probe_that_fails_permanently_is_given_back_at_once,
+    a_probe_that_cannot_be_taken_leaves_the_batch_alone,
     operators_open_and_close_breakers_by_hand,
     permanent_failures_do_not_trip_the_breaker,
     an_ordered_key_waits_for_its_head,

@@ -278,6 +278,13 @@ impl Ops {
                 if known.is_empty() { "none".to_string() } else { known.join(", ") }
             )));
         }
+        // An endpoint's own deliveries: only to one that exists.
+        if let Some((route, id)) = event.route.split_once(crate::config::DESTINATION_SEPARATOR)
+            && settings.endpoints_of(&event.route).is_some()
+            && self.store.endpoint(id).await?.is_none_or(|e| e.route != route)
+        {
+            return Err(OpError::Invalid(format!("route {:?} names no endpoint of route {route:?}", event.route)));
+        }
         let id = self.store.insert(&event, now).await?;
         self.wake();
         Ok(Created { id })

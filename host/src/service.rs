@@ -441,20 +441,28 @@ pub type Reread = Box<dyn Fn() -> anyhow::Result<Config> + Send + Sync>;
 /// Raises the soft limit on open files to the hard limit, as servers that hold many connections do,
 /// and returns the soft limit now in force (`None`: unlimited). Every plugin socket, pooled HTTP
 /// connection, granted directory and database connection takes a descriptor; many systems start
-/// processes at 1024, which a few busy plugins can use up, and a start that then fails is retried
-/// rather than failing its events (see `plugins::pool`). The hard limit is the operator's (systemd's
-/// `LimitNOFILE=`, `ulimit -Hn`) and stays as it is; where it is unlimited, the soft one is kept.
+/// processes at 1024, which a few busy plugins can use up (a start that then fails waits and is
+/// tried again, see `plugins::pool`). The hard limit is the operator's (systemd's `LimitNOFILE=`,
+/// `ulimit -Hn`) and stays as it is. macOS refuses a soft limit above `OPEN_MAX` (10240), however
+/// high the hard one.
 fn raise_open_files_limit() -> Option<u64> {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    const OPEN_MAX: u64 = 10240;
     let limit = getrlimit(Resource::Nofile);
-    let (Some(soft), Some(hard)) = (limit.current, limit.maximum) else { return limit.current };
-    if soft >= hard {
+    let soft = limit.current?;
+    let most = match limit.maximum {
+        _ if cfg!(target_os = "macos") => limit.maximum.map_or(OPEN_MAX, |hard| hard.min(OPEN_MAX)),
+        Some(hard) => hard,
+        // Unlimited: Linux never says so for open files; elsewhere the soft limit stays.
+        None => return Some(soft),
+    };
+    if soft >= most {
         return Some(soft);
     }
-    match setrlimit(Resource::Nofile, Rlimit { current: Some(hard), maximum: Some(hard) }) {
-        Ok(()) => Some(hard),
+    match setrlimit(Resource::Nofile, Rlimit { current: Some(most), maximum: limit.maximum }) {
+        Ok(()) => Some(most),
         Err(e) => {
-            tracing::warn!(soft, hard, "could not raise the limit on open files to the hard limit: {e}");
+            tracing::warn!(soft, most, "could not raise the limit on open files: {e}");
             Some(soft)
         }
     }

@@ -112,6 +112,32 @@ impl TestDb {
         }
     }
 
+    /// Makes the database refuse every `event` on `table` (`"UPDATE OF probe_until"`, say) with
+    /// `message`, as a trigger an operator added, or a failing disk, might.
+    pub async fn refuse(&self, table: &str, event: &str, message: &str) {
+        match (&self.postgres, &self.sqlite) {
+            (Some(pg), _) => {
+                let function = format!(
+                    "CREATE FUNCTION refuse_{table}() RETURNS trigger LANGUAGE plpgsql AS $$
+                     BEGIN RAISE EXCEPTION '{message}'; END $$"
+                );
+                let trigger = format!(
+                    "CREATE TRIGGER refuse_{table} BEFORE {event} ON {table} FOR EACH ROW EXECUTE FUNCTION refuse_{table}()"
+                );
+                for statement in [function, trigger] {
+                    sqlx::query(&statement).execute(pg.pool()).await.unwrap();
+                }
+            }
+            (_, Some(lite)) => {
+                let trigger = format!(
+                    "CREATE TRIGGER refuse_{table} BEFORE {event} ON {table} BEGIN SELECT RAISE(ABORT, '{message}'); END"
+                );
+                sqlx::query(&trigger).execute(lite.pool()).await.unwrap();
+            }
+            _ => unreachable!("a test database has a backend"),
+        }
+    }
+
     /// A config pointing at this database, with `extra` TOML appended.
     /// Compiled plugin code is cached in one directory under `target/` shared by all tests (and
     /// runs), unless `extra` chooses another.

@@ -34,10 +34,11 @@ pub(super) async fn live() -> Json<Value> {
 pub(super) async fn ready(State(admin): State<Admin>) -> (StatusCode, Json<Value>) {
     const LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
     let slow = || Err(format!("the database did not answer within {LIMIT:?}"));
-    let ping = async {
-        match tokio::time::timeout(LIMIT, admin.ops.store.ping()).await {
+    let store = admin.ops.store.clone();
+    let ping = async move {
+        match tokio::time::timeout(LIMIT, store.ping()).await {
             Ok(answer) => answer.map_err(|e| e.to_string()),
-            Err(_) => slow(),
+            Err(_) => Err(format!("the database did not answer within {LIMIT:?}")),
         }
     };
     let database = admin.database.get(LIMIT, ping).await.unwrap_or_else(slow);
@@ -62,8 +63,9 @@ pub(super) async fn metrics(State(admin): State<Admin>) -> Result<Response, ApiE
     // answering must not pile scrapers up on the admin port's connections.
     let limit = std::time::Duration::from_secs(10);
     let busy = || ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the metrics could not be read within 10 s");
-    let read = async {
-        match tokio::time::timeout(limit, scrape(&admin)).await {
+    let scraping = admin.clone();
+    let read = async move {
+        match tokio::time::timeout(limit, scrape(&scraping)).await {
             Ok(Ok(text)) => Ok(text),
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err("the metrics could not be read within 10 s".to_string()),
@@ -84,8 +86,14 @@ async fn scrape(admin: &Admin) -> Result<String, ops::OpError> {
     let breakers: Vec<Breaker> = ops.store.breakers().await.map_err(store_error)?;
     let settings = ops.settings();
     let mut routes = settings.route_names();
-    // Deliveries to webhook endpoints go by `route/endpoint`, and are counted under that name.
-    routes.extend(stats.routes.keys().filter(|r| settings.endpoints_of(r).is_some()).cloned());
+    // Deliveries to webhook endpoints go by `route/endpoint`, counted under that name while the
+    // endpoint exists, as the relay counts them.
+    if stats.routes.keys().any(|r| settings.endpoints_of(r).is_some()) {
+        let stored = ops.store.endpoints(None).await.map_err(store_error)?;
+        let live: std::collections::HashSet<String> =
+            stored.iter().map(|e| format!("{}{}{}", e.route, crate::config::DESTINATION_SEPARATOR, e.id)).collect();
+        routes.extend(stats.routes.keys().filter(|r| live.contains(*r)).cloned());
+    }
     Ok(admin.metrics.render(&stats, &breakers, &routes, settings.breaker_cooldown()))
 }
 

@@ -37,28 +37,36 @@ pub const OPENAPI: &str = include_str!("openapi.json");
 /// An answer shared for a second: within it, callers get the last one made; past it, one caller
 /// at a time makes a new one while the others wait for it. Endpoints that anyone may call
 /// (`/health/ready`, and `/metrics` with `admin.metrics_public`) reach the database at most once a
-/// second this way, however many requests arrive.
+/// second this way, however many requests arrive, and however many of them hang up early: the
+/// answer is made by a task of its own, which keeps it for the next callers.
 #[derive(Debug)]
-pub(crate) struct Recent<T>(tokio::sync::Mutex<Option<(std::time::Instant, T)>>);
+pub(crate) struct Recent<T>(Arc<tokio::sync::Mutex<Option<(std::time::Instant, T)>>>);
 
 impl<T> Default for Recent<T> {
     fn default() -> Self {
-        Recent(tokio::sync::Mutex::new(None))
+        Recent(Arc::new(tokio::sync::Mutex::new(None)))
     }
 }
 
-impl<T: Clone> Recent<T> {
+impl<T: Clone + Send + 'static> Recent<T> {
     /// The answer of the last second, or else the one `make` gives (kept for the next second, a
     /// failure too, so that waiting callers do not each retry it); `None` when the wait for
-    /// another caller's answer took longer than `limit`.
-    pub(crate) async fn get(&self, limit: std::time::Duration, make: impl Future<Output = T>) -> Option<T> {
-        let mut last = tokio::time::timeout(limit, self.0.lock()).await.ok()?;
+    /// another caller's answer took longer than `limit`, or `make` panicked.
+    pub(crate) async fn get(
+        &self,
+        limit: std::time::Duration,
+        make: impl Future<Output = T> + Send + 'static,
+    ) -> Option<T> {
+        let mut last = tokio::time::timeout(limit, self.0.clone().lock_owned()).await.ok()?;
         if let Some((_, answer)) = last.as_ref().filter(|(at, _)| at.elapsed() < std::time::Duration::from_secs(1)) {
             return Some(answer.clone());
         }
-        let answer = make.await;
-        *last = Some((std::time::Instant::now(), answer.clone()));
-        Some(answer)
+        let making = tokio::spawn(async move {
+            let answer = make.await;
+            *last = Some((std::time::Instant::now(), answer.clone()));
+            answer
+        });
+        making.await.ok()
     }
 }
 
@@ -240,6 +248,7 @@ impl Admin {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
@@ -249,14 +258,36 @@ mod tests {
     #[tokio::test]
     async fn callers_within_a_second_share_one_answer() {
         let recent = Recent::<Result<(), String>>::default();
-        let made = AtomicUsize::new(0);
-        let make = || async {
-            made.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            Err("down".to_string())
+        let made = Arc::new(AtomicUsize::new(0));
+        let make = || {
+            let made = made.clone();
+            async move {
+                made.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Err("down".to_string())
+            }
         };
         let answers = futures::future::join_all((0..100).map(|_| recent.get(Duration::from_secs(10), make()))).await;
         assert!(answers.iter().all(|a| a == &Some(Err("down".to_string()))), "{answers:?}");
+        assert_eq!(made.load(Ordering::SeqCst), 1);
+    }
+
+    /// A caller that gives up while the answer is being made (a client that hung up) does not
+    /// waste it: the next callers get it.
+    #[tokio::test]
+    async fn an_answer_outlives_the_caller_that_asked_for_it() {
+        let recent = Recent::<u32>::default();
+        let made = Arc::new(AtomicUsize::new(0));
+        let make = |made: Arc<AtomicUsize>| async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            made.fetch_add(1, Ordering::SeqCst) as u32
+        };
+        let gave_up =
+            tokio::time::timeout(Duration::from_millis(10), recent.get(Duration::from_secs(10), make(made.clone())));
+        assert!(gave_up.await.is_err());
+        for _ in 0..10 {
+            assert_eq!(recent.get(Duration::from_secs(10), make(made.clone())).await, Some(0));
+        }
         assert_eq!(made.load(Ordering::SeqCst), 1);
     }
 }

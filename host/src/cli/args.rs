@@ -273,7 +273,7 @@ pub enum EventCommand {
     /// Make a PENDING or PROCESSING event FAILED (reason `operator`), kept for inspection and resend.
     Fail {
         id: i64,
-        /// Why, kept as the event's last error.
+        /// Why, kept as the event's last error (at most 2048 bytes).
         #[arg(long, default_value = ops::FAILED_BY_HAND)]
         reason: String,
     },
@@ -286,7 +286,7 @@ pub enum BreakerCommand {
     /// Open a route's breaker by hand: its events wait until it is closed by hand.
     Open {
         route: String,
-        /// Why, shown in `breaker list`.
+        /// Why, shown in `breaker list` (at most 2048 bytes).
         #[arg(long, default_value = ops::OPENED_BY_HAND)]
         reason: String,
     },

@@ -262,6 +262,11 @@ impl Settings {
                     "route.{name:?}: a route's name must not be empty or contain {DESTINATION_SEPARATOR:?}, which separates a route from its destinations"
                 ));
             }
+            if name == crate::metrics::UNCONFIGURED {
+                return Err(format!(
+                    "route.{name:?}: the metrics count routes not configured by this name; choose another"
+                ));
+            }
             let ordering = match (route.ordered, route.ordered_after_failure) {
                 (false, _) => Ordering::Unordered,
                 (true, after) => Ordering::Ordered { failed_blocks_key: after == AfterFailure::Block },

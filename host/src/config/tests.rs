@@ -469,6 +469,7 @@ fn destinations_are_checked_with_the_key_named() {
         ("[route.o.destinations.a]\nconfig = { x = \"1\" }\n", "route.o.destinations.a: missing field `plugin`"),
         ("[route.o.destinations.a]\nplugin = \" \"\n", "route.o.destinations.a.plugin must name a plugin"),
         ("[route.\"o/p\"]\nplugin = \"log\"\n", "must not be empty or contain '/'"),
+        ("[route.\"(not configured)\"]\nplugin = \"log\"\n", "routes not configured by this name"),
         ("[route.o.destinations.\"a/b\"]\nplugin = \"log\"\n", "route.o.destinations.a/b: a destination's name"),
         ("[route.o.destinations.a]\nplugin = \"log\"\nevent_types = [\"\"]\n", "route.o.destinations.a.event_types"),
         ("[route.o.destinations.a]\nplugin = \"log\"\nretry = { initial = \"0s\" }\n", "route.o.destinations.a.retry."),

@@ -139,6 +139,9 @@ pub(super) fn imports_http(component: &Component, engine: &Engine) -> bool {
 /// The interfaces of wasi:http, by the prefix of their import names.
 const WASI_HTTP: &str = "wasi:http/";
 
+/// The most resources one wasi:http interface may be imported with.
+const MAX_HTTP_RESOURCES: usize = 64;
+
 /// Defines, in `linker` (which has no wasi:http), every wasi:http function `component` imports as
 /// one that traps with a message naming the plugin and the missing grant, and every wasi:http
 /// resource it imports as a host resource no function ever makes. A plugin without an `http`
@@ -165,6 +168,14 @@ pub(super) fn deny_http(linker: &mut Linker<HostState>, component: &Component, e
         let ComponentItem::ComponentInstance(instance) = item else { continue };
         if !name.starts_with(WASI_HTTP) {
             continue;
+        }
+        // The interfaces of wasi:http define about a dozen resources: a component that claims
+        // thousands is refused before the check below, which compares each with every other.
+        let resources = instance.exports(engine).filter(|(_, item)| matches!(item.ty, ComponentItem::Resource(_)));
+        if resources.count() > MAX_HTTP_RESOURCES {
+            anyhow::bail!(
+                "{name} is imported with more than {MAX_HTTP_RESOURCES} resources, which no version of wasi:http has"
+            );
         }
         let mut stubs =
             linker.instance(name).map_err(anyhow::Error::from).with_context(|| format!("linking {name}"))?;

@@ -13,7 +13,8 @@
 //! `imports.rs` (what the linker shadows or withholds: file-access guards, wasi:http for plugins
 //! without an `http` grant), `http_pool.rs` (pooled connections for wasi:http requests), `tls.rs`
 //! (TLS done by the host for wasi:tls and wasi:http: roots, a private CA, client certificates),
-//! `registry.rs` (scan, load, validate and hot-swap plugin files) and `pool.rs` (per-route
+//! `registry.rs` (scan, load, validate and hot-swap plugin files), `shape.rs` (what compiling a
+//! component would expand to, checked before wasmtime compiles it) and `pool.rs` (per-route
 //! instance pools and delivery calls).
 
 mod contract;
@@ -23,6 +24,7 @@ mod pool;
 mod registry;
 mod runtime;
 mod sandbox;
+mod shape;
 mod tls;
 pub mod trial;
 
@@ -71,6 +73,11 @@ pub enum DeliverError {
     /// There is no usable plugin for the route (not loaded, or it rejects the route's config).
     #[error("{0}")]
     NoTransport(String),
+    /// The host ran short of open files or memory while starting an instance (another plugin
+    /// holding thousands of sockets, say). Nobody's fault that the events or their route could
+    /// mend: they wait a moment, no attempt counted, their route's breaker left alone.
+    #[error("{0}")]
+    HostShort(String),
 }
 
 /// Epoch ticks covering `timeout`, at least one.

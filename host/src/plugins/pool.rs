@@ -38,6 +38,15 @@ fn short_of_resources(e: &anyhow::Error) -> bool {
     })
 }
 
+/// Why the host cannot open a file right now, if it is out of descriptors (the process's or the
+/// system's): asked after an `init` failed, which may have been for want of one.
+fn host_out_of_files() -> Option<String> {
+    match std::fs::File::open("/dev/null") {
+        Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => Some(e.to_string()),
+        _ => None,
+    }
+}
+
 /// A plugin config given per call (an endpoint's), shared by the instances made with it.
 pub type PluginConfig = Arc<[(String, String)]>;
 
@@ -50,10 +59,13 @@ pub(super) enum StartError {
     #[error("{0}")]
     Unusable(String),
     /// A fault that may pass (the instance pool is full, a limit was hit while starting, `init`
-    /// timed out, the host is short of open files): its events are retried like after any other
-    /// fault.
+    /// timed out): its events are retried like after any other fault.
     #[error(transparent)]
     Fault(PluginFault),
+    /// The host is short of open files or memory: its events wait a moment (see
+    /// [`DeliverError::HostShort`]).
+    #[error("{0}")]
+    HostShort(String),
 }
 
 impl Instance {
@@ -83,8 +95,7 @@ impl Instance {
                     timer.discard();
                 }
                 if short_of_resources(&e) {
-                    let why = format!("the host could not set up the sandbox: {e:#}");
-                    return Err(StartError::Fault(PluginFault::NotInstantiated(why)));
+                    return Err(StartError::HostShort(format!("the host could not set up the sandbox: {e:#}")));
                 }
                 return Err(StartError::Unusable(format!("{e:#}")));
             }
@@ -114,9 +125,9 @@ impl Instance {
             }
             Ok(Err(e)) => return Err(StartError::Fault(PluginFault::NotInstantiated(root_cause(&e)))),
         };
-        match init {
+        let started = match init {
             Ok(Ok(())) => {
-                Ok(Instance { store, bindings, hash: plugin.hash.clone(), config: config.cloned(), calls: 0 })
+                return Ok(Instance { store, bindings, hash: plugin.hash.clone(), config: config.cloned(), calls: 0 });
             }
             Ok(Err(message)) => {
                 let message = crate::untrusted::clean(&message, crate::untrusted::MAX_REASON);
@@ -130,6 +141,14 @@ impl Instance {
             Err(trap) => {
                 Err(StartError::Unusable(format!("plugin {} trapped in init: {}", plugin.info.name, root_cause(&trap))))
             }
+        };
+        // An `init` that opens a file or a connection fails when the host has no descriptor left
+        // to give it, which says nothing about the route's config.
+        match (started, host_out_of_files()) {
+            (Err(StartError::Unusable(why)), Some(short)) => {
+                Err(StartError::HostShort(format!("{why} (the host is out of open files: {short})")))
+            }
+            (started, _) => started,
         }
     }
 }
@@ -279,6 +298,10 @@ impl RouteTransport {
                 (plugin_hash, self.call(instance, events).await)
             }
             Err(StartError::Unusable(why)) => (None, Err(DeliverError::NoTransport(why))),
+            Err(StartError::HostShort(why)) => {
+                tracing::warn!(plugin = %self.route.plugin, route = %self.route.name, "{why}; its events wait a moment");
+                (None, Err(DeliverError::HostShort(why)))
+            }
             Err(StartError::Fault(fault)) => {
                 tracing::warn!(plugin = %self.route.plugin, route = %self.route.name, "{fault}; retried later");
                 (None, Err(fault.into()))

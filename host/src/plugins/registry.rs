@@ -252,6 +252,8 @@ impl Registry {
         // reports is its own claim; the file name is the operator's: they must agree, so a file
         // cannot take another plugin's grants by calling itself by that plugin's name.
         if path.file_stem().and_then(|s| s.to_str()) != Some(name.as_str()) {
+            // Its own claim, of any length: cut to a line.
+            let name = crate::untrusted::clean(&name, 128);
             anyhow::bail!(
                 "{} reports the plugin name {name:?}, which is not its file name; grants and routes follow \
                  the name, so a plugin's file must be named after it: install it as {name}.wasm",
@@ -338,9 +340,13 @@ impl Runtime {
             .with_context(|| format!("reading plugin {}", path.display()))?;
         let hash = hex::encode(Sha256::digest(&bytes));
         let engine = self.engine.clone();
-        let component = tokio::task::spawn_blocking(move || Component::new(&engine, &bytes))
-            .await?
-            .map_err(|e| anyhow::anyhow!("{} is not a valid wasm component: {}", path.display(), root_cause(&e)))?;
+        let compiled = tokio::task::spawn_blocking(move || {
+            // Its shape first: compiling some components takes host memory without bound.
+            super::shape::check(&bytes).map_err(|why| anyhow::anyhow!("is refused: {why}"))?;
+            Component::new(&engine, &bytes)
+                .map_err(|e| anyhow::anyhow!("is not a valid wasm component: {}", root_cause(&e)))
+        });
+        let component = compiled.await?.map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?;
         let exports = component.component_type();
         let contract = Contract::of(exports.exports(&self.engine).map(|(name, _)| name))
             .map_err(|e| anyhow::anyhow!("{} {e}", path.display()))?

@@ -304,6 +304,14 @@ impl Relay {
                     .map(|event| self.fail(routes, event, call, FailureReason::NoTransport, why.clone()))
                     .collect()
             }
+            Err(DeliverError::HostShort(why)) => {
+                let at = crate::clock::truncate_ms(crate::clock::later(now, MIN_DEFERRAL));
+                let why = reason(&why);
+                let wait = |event: &&ClaimedEvent| {
+                    self.complete(routes, event, call, Disposition::Deferred { at, error: why.clone() })
+                };
+                batch.iter().map(wait).collect()
+            }
         }
     }
 

@@ -416,7 +416,7 @@ impl Relay {
         self.metrics.claim_duration.observe(claim_took.as_secs_f64());
         // A probe taken now would hold its route's half-open breaker until the lease ends.
         let probes =
-            if shutdown.is_cancelled() { Vec::new() } else { self.probes(&claim, &routes, &breakers, &held).await? };
+            if shutdown.is_cancelled() { Vec::new() } else { self.probes(&claim, &routes, &breakers, &held).await };
         let probed: Vec<String> = probes.iter().map(|e| e.route.clone()).collect();
         events.extend(probes);
         // A reload between reading the table and claiming may have added routes whose events were
@@ -426,10 +426,7 @@ impl Relay {
         if !Arc::ptr_eq(&routes, &latest) {
             let (newer, claimed): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) =
                 events.into_iter().partition(|e| !routes.knows(&e.route) && latest.knows(&e.route));
-            if !newer.is_empty() {
-                let ids: Vec<i64> = newer.iter().map(|e| e.id).collect();
-                self.store.release(&token, &ids, self.clock.now()).await?;
-            }
+            self.hand_back(&token, &newer).await;
             events = claimed;
         }
         let (mut events, handed_on) = self.hand_on(&routes, &endpoints, &token, events).await?;
@@ -457,10 +454,7 @@ impl Relay {
                 let unordered_claim = e.ordering_key.is_some() && ordered_parent(settings, &e.route);
                 unknown(&claimed_with, e) && (!read || (!unknown(&endpoints, e) && unordered_claim))
             });
-            if !back.is_empty() {
-                let ids: Vec<i64> = back.iter().map(|e| e.id).collect();
-                self.store.release(&token, &ids, self.clock.now()).await?;
-            }
+            self.hand_back(&token, &back).await;
             events = rest;
         }
         if events.is_empty() {
@@ -530,38 +524,68 @@ impl Relay {
         Ok(stats)
     }
 
+    /// Gives `events` back unattempted for a later cycle. Should that fail, they come back when
+    /// their lease ends instead (the attempt counted), and the rest of the batch goes on.
+    async fn hand_back(&self, token: &str, events: &[ClaimedEvent]) {
+        if events.is_empty() {
+            return;
+        }
+        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        if let Err(error) = self.store.release(token, &ids, self.clock.now()).await {
+            tracing::warn!(
+                events = ids.len(),
+                "handing events back failed; they come back when their lease ends: {error}"
+            );
+        }
+    }
+
     /// For each route whose breaker has cooled down, takes the half-open probe (one instance
     /// wins it) and claims one event to try the route with. Routes with destinations are not
     /// probed: their events are handed on, not delivered (see `cycle`); nor are routes `paused`
-    /// for other reasons (their receiver asked to wait, a disabled endpoint).
+    /// for other reasons (their receiver asked to wait, a disabled endpoint). A probe that cannot
+    /// be taken (the database failed the statement) costs its route this cycle's probe, not the
+    /// batch already claimed: the next cycle tries again.
     async fn probes(
         &self,
         claim: &Claim,
         routes: &Routes,
         breakers: &[Breaker],
         paused: &[String],
-    ) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let cooled = crate::clock::earlier(claim.now, self.breaker_cooldown);
+    ) -> Vec<ClaimedEvent> {
         let mut probes = Vec::new();
         for breaker in breakers {
             if paused.contains(&breaker.route)
                 || routes.settings.fan_outs.contains_key(&breaker.route)
                 || !breaker.probe_due(claim.now, self.breaker_cooldown)
-                || !self.store.take_probe(&breaker.route, cooled, claim.now, claim.lease_until).await?
             {
                 continue;
             }
-            let one =
-                Claim { limit: 1, paused_routes: Vec::new(), only_route: Some(breaker.route.clone()), ..claim.clone() };
-            match self.store.claim(&one).await?.pop() {
-                Some(event) => {
+            match self.probe(claim, &breaker.route).await {
+                Ok(Some(event)) => {
                     tracing::info!(route = %breaker.route, event = event.id, "circuit breaker half-open: probing with one event");
                     probes.push(event);
                 }
-                None => self.store.release_probe(&breaker.route).await?,
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(route = %breaker.route, "circuit breaker half-open, but its probe could not be taken; trying again next cycle: {error}");
+                }
             }
         }
-        Ok(probes)
+        probes
+    }
+
+    /// Takes `route`'s probe and claims one event for it; gives the probe back if there is none.
+    async fn probe(&self, claim: &Claim, route: &str) -> Result<Option<ClaimedEvent>, StoreError> {
+        let cooled = crate::clock::earlier(claim.now, self.breaker_cooldown);
+        if !self.store.take_probe(route, cooled, claim.now, claim.lease_until).await? {
+            return Ok(None);
+        }
+        let one = Claim { limit: 1, paused_routes: Vec::new(), only_route: Some(route.to_string()), ..claim.clone() };
+        let event = self.store.claim(&one).await?.pop();
+        if event.is_none() {
+            self.store.release_probe(route).await?;
+        }
+        Ok(event)
     }
 
     /// Feeds each route's results into its circuit breaker: a success resets it (and closes it),
@@ -708,8 +732,18 @@ impl Relay {
         for (key, (count, reason, error, route)) in failed {
             let notice = notices.entry(key.to_string()).or_default();
             notice.unlogged += count;
-            let due = notice.logged_at.is_none_or(|at| crate::clock::later(at, FAILED_NOTICE_EVERY) <= now);
-            if due {
+            if notice.logged_at.is_some_and(|at| crate::clock::later(at, FAILED_NOTICE_EVERY) > now) {
+                continue;
+            }
+            if key == crate::metrics::UNCONFIGURED {
+                tracing::warn!(
+                    last_route = route,
+                    failed = notice.unlogged,
+                    last_reason = %reason,
+                    last_error = error,
+                    "events of routes not configured here ended FAILED (kept for inspection: `ferry failed summary`, `ferry failed resend`)"
+                );
+            } else {
                 tracing::warn!(
                     route,
                     failed = notice.unlogged,
@@ -717,9 +751,9 @@ impl Relay {
                     last_error = error,
                     "events ended FAILED (kept for inspection: `ferry failed list --route {route}`, `ferry failed resend`)"
                 );
-                notice.logged_at = Some(now);
-                notice.unlogged = 0;
             }
+            notice.logged_at = Some(now);
+            notice.unlogged = 0;
         }
     }
 

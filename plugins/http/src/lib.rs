@@ -20,7 +20,9 @@
 //!
 //! Each request carries the payload as its body, the event's content type and headers, and
 //! `webhook-id` (the event id, stable across retries), `webhook-timestamp` and, when a secret is
-//! set, `webhook-signature`. Answers map to outcomes as in [`policy::judge`].
+//! set, `webhook-signature`. Headers the request sets itself ([`policy::set_by_request`]) are the
+//! request's alone: an event's of the same name are left out, and `header.NAME` may not give them.
+//! Answers map to outcomes as in [`policy::judge`].
 
 pub mod policy;
 
@@ -64,9 +66,13 @@ impl Transport for Settings {
         }
         let timeout_ms = config.positive_or("timeout_ms", 10_000)?;
         let concurrency = usize::try_from(config.positive_or("concurrency", 8)?).unwrap_or(usize::MAX);
-        let headers =
+        let headers: Vec<(String, String)> =
             config.prefixed("header.").into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect();
         let cloudevents = CloudEvents::from_config(config, true)?;
+        let binary = cloudevents.as_ref().is_some_and(|ce| ce.mode == ferry_plugin_sdk::cloudevents::Mode::Binary);
+        if let Some((name, _)) = headers.iter().find(|(name, _)| policy::set_by_request(name, binary)) {
+            return Err(format!("header.{name}: each request sets this header itself; leave it out"));
+        }
         let defer_rate_limited = match config.optional("rate_limited").as_deref() {
             None | Some("defer") => true,
             Some("retry") => false,
@@ -183,16 +189,10 @@ mod send {
         }
         // A known length lets the body go out in one piece rather than chunked.
         add("content-length", &body.len().to_string())?;
-        // The headers each request sets itself are not the event's to repeat: a second
-        // `webhook-signature` or `content-length` would leave the receiver to pick one.
-        let own = |name: &str| {
-            let name = name.to_ascii_lowercase();
-            name == "content-type"
-                || name == "content-length"
-                || name.starts_with("webhook-")
-                || (settings.cloudevents.is_some() && name.starts_with("ce-"))
-        };
-        for (name, value) in event.headers.iter().filter(|(name, _)| !own(name)).chain(&settings.headers) {
+        // The event's headers of the names the request sets itself are left out.
+        let binary = settings.cloudevents.as_ref().is_some_and(|ce| ce.mode == Mode::Binary);
+        let own = |(name, _): &&(String, String)| policy::set_by_request(name, binary);
+        for (name, value) in event.headers.iter().filter(|h| !own(h)).chain(&settings.headers) {
             add(name, value)?;
         }
         add("webhook-id", &id)?;

@@ -28,6 +28,18 @@ pub enum Verdict {
 /// Longest response-body excerpt kept in a failure reason.
 pub const BODY_EXCERPT: usize = 200;
 
+/// Whether a request sets header `name` itself, so that neither the event nor the route's
+/// `header.NAME` may give it: the body's type and length, the Standard Webhooks headers, and with
+/// `binary` CloudEvents the `ce-` attributes. A second `webhook-signature` or `content-length`
+/// would leave the receiver to pick one.
+pub fn set_by_request(name: &str, binary: bool) -> bool {
+    let name = name.to_ascii_lowercase();
+    name == "content-type"
+        || name == "content-length"
+        || name.starts_with("webhook-")
+        || (binary && name.starts_with("ce-"))
+}
+
 /// 2xx → success; 429 → rate limited; 408, 425 and 5xx → transient (both honouring
 /// `Retry-After` in seconds); anything else → permanent, with the status and the start of the
 /// body in the reason.
@@ -249,5 +261,16 @@ mod tests {
         assert_eq!(header_value("50% off \"now\" – é"), "50%25%20off%20%22now%22%20%E2%80%93%20%C3%A9");
         let value: serde_json::Value = serde_json::from_str(&binary).unwrap();
         assert_eq!(value["id"], "7");
+    }
+
+    #[test]
+    fn the_headers_a_request_sets_itself() {
+        for own in ["Content-Type", "content-length", "webhook-id", "Webhook-Signature", "webhook-anything"] {
+            assert!(set_by_request(own, false), "{own}");
+        }
+        assert!(set_by_request("ce-id", true) && !set_by_request("ce-id", false), "ce- only in binary mode");
+        for other in ["traceparent", "x-api-key", "content-encoding", "webhooks"] {
+            assert!(!set_by_request(other, true), "{other}");
+        }
     }
 }

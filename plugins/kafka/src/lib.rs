@@ -59,6 +59,9 @@ use producer::{InDoubt, MAX_REMEMBERED, Producer, sequence_after};
 /// Bytes a produce request needs besides its records (headers, topic and partition framing,
 /// the record batch header), rounded up generously.
 const REQUEST_OVERHEAD: usize = 512;
+/// The most partitions a topic may have here (Kafka's own guidance stays far below); a broker
+/// that claims more is not believed.
+const MAX_PARTITIONS: usize = 1 << 16;
 
 struct Settings {
     brokers: Vec<(String, u16)>,
@@ -550,15 +553,27 @@ impl State {
                 return Err(transient(format!("topic {topic_name}: {why} (code {})", topic.error_code)));
             }
         }
-        let count = topic.partitions.iter().map(|p| p.partition_index + 1).max().unwrap_or(0).max(0) as usize;
+        // The broker's partition numbers are taken only where they fit: a negative one, or one
+        // past the most a topic may have here, is left out rather than trusted as an index.
+        let count = topic
+            .partitions
+            .iter()
+            .filter_map(|p| usize::try_from(p.partition_index).ok().filter(|&i| i < MAX_PARTITIONS))
+            .max()
+            .map_or(0, |i| i + 1);
         if count == 0 {
             return Err(transient(format!("topic {topic_name} has no partitions")));
         }
         let mut leaders = vec![None; count];
         for partition in &topic.partitions {
             let leader = partition.leader_id.0;
-            if partition.error_code == 0 && leader >= 0 && brokers.contains_key(&leader) {
-                leaders[partition.partition_index as usize] = Some(leader);
+            let slot = usize::try_from(partition.partition_index).ok().and_then(|i| leaders.get_mut(i));
+            if let Some(slot) = slot
+                && partition.error_code == 0
+                && leader >= 0
+                && brokers.contains_key(&leader)
+            {
+                *slot = Some(leader);
             }
         }
         // Keep connections only to brokers that are still in the cluster at the same address.

@@ -279,8 +279,9 @@ mod tests {
         let recent = Recent::<u32>::default();
         let made = Arc::new(AtomicUsize::new(0));
         let make = |made: Arc<AtomicUsize>| async move {
+            let n = made.fetch_add(1, Ordering::SeqCst) as u32;
             tokio::time::sleep(Duration::from_millis(100)).await;
-            made.fetch_add(1, Ordering::SeqCst) as u32
+            n
         };
         let gave_up =
             tokio::time::timeout(Duration::from_millis(10), recent.get(Duration::from_secs(10), make(made.clone())));

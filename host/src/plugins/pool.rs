@@ -143,7 +143,9 @@ impl Instance {
             }
         };
         // An `init` that opens a file or a connection fails when the host has no descriptor left
-        // to give it, which says nothing about the route's config.
+        // to give it, which says nothing about the route's config. Asked once the instance and
+        // what it opened are gone: a plugin using up the descriptors itself is not short of them.
+        drop(store);
         match (started, host_out_of_files()) {
             (Err(StartError::Unusable(why)), Some(short)) => {
                 Err(StartError::HostShort(format!("{why} (the host is out of open files: {short})")))

@@ -1,39 +1,151 @@
 //! A look at a component's shape before it is compiled. wasmtime compiles a component by
-//! expanding every instantiation of a nested component into the definitions of that component,
-//! with no bound: a file of a few kilobytes that instantiates a component a thousand times, which
-//! instantiates another a thousand times, and so on, asks for gigabytes of host memory and ends
-//! the process before any of a plugin's limits applies. So the file's sections are read first
-//! (only their headers; the code of core modules is skipped) and the definitions compiling it
-//! would expand to are counted, by their size in bytes: those of each nested component once per
-//! time it may be instantiated. Components that the usual tools build stay far below the limit.
+//! expanding every instantiation of a nested component into the definitions of that component
+//! (and every instantiation of a core module into one definition per import), with no bound: a
+//! file of a few kilobytes that instantiates a component a thousand times, which instantiates
+//! another a thousand times, and so on, asks for gigabytes of host memory and ends the process
+//! before any of a plugin's limits applies. So the file is parsed first (wasmparser; nothing is
+//! compiled) and what compiling it would expand to is counted: the bytes of each component's own
+//! definitions once per time it is instantiated, and each core instantiation once per import of
+//! the largest module. Components that the usual tools build stay far below the limit.
+//!
+//! The count follows instantiations to the components they name, which it can only do when a
+//! component's components are its own nested ones. A component that imports components, or takes
+//! them from an enclosing component or from an instance (a component of components, which the
+//! usual tools do not build), is therefore refused.
 
-/// The most bytes of component definitions (types, imports, exports, aliases, instances,
-/// canonical functions; core module code not counted) a plugin may expand to when compiled, its
-/// nested components counted once per instantiation. Near the limit, wasmtime took about 150 MB
-/// to compile a 4 MB import of 350 000 resources, and 80 MB for a thousand instantiations of a
-/// component making a thousand instances; the components ferry ships expand to 25 KiB at most,
-/// the JavaScript and Python ones to 16 and 85 KiB.
+use wasmparser::{
+    ComponentAlias, ComponentExternalKind, ComponentInstance, ComponentOuterAliasKind, ComponentTypeRef, Encoding,
+    Instance, Parser, Payload,
+};
+
+/// The most a plugin may expand to when compiled: bytes of component definitions (types,
+/// imports, exports, aliases, instances, canonical functions; core module code not counted), each
+/// nested component's counted once per instantiation, plus one per import of the largest core
+/// module for each core instantiation. Near the limit, wasmtime took about 150 MB to compile a
+/// 4 MB import of 350 000 resources, and 80 MB for a thousand instantiations of a component
+/// making a thousand instances; the components ferry ships expand to 25 KiB at most, the
+/// JavaScript and Python ones to 16 and 85 KiB.
 pub(crate) const MAX_EXPANDED: u64 = 4 << 20;
 
 /// How deep components may nest in one another.
 const MAX_DEPTH: usize = 16;
 
-/// The preamble of a component (magic, version 0x0d, layer 1).
-const COMPONENT: [u8; 8] = *b"\0asm\x0d\x00\x01\x00";
+/// One component of the file, as compiling it sees it.
+#[derive(Debug, Default)]
+struct Node {
+    /// Bytes of its own component-level sections.
+    own: u64,
+    /// Its core module instantiations.
+    core_instantiations: u64,
+    /// The component index each of its component instantiations names.
+    instantiations: Vec<u32>,
+    /// Its nested components, in the order they are defined (their component indices).
+    nested: Vec<usize>,
+}
 
-/// Refuses a component that compiling would expand beyond [`MAX_EXPANDED`], or whose sections do
-/// not add up. Anything else that is not a well-formed component (a core module, say) passes:
-/// wasmtime says what is wrong with it.
+/// Refuses a component that compiling would expand beyond [`MAX_EXPANDED`], or that takes
+/// components from outside itself. What does not parse passes, as does a core module: wasmtime
+/// parses before it expands anything, and says what is wrong.
 pub(crate) fn check(bytes: &[u8]) -> Result<(), String> {
-    if !bytes.starts_with(&COMPONENT) {
+    let mut nodes: Vec<Node> = Vec::new();
+    // The component (its node) or core module (`None`) each nesting level is in.
+    let mut stack: Vec<Option<usize>> = Vec::new();
+    let mut most_imports: u64 = 0;
+    for payload in Parser::new(0).parse_all(bytes) {
+        let Ok(payload) = payload else { return Ok(()) };
+        let current = stack.last().copied().flatten();
+        match &payload {
+            Payload::Version { encoding, .. } if stack.is_empty() => {
+                if *encoding != Encoding::Component {
+                    return Ok(());
+                }
+                nodes.push(Node::default());
+                stack.push(Some(0));
+                continue;
+            }
+            Payload::ComponentSection { .. } => {
+                if stack.len() > MAX_DEPTH {
+                    return Err(format!("its components nest more than {MAX_DEPTH} deep"));
+                }
+                nodes.push(Node::default());
+                let id = nodes.len() - 1;
+                if let Some(parent) = current {
+                    nodes[parent].nested.push(id);
+                }
+                stack.push(Some(id));
+                continue;
+            }
+            Payload::ModuleSection { .. } => {
+                stack.push(None);
+                continue;
+            }
+            Payload::End(_) => {
+                stack.pop();
+                continue;
+            }
+            Payload::ImportSection(imports) if current.is_none() => {
+                most_imports = most_imports.max(u64::from(imports.count()));
+            }
+            _ => {}
+        }
+        // The rest concerns a component's own sections.
+        let Some(node) = current else { continue };
+        let outside = || {
+            "it takes components from its imports, an enclosing component or an instance (a component \
+                          of components), which ferry does not load"
+                .to_string()
+        };
+        match payload {
+            Payload::CustomSection(_) => continue,
+            Payload::InstanceSection(ref instances) => {
+                for instance in instances.clone() {
+                    let Ok(instance) = instance else { return Ok(()) };
+                    nodes[node].core_instantiations += u64::from(matches!(instance, Instance::Instantiate { .. }));
+                }
+            }
+            Payload::ComponentInstanceSection(ref instances) => {
+                for instance in instances.clone() {
+                    let Ok(instance) = instance else { return Ok(()) };
+                    if let ComponentInstance::Instantiate { component_index, .. } = instance {
+                        nodes[node].instantiations.push(component_index);
+                    }
+                }
+            }
+            Payload::ComponentImportSection(ref imports) => {
+                for import in imports.clone() {
+                    let Ok(import) = import else { return Ok(()) };
+                    if matches!(import.ty, ComponentTypeRef::Component(_)) {
+                        return Err(outside());
+                    }
+                }
+            }
+            Payload::ComponentAliasSection(ref aliases) => {
+                for alias in aliases.clone() {
+                    let Ok(alias) = alias else { return Ok(()) };
+                    match alias {
+                        ComponentAlias::Outer { kind: ComponentOuterAliasKind::Component, .. }
+                        | ComponentAlias::InstanceExport { kind: ComponentExternalKind::Component, .. } => {
+                            return Err(outside());
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+        if let Some((_, range)) = payload.as_section() {
+            nodes[node].own += range.len() as u64;
+        }
+    }
+    if nodes.is_empty() {
         return Ok(());
     }
-    let expanded = expanded(bytes, 1, 0)?;
+    let expanded = expanded(&nodes, 0, 1, most_imports);
     if expanded > MAX_EXPANDED {
         return Err(format!(
-            "compiling it would expand its nested components to more than {} MiB of definitions (each counted \
-             once per instantiation), more than the {} MiB ferry compiles; components built by the usual tools \
-             stay far below that",
+            "compiling it would expand it to more than {} MiB of definitions (its nested components counted once \
+             per instantiation), more than the {} MiB ferry compiles; components built by the usual tools stay far \
+             below that",
             expanded >> 20,
             MAX_EXPANDED >> 20
         ));
@@ -41,65 +153,21 @@ pub(crate) fn check(bytes: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-/// The bytes of definitions `component` (with its preamble) expands to when instantiated `times`
-/// times, at nesting `depth`; past [`MAX_EXPANDED`] the count stops early.
-fn expanded(component: &[u8], times: u64, depth: usize) -> Result<u64, String> {
-    if depth > MAX_DEPTH {
-        return Err(format!("its components nest more than {MAX_DEPTH} deep"));
-    }
-    let mut own: u64 = 0;
-    let mut instances: u64 = 0;
-    let mut nested = Vec::new();
-    let mut at = COMPONENT.len();
-    while at < component.len() {
-        let id = component[at];
-        let (size, start) = leb_u32(component, at + 1)?;
-        let end = start.checked_add(size as usize).filter(|&end| end <= component.len());
-        let body = end.map(|end| &component[start..end]).ok_or("a section runs past the end of its component")?;
-        match id {
-            // Custom sections are not compiled; core modules are compiled once, however often
-            // they are instantiated.
-            0 | 1 => {}
-            4 if body.starts_with(&COMPONENT) => nested.push(body),
-            4 => return Err("a nested component is not a component".into()),
-            _ => {
-                own += u64::from(size);
-                if id == 5 {
-                    // The component instance section: how many instances it makes, at most as
-                    // many instantiations.
-                    instances += u64::from(leb_u32(body, 0)?.0);
-                }
-            }
-        }
-        at = start + size as usize;
-    }
-    let mut total = times.saturating_mul(own.saturating_add(1));
-    // Each instantiation in this component may be of any component nested in it.
-    let inner = times.saturating_mul(instances.max(1));
-    for child in nested {
+/// What component `node` expands to when instantiated `times` times; a nested component is
+/// expanded once per instantiation naming it (once at least: it is read even if never used).
+/// Depth is bounded by [`MAX_DEPTH`] while parsing.
+fn expanded(nodes: &[Node], node: usize, times: u64, most_imports: u64) -> u64 {
+    let this = &nodes[node];
+    let own = this.own.saturating_add(1).saturating_add(this.core_instantiations.saturating_mul(most_imports));
+    let mut total = times.saturating_mul(own);
+    for (index, &child) in this.nested.iter().enumerate() {
         if total > MAX_EXPANDED {
             break;
         }
-        total = total.saturating_add(expanded(child, inner, depth + 1)?);
+        let named = this.instantiations.iter().filter(|&&i| i as usize == index).count() as u64;
+        total = total.saturating_add(expanded(nodes, child, times.saturating_mul(named.max(1)), most_imports));
     }
-    Ok(total)
-}
-
-/// The unsigned LEB128 number at `at` in `bytes` (at most 32 bits) and where what follows starts.
-fn leb_u32(bytes: &[u8], at: usize) -> Result<(u32, usize), String> {
-    let mut value: u32 = 0;
-    for i in 0..5 {
-        let byte = *bytes.get(at + i).ok_or("a section header runs past the end of its component")?;
-        // The fifth byte holds the top 4 bits, and ends the number.
-        if i == 4 && byte > 0x0f {
-            break;
-        }
-        value |= u32::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Ok((value, at + i + 1));
-        }
-    }
-    Err("a section size is not a 32-bit number".into())
+    total
 }
 
 #[cfg(test)]
@@ -117,30 +185,42 @@ mod tests {
     }
 
     #[test]
-    fn the_shipped_shape_passes_and_an_exploding_one_is_refused() {
-        let small = nested(2, 3);
-        assert!(check(&small).is_ok());
+    fn an_exploding_component_is_refused_and_an_ordinary_one_passes() {
+        assert!(check(&nested(2, 3)).is_ok());
         // 1000³ instantiations in a few kilobytes: wasmtime alone took gigabytes, then aborted.
         let exploding = nested(3, 1000);
         assert!(exploding.len() < 20_000, "{}", exploding.len());
         let why = check(&exploding).unwrap_err();
         assert!(why.contains("more than the 4 MiB ferry compiles"), "{why}");
-        // Not a component: left to wasmtime to refuse.
-        assert!(check(b"\0asm\x01\x00\x00\x00").is_ok());
-        assert!(check(b"not wasm").is_ok());
+        // Only what is instantiated counts more than once: a thousand components side by side,
+        // each instantiated once, are a thousand components.
+        let side_by_side: String =
+            (0..1000).map(|i| format!("(component $c{i}) (instance (instantiate $c{i}))")).collect();
+        assert!(check(&wat::parse_str(format!("(component {side_by_side})")).unwrap()).is_ok());
+        // A core module of 100 000 imports, instantiated a thousand times: 10⁸ definitions.
+        let imports: String = (0..100_000).map(|i| format!("(import \"\" \"f{i}\" (func))")).collect();
+        let instances: String = (0..1000).map(|_| "(core instance (instantiate $m))").collect();
+        let core = wat::parse_str(format!("(component (core module $m {imports}) {instances})")).unwrap();
+        assert!(check(&core).unwrap_err().contains("more than the 4 MiB"));
     }
 
     #[test]
-    fn malformed_sections_are_refused_not_read_past() {
-        let mut truncated = COMPONENT.to_vec();
-        truncated.extend([7, 0x80, 0x80]);
-        assert!(check(&truncated).unwrap_err().contains("runs past the end"));
-        let mut too_long = COMPONENT.to_vec();
-        too_long.extend([7, 0xff, 0xff, 0xff, 0xff, 0x7f]);
-        assert!(check(&too_long).unwrap_err().contains("32-bit"));
-        let mut past = COMPONENT.to_vec();
-        past.extend([7, 100, 1, 2]);
-        assert!(check(&past).unwrap_err().contains("runs past the end"));
+    fn components_taken_from_outside_are_refused() {
+        let outside = ["(import \"c\" (component))", "(component $a) (component (alias outer 1 $a (component $b)))"];
+        for text in outside {
+            let why = check(&wat::parse_str(format!("(component {text})")).unwrap()).unwrap_err();
+            assert!(why.contains("a component of components"), "{text}: {why}");
+        }
+    }
+
+    #[test]
+    fn what_does_not_parse_is_left_to_wasmtime_and_nesting_is_bounded() {
+        let preamble = b"\0asm\x0d\x00\x01\x00";
+        for tail in [&[7u8, 0x80, 0x80][..], &[7, 0xff, 0xff, 0xff, 0xff, 0x7f], &[7, 100, 1, 2]] {
+            assert!(check(&[&preamble[..], tail].concat()).is_ok());
+        }
+        assert!(check(b"\0asm\x01\x00\x00\x00").is_ok(), "a core module");
+        assert!(check(b"not wasm").is_ok());
         let mut deep = "(component)".to_string();
         for _ in 0..20 {
             deep = format!("(component {deep})");

@@ -581,11 +581,13 @@ impl Relay {
             return Ok(None);
         }
         let one = Claim { limit: 1, paused_routes: Vec::new(), only_route: Some(route.to_string()), ..claim.clone() };
-        let event = self.store.claim(&one).await?.pop();
-        if event.is_none() {
+        let claimed = self.store.claim(&one).await.map(|mut events| events.pop());
+        if !matches!(claimed, Ok(Some(_))) {
+            // Nothing to probe with, or the claim failed: the probe is given back (if that fails
+            // too, it is held until its lease ends).
             self.store.release_probe(route).await?;
         }
-        Ok(event)
+        claimed
     }
 
     /// Feeds each route's results into its circuit breaker: a success resets it (and closes it),
@@ -775,15 +777,17 @@ impl Relay {
             let Some(event) = by_id.get(&completion.id) else { continue };
             let plugin = completion.attempt.call.plugin.as_deref().unwrap_or_default();
             let reason = completion.disposition.reason();
-            let route = label(&event.route);
+            let route = event.route.as_str();
             tally.entry((route, plugin, reason)).or_default().count(&completion.disposition);
             if completion.disposition == Disposition::Sent {
                 let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
                 latencies.entry(route).or_default().push(latency);
             }
         }
+        // Labelled per route, not per event: routes not configured share one label, and their
+        // counts add up in it.
         for ((route, plugin, reason), outcomes) in tally {
-            let labels = RouteLabels { route: route.into(), plugin: plugin.into() };
+            let labels = RouteLabels { route: label(route).into(), plugin: plugin.into() };
             match reason {
                 None => {
                     self.metrics.delivered.get_or_create(&labels).inc_by(count(outcomes.sent));
@@ -800,7 +804,7 @@ impl Relay {
         let all: Vec<f64> = latencies.values().flatten().map(|seconds| seconds * 1000.0).collect();
         self.metrics.activity.record(done_at, count(totals.sent), count(totals.retried), count(totals.failed), &all);
         for (route, values) in latencies {
-            let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: route.into() });
+            let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: label(route).into() });
             values.into_iter().for_each(|v| histogram.observe(v));
         }
     }

@@ -178,6 +178,12 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
     let (status, body) = hooks.post("/v1/events", json!({ "route": route, "type": "t", "payload": 1 })).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(body.to_string().contains("names no endpoint of route"), "{body}");
+    // Nor past the endpoint's own filter.
+    let direct = json!({ "route": format!("hooks/{a_id}"), "type": "invoice.paid", "payload": 1 });
+    let (status, body) = hooks.post("/v1/events", direct).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("does not take events of type \"invoice.paid\" (its event_types: order.*)"), "{body}");
 
     // What cannot be an endpoint is refused, naming why.
     let (status, error) = hooks.post("/v1/routes/hooks/endpoints", json!({ "url": "http://evil.example.com/" })).await;

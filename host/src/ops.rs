@@ -278,12 +278,23 @@ impl Ops {
                 if known.is_empty() { "none".to_string() } else { known.join(", ") }
             )));
         }
-        // An endpoint's own deliveries: only to one that exists.
+        // An endpoint's own deliveries: only to one that exists, and of a type it takes (as when
+        // ferry hands an event of its route on to it).
         if let Some((route, id)) = event.route.split_once(crate::config::DESTINATION_SEPARATOR)
             && settings.endpoints_of(&event.route).is_some()
-            && self.store.endpoint(id).await?.is_none_or(|e| e.route != route)
         {
-            return Err(OpError::Invalid(format!("route {:?} names no endpoint of route {route:?}", event.route)));
+            let Some(stored) = self.store.endpoint(id).await?.filter(|e| e.route == route) else {
+                return Err(OpError::Invalid(format!("route {:?} names no endpoint of route {route:?}", event.route)));
+            };
+            let endpoint = crate::endpoints::Endpoint::decode(&stored).map_err(OpError::Invalid)?;
+            let types = crate::config::EventTypes::new(&endpoint.body.event_types).map_err(OpError::Invalid)?;
+            if !types.matches(&event.event_type) {
+                return Err(OpError::Invalid(format!(
+                    "endpoint {id} does not take events of type {:?} (its event_types: {})",
+                    event.event_type,
+                    endpoint.body.event_types.join(", ")
+                )));
+            }
         }
         let id = self.store.insert(&event, now).await?;
         self.wake();

@@ -328,6 +328,61 @@ async fn a_processing_row_without_a_lease_is_recovered(db: TestDb) {
     }
 }
 
+/// Names and headers are limited where events are emitted (`ferry_outbox::MAX_NAME`,
+/// `MAX_HEADERS`); a row written past that, by SQL, is not loaded whole by the claim, whatever its
+/// size: it fails alone, as `invalid_event` naming the column and its size.
+async fn names_and_headers_too_long_to_load_fail_alone(db: TestDb) {
+    let s = stepped(db).await;
+    // `n` copies of the letter `c`, in the backend's SQL.
+    let repeat = |c: char, n: usize| match s.db.backend {
+        Backend::Sqlite => format!("replace(hex(zeroblob({n})), '00', '{c}')"),
+        Backend::Postgres => format!("repeat('{c}', {n})"),
+    };
+    let good = [insert(&s, "ok").await, insert(&s, "ok").await];
+    // Headers under the limit, though large enough for PostgreSQL to measure them as text.
+    let roomy = insert(&s, "ok").await;
+    let headers = |n: usize| format!("'{{\"h\": \"' || {} || '\"}}'", repeat('v', n));
+    let roomy_headers = match s.db.backend {
+        Backend::Sqlite => headers(60_000),
+        Backend::Postgres => format!("({})::jsonb", headers(60_000)),
+    };
+    sql(&s.db, &format!("UPDATE ferry_events SET headers = {roomy_headers} WHERE id = {roomy}")).await.unwrap();
+    let mut edits = Vec::new();
+    for (column, value) in [
+        ("route", format!("'s' || {}", repeat('r', 1024))),
+        ("event_type", repeat('t', 1025)),
+        ("ordering_key", repeat('k', 5000)),
+        ("content_type", repeat('c', 1025)),
+        ("headers", headers(300_000)),
+    ] {
+        let id = insert(&s, "ok").await;
+        let value =
+            if column == "headers" && s.db.backend == Backend::Postgres { format!("({value})::jsonb") } else { value };
+        assert_eq!(
+            sql(&s.db, &format!("UPDATE ferry_events SET {column} = {value} WHERE id = {id}")).await.unwrap(),
+            1
+        );
+        edits.push((id, column));
+    }
+    let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(stats.claimed, 8, "the whole batch is claimed: {stats:?}");
+    for id in good.into_iter().chain([roomy]) {
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+        assert_eq!(row.status, Status::Sent, "event {id}: {:?}", row.last_error);
+    }
+    for (id, column) in edits {
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+        let error = row.last_error.unwrap_or_default();
+        assert_eq!((row.status, row.failure_reason), (Status::Failed, Some(FailureReason::InvalidEvent)), "{error}");
+        assert_eq!(row.attempts, 1, "event {id}");
+        assert!(
+            error.starts_with(&format!("event {id}: its {column} "))
+                && error.contains("ferry loads, so it was not loaded"),
+            "{column}: {error}"
+        );
+    }
+}
+
 crate::both_backends!(
     malformed_rows_fail_alone_and_the_rest_is_delivered,
     the_schema_refuses_what_ferry_cannot_represent,
@@ -335,6 +390,7 @@ crate::both_backends!(
     random_column_values_never_stop_the_relay,
     a_malformed_breaker_row_holds_only_its_route,
     a_processing_row_without_a_lease_is_recovered,
+    names_and_headers_too_long_to_load_fail_alone,
 );
 
 /// On PostgreSQL, route, event_type and headers are checked by the INSERT trigger (migration 9)

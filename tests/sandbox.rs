@@ -402,8 +402,11 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
     .fetch_one(&mut *lock)
     .await
     .unwrap();
-    // The idle worker polls every 20 ms at most: by now its claim waits for the lock.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // The idle worker polls every 20 ms at most, so its claim soon waits for the lock. If it had
+    // not begun when the stop came, it would never claim, and the test would fail on the batch
+    // count below, not pass: a second gives a loaded machine (CI runs tests side by side) fifty
+    // polls' worth of time.
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     let stopping = tokio::spawn(running.stop());
     tokio::time::sleep(std::time::Duration::from_millis(700)).await;
     assert!(!stopping.is_finished(), "the first batch's release waits for the lock too");

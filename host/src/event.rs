@@ -452,12 +452,24 @@ pub(crate) struct ClaimedRow {
     event_time: DateTime<Utc>,
     created_at: DateTime<Utc>,
     pub(crate) next_attempt_at: DateTime<Utc>,
+    /// The first column over its limit and its size in bytes (`"headers 70000"`), when one is:
+    /// the claim then returns that column empty rather than load it.
+    oversized: Option<String>,
 }
+
+/// The longest route, event type, ordering key or content type a claim loads, in bytes (bound
+/// into the claim statements): what `emit` accepts.
+pub(crate) const MAX_CLAIMED_NAME: i64 = ferry_outbox::MAX_NAME as i64;
+
+/// The most bytes of headers a claim loads, as the database writes them out. Twice what `emit`
+/// accepts as compact JSON: PostgreSQL prints a jsonb object with a space after each `:` and `,`,
+/// which lengthens the smallest header (`"a":""`) by a third.
+pub(crate) const MAX_CLAIMED_HEADERS: i64 = 2 * ferry_outbox::MAX_HEADERS as i64;
 
 /// The columns both claim statements return, in order. A claimed row is read by position: by
 /// name, each of its 13 columns cost a hashed lookup of the name, about a quarter of decoding the
 /// row. The claim checks the first row's names against these before any row is read.
-pub(crate) const CLAIMED_COLUMNS: [&str; 13] = [
+pub(crate) const CLAIMED_COLUMNS: [&str; 14] = [
     "id",
     "route",
     "event_type",
@@ -471,6 +483,7 @@ pub(crate) const CLAIMED_COLUMNS: [&str; 13] = [
     "event_time",
     "created_at",
     "next_attempt_at",
+    "oversized",
 ];
 
 impl<'r, R> sqlx::FromRow<'r, R> for ClaimedRow
@@ -514,13 +527,15 @@ where
             event_time: column::<R, DbTime>(row, 10)?.into(),
             created_at: column::<R, DbTime>(row, 11)?.into(),
             next_attempt_at: column::<R, DbTime>(row, 12)?.into(),
+            oversized: column(row, 13)?,
         })
     }
 }
 
 impl ClaimedRow {
-    /// The event to deliver; headers that do not parse, an empty route or event type, or a payload
-    /// over the size limit (`max` bytes), become the event's defect.
+    /// The event to deliver; headers that do not parse, an empty route or event type, a name or
+    /// headers too long to load, or a payload over the size limit (`max` bytes), become the
+    /// event's defect.
     pub(crate) fn into_event(self, max_payload: u64) -> ClaimedEvent {
         let (headers, mut defect) = match parse_headers(&self.headers) {
             Ok(headers) => (headers, None),
@@ -532,6 +547,16 @@ impl ClaimedRow {
             if value.is_empty() {
                 defect = Some(format!("event {}: {column} is empty; set it and resend the event", self.id));
             }
+        }
+        if let Some(oversized) = &self.oversized {
+            let (column, size) = oversized.split_once(' ').unwrap_or((oversized.as_str(), "?"));
+            let (limit, are) =
+                if column == "headers" { (MAX_CLAIMED_HEADERS, "are") } else { (MAX_CLAIMED_NAME, "is") };
+            defect = Some(format!(
+                "event {}: its {column} {are} {size} bytes, more than the {limit} ferry loads, so it was \
+                 not loaded; emit the event again with shorter {column}, or purge it",
+                self.id
+            ));
         }
         if self.payload.is_none() {
             defect = Some(format!(

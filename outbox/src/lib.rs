@@ -21,6 +21,14 @@ use chrono::{DateTime, Utc};
 /// [`emit_with_max_payload`] when ferry is configured with another limit.
 pub const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;
 
+/// The longest route, event type, ordering key or content type ferry delivers, in bytes. Ferry
+/// does not load a longer one: the event fails as `invalid_event`.
+pub const MAX_NAME: usize = 1024;
+
+/// The most bytes an event's headers may take as the JSON object stored in the `headers` column.
+/// Ferry does not load larger headers: the event fails as `invalid_event`.
+pub const MAX_HEADERS: usize = 64 << 10;
+
 /// The refusal of a payload of `size` bytes over the limit of `max`, saying what to do instead.
 pub fn payload_too_large(size: u64, max: usize) -> String {
     format!(
@@ -105,8 +113,9 @@ impl NewEvent {
         self
     }
 
-    /// Checks what the database cannot: names that must not be empty, and an attempt limit the
-    /// column can hold. Returns a message naming the offending field.
+    /// Checks what the database cannot: names that must not be empty or longer than
+    /// [`MAX_NAME`], headers within [`MAX_HEADERS`], and an attempt limit the column can hold.
+    /// Returns a message naming the offending field.
     pub fn validate(&self) -> Result<(), String> {
         if self.route.trim().is_empty() {
             return Err("event route must not be empty".into());
@@ -114,8 +123,26 @@ impl NewEvent {
         if self.event_type.trim().is_empty() {
             return Err("event type must not be empty".into());
         }
+        let names = [
+            ("route", Some(&self.route)),
+            ("event type", Some(&self.event_type)),
+            ("ordering key", self.ordering_key.as_ref()),
+            ("content type", self.content_type.as_ref()),
+        ];
+        for (field, value) in names {
+            if let Some(size) = value.map(String::len).filter(|size| *size > MAX_NAME) {
+                return Err(format!("the event's {field} is {size} bytes; ferry delivers at most {MAX_NAME}"));
+            }
+        }
         if let Some((name, _)) = self.headers.iter().find(|(name, _)| name.trim().is_empty()) {
             return Err(format!("event header name {name:?} must not be empty"));
+        }
+        let size = self.headers_json().len();
+        if size > MAX_HEADERS {
+            return Err(format!(
+                "the event's headers are {size} bytes as JSON; ferry delivers at most {MAX_HEADERS}: \
+                 put large values in the payload"
+            ));
         }
         if let Some(n) = self.max_attempts.filter(|n| i32::try_from(*n).is_err()) {
             return Err(format!("max_attempts {n} is too large"));
@@ -244,6 +271,15 @@ mod tests {
         let mut huge = NewEvent::new("r", "t", "x");
         huge.max_attempts = Some(u32::MAX);
         assert!(huge.validate().unwrap_err().contains("max_attempts"));
+        let long = "n".repeat(MAX_NAME + 1);
+        assert!(NewEvent::new(long.as_str(), "t", "x").validate().unwrap_err().contains("route is 1025 bytes"));
+        assert!(NewEvent::new("r", long.as_str(), "x").validate().unwrap_err().contains("event type is 1025"));
+        assert!(NewEvent::new("r", "t", "x").with_key(long.as_str()).validate().unwrap_err().contains("ordering key"));
+        let typed = NewEvent::new("r", "t", "x").with_content_type(long.as_str());
+        assert!(typed.validate().unwrap_err().contains("content type"));
+        assert!(NewEvent::new("n".repeat(MAX_NAME), "t", "x").validate().is_ok(), "the limit itself is allowed");
+        let heavy = NewEvent::new("r", "t", "x").with_header("h", "v".repeat(MAX_HEADERS));
+        assert!(heavy.validate().unwrap_err().contains(&format!("headers are {} bytes", MAX_HEADERS + 8)));
         let e = NewEvent::new("r", "t", "x").with_header("k", "v\"q");
         let parsed: serde_json::Value = serde_json::from_str(&e.headers_json()).unwrap();
         assert_eq!(parsed["k"], "v\"q");

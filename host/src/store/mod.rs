@@ -1090,7 +1090,8 @@ mod tests {
         let mut db = sqlx::SqliteConnection::connect("sqlite::memory:").await.unwrap();
         let in_order = "7 AS id, 'r' AS route, 't' AS event_type, NULL AS ordering_key, x'7b7d' AS payload, \
              2 AS payload_size, 'application/json' AS content_type, '{}' AS headers, 1 AS attempts, \
-             NULL AS max_attempts, 1000 AS event_time, 2000 AS created_at, 3000 AS next_attempt_at";
+             NULL AS max_attempts, 1000 AS event_time, 2000 AS created_at, 3000 AS next_attempt_at, \
+             NULL AS oversized";
         let rows = sqlx::query(&format!("SELECT {in_order}")).fetch_all(&mut db).await.unwrap();
         let events = super::claimed_events(&rows, 1024).unwrap();
         assert_eq!(events.len(), 1);
@@ -1112,6 +1113,15 @@ mod tests {
         let events = super::claimed_events(&rows, 1024).unwrap();
         let defect = events[0].defect.as_deref().unwrap_or_default();
         assert!(defect.starts_with("event 7: column event_time cannot be read"), "{defect}");
+        // A column the claim did not load for its size is named, with the size and the limit.
+        let oversized = in_order.replace("NULL AS oversized", "'headers 200000' AS oversized");
+        let rows = sqlx::query(&format!("SELECT {oversized}")).fetch_all(&mut db).await.unwrap();
+        let events = super::claimed_events(&rows, 1024).unwrap();
+        let defect = events[0].defect.as_deref().unwrap_or_default();
+        assert!(
+            defect.starts_with("event 7: its headers are 200000 bytes, more than the 131072 ferry loads"),
+            "{defect}"
+        );
     }
 
     /// Only what may well not happen again is tried again: a busy SQLite file and a failed

@@ -344,11 +344,24 @@ pub const CLAIM_SQL: &str = "WITH picked AS (
          attempts = CASE WHEN e.attempts < 2147483647 THEN e.attempts + 1 ELSE e.attempts END,
          claimed_by = $3, claim_token = $4, lease_until = $5
      WHERE e.id = ANY(ARRAY(SELECT id FROM picked))
-     RETURNING e.id, e.route, e.event_type, e.ordering_key,
+     RETURNING e.id,
+               CASE WHEN octet_length(e.route) <= $11 THEN e.route ELSE '' END AS route,
+               CASE WHEN octet_length(e.event_type) <= $11 THEN e.event_type ELSE '' END AS event_type,
+               CASE WHEN octet_length(e.ordering_key) <= $11 THEN e.ordering_key END AS ordering_key,
                CASE WHEN octet_length(e.payload) <= $10 THEN e.payload END AS payload,
-               octet_length(e.payload)::bigint AS payload_size, e.content_type,
-               e.headers::text AS headers, e.attempts, e.max_attempts, e.event_time,
-               e.created_at, e.next_attempt_at";
+               octet_length(e.payload)::bigint AS payload_size,
+               CASE WHEN octet_length(e.content_type) <= $11 THEN e.content_type ELSE '' END AS content_type,
+               -- Headers stored in a few hundred bytes (compressed or not) cannot expand past a few
+               -- hundred KiB as text: only larger ones are measured as text.
+               CASE WHEN pg_column_size(e.headers) <= 256 OR octet_length(e.headers::text) <= $12
+                    THEN e.headers::text ELSE '{}' END AS headers,
+               e.attempts, e.max_attempts, e.event_time, e.created_at, e.next_attempt_at,
+               CASE WHEN octet_length(e.route) > $11 THEN 'route ' || octet_length(e.route)
+                    WHEN octet_length(e.event_type) > $11 THEN 'event_type ' || octet_length(e.event_type)
+                    WHEN octet_length(e.ordering_key) > $11 THEN 'ordering_key ' || octet_length(e.ordering_key)
+                    WHEN octet_length(e.content_type) > $11 THEN 'content_type ' || octet_length(e.content_type)
+                    WHEN pg_column_size(e.headers) > 256 AND octet_length(e.headers::text) > $12
+                    THEN 'headers ' || octet_length(e.headers::text) END AS oversized";
 
 /// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
 /// $1 on, read along the primary key; of them, the SENT rows processed before $3 are locked (those
@@ -405,6 +418,8 @@ impl Store for PostgresStore {
             .bind(&claim.paused_routes)
             .bind(&claim.only_route)
             .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
+            .bind(crate::event::MAX_CLAIMED_NAME)
+            .bind(crate::event::MAX_CLAIMED_HEADERS)
             .fetch_all(&self.pool)
             .await?;
         claimed_events(&rows, claim.max_payload)

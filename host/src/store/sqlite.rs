@@ -433,10 +433,23 @@ pub const CLAIM_SQL: &str = "UPDATE ferry_events
          ORDER BY e.next_attempt_at, e.id
          LIMIT ?2
      )
-     RETURNING id, route, event_type, ordering_key,
+     RETURNING id,
+               CASE WHEN length(CAST(route AS BLOB)) <= ?11 THEN route ELSE '' END AS route,
+               CASE WHEN length(CAST(event_type AS BLOB)) <= ?11 THEN event_type ELSE '' END AS event_type,
+               CASE WHEN length(CAST(ordering_key AS BLOB)) <= ?11 THEN ordering_key END AS ordering_key,
                CASE WHEN length(CAST(payload AS BLOB)) <= ?10 THEN CAST(payload AS BLOB) END AS payload,
-               length(CAST(payload AS BLOB)) AS payload_size, content_type,
-               headers, attempts, max_attempts, event_time, created_at, next_attempt_at";
+               length(CAST(payload AS BLOB)) AS payload_size,
+               CASE WHEN length(CAST(content_type AS BLOB)) <= ?11 THEN content_type ELSE '' END AS content_type,
+               CASE WHEN length(CAST(headers AS BLOB)) <= ?12 THEN headers ELSE '{}' END AS headers,
+               attempts, max_attempts, event_time, created_at, next_attempt_at,
+               CASE WHEN length(CAST(route AS BLOB)) > ?11 THEN 'route ' || length(CAST(route AS BLOB))
+                    WHEN length(CAST(event_type AS BLOB)) > ?11 THEN 'event_type ' || length(CAST(event_type AS BLOB))
+                    WHEN length(CAST(ordering_key AS BLOB)) > ?11
+                    THEN 'ordering_key ' || length(CAST(ordering_key AS BLOB))
+                    WHEN length(CAST(content_type AS BLOB)) > ?11
+                    THEN 'content_type ' || length(CAST(content_type AS BLOB))
+                    WHEN length(CAST(headers AS BLOB)) > ?12 THEN 'headers ' || length(CAST(headers AS BLOB))
+               END AS oversized";
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
@@ -575,6 +588,8 @@ impl Store for SqliteStore {
             .bind(serde_json::to_string(&claim.paused_routes).expect("strings serialize"))
             .bind(&claim.only_route)
             .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
+            .bind(crate::event::MAX_CLAIMED_NAME)
+            .bind(crate::event::MAX_CLAIMED_HEADERS)
             .fetch_all(&mut *writing)
             .await?;
         writing.finish();

@@ -247,23 +247,28 @@ async fn delivered_on_ok(db: &TestDb) -> EventRecord {
     attempted(db, ok).await
 }
 
-/// A row whose headers were written past `emit`'s limit, by SQL: 96 MiB of them. The claim does
-/// not load them, so ferry's memory does not grow by them, and the event fails alone. (On
-/// PostgreSQL: SQLite runs in ferry's process, where updating such a row passes through memory.)
+/// A row whose headers were written past `emit`'s limit and the INSERT trigger, as logical
+/// replication writes rows: 96 MiB of them. The claim does not load them, so ferry's memory does
+/// not grow by them, and the event fails alone. (On PostgreSQL: SQLite runs in ferry's process,
+/// where updating such a row passes through memory.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_written_past_the_limit_are_not_loaded() {
     let db = TestDb::new(Backend::Postgres).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);
     let served = serve_beside_log(&db, &plugins, "").await;
     let baseline = served.peak_rss_mib();
+    let mut replica = db.postgres.as_ref().unwrap().pool().acquire().await.unwrap();
+    sqlx::query("SET session_replication_role = replica").execute(&mut *replica).await.unwrap();
     let huge: i64 = sqlx::query_scalar(
         "INSERT INTO ferry_events (route, event_type, payload, headers)
          VALUES ('ok', 'e', '\\x7b7d', ('{\"h\": \"' || repeat('v', $1) || '\"}')::jsonb) RETURNING id",
     )
     .bind(96 << 20)
-    .fetch_one(db.postgres.as_ref().unwrap().pool())
+    .fetch_one(&mut *replica)
     .await
     .unwrap();
+    sqlx::query("RESET session_replication_role").execute(&mut *replica).await.unwrap();
+    drop(replica);
     let row = attempted(&db, huge).await;
     assert_eq!(row.failure_reason.map(|r| r.as_str()), Some("invalid_event"), "{:?}", row.last_error);
     let error = row.last_error.unwrap_or_default();

@@ -351,16 +351,20 @@ pub const CLAIM_SQL: &str = "WITH picked AS (
                CASE WHEN octet_length(e.payload) <= $10 THEN e.payload END AS payload,
                octet_length(e.payload)::bigint AS payload_size,
                CASE WHEN octet_length(e.content_type) <= $11 THEN e.content_type ELSE '' END AS content_type,
-               -- Headers stored in a few hundred bytes (compressed or not) cannot expand past a few
-               -- hundred KiB as text: only larger ones are measured as text.
-               CASE WHEN pg_column_size(e.headers) <= 256 OR octet_length(e.headers::text) <= $12
+               -- Headers stored uncompressed in at most 256 bytes print in at most a few MB (numbers
+               -- print every digit of their exponent); others are measured as text first. The
+               -- INSERT trigger (migration 11) holds headers to the limit where they are written;
+               -- this is for rows written without triggers.
+               CASE WHEN (pg_column_size(e.headers) <= 256 AND pg_column_compression(e.headers) IS NULL)
+                         OR octet_length(e.headers::text) <= $12
                     THEN e.headers::text ELSE '{}' END AS headers,
                e.attempts, e.max_attempts, e.event_time, e.created_at, e.next_attempt_at,
                CASE WHEN octet_length(e.route) > $11 THEN 'route ' || octet_length(e.route)
                     WHEN octet_length(e.event_type) > $11 THEN 'event_type ' || octet_length(e.event_type)
                     WHEN octet_length(e.ordering_key) > $11 THEN 'ordering_key ' || octet_length(e.ordering_key)
                     WHEN octet_length(e.content_type) > $11 THEN 'content_type ' || octet_length(e.content_type)
-                    WHEN pg_column_size(e.headers) > 256 AND octet_length(e.headers::text) > $12
+                    WHEN NOT (pg_column_size(e.headers) <= 256 AND pg_column_compression(e.headers) IS NULL)
+                         AND octet_length(e.headers::text) > $12
                     THEN 'headers ' || octet_length(e.headers::text) END AS oversized";
 
 /// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
@@ -385,8 +389,22 @@ const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, conte
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
-/// The columns of a list: every one but the payload, which lists do not show.
-const LIST_COLUMNS: &str = "id, route, event_type, ordering_key, '\\x'::bytea AS payload, content_type, headers::text AS headers, \
+/// The columns of a list: every one but the payload, which lists do not show. A name or headers
+/// longer than a claim loads (written by SQL past `emit`'s limits) is shown as its size: a page
+/// of such rows would otherwise be loaded whole.
+const LIST_COLUMNS: &str = "id,
+     CASE WHEN octet_length(route) <= 1024 THEN route
+          ELSE '(' || octet_length(route) || ' bytes, not loaded)' END AS route,
+     CASE WHEN octet_length(event_type) <= 1024 THEN event_type
+          ELSE '(' || octet_length(event_type) || ' bytes, not loaded)' END AS event_type,
+     CASE WHEN octet_length(ordering_key) <= 1024 THEN ordering_key
+          ELSE '(' || octet_length(ordering_key) || ' bytes, not loaded)' END AS ordering_key,
+     '\\x'::bytea AS payload,
+     CASE WHEN octet_length(content_type) <= 1024 THEN content_type
+          ELSE '(' || octet_length(content_type) || ' bytes, not loaded)' END AS content_type,
+     CASE WHEN (pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL)
+               OR octet_length(headers::text) <= 131072 THEN headers::text
+          ELSE '(' || octet_length(headers::text) || ' bytes, not loaded)' END AS headers,
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 

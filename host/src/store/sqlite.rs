@@ -455,9 +455,22 @@ const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload A
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
      processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
-/// The columns of a list: every one but the payload, which lists do not show.
-const LIST_COLUMNS: &str = "id, route, event_type, ordering_key, x'' AS payload, content_type, \
-     headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
+/// The columns of a list: every one but the payload, which lists do not show. A name or headers
+/// longer than a claim loads (written by SQL past `emit`'s limits) is shown as its size: a page
+/// of such rows would otherwise be loaded whole.
+const LIST_COLUMNS: &str = "id,
+     CASE WHEN length(CAST(route AS BLOB)) <= 1024 THEN route
+          ELSE '(' || length(CAST(route AS BLOB)) || ' bytes, not loaded)' END AS route,
+     CASE WHEN length(CAST(event_type AS BLOB)) <= 1024 THEN event_type
+          ELSE '(' || length(CAST(event_type AS BLOB)) || ' bytes, not loaded)' END AS event_type,
+     CASE WHEN length(CAST(ordering_key AS BLOB)) <= 1024 THEN ordering_key
+          ELSE '(' || length(CAST(ordering_key AS BLOB)) || ' bytes, not loaded)' END AS ordering_key,
+     x'' AS payload,
+     CASE WHEN length(CAST(content_type AS BLOB)) <= 1024 THEN content_type
+          ELSE '(' || length(CAST(content_type AS BLOB)) || ' bytes, not loaded)' END AS content_type,
+     CASE WHEN length(CAST(headers AS BLOB)) <= 131072 THEN headers
+          ELSE '(' || length(CAST(headers AS BLOB)) || ' bytes, not loaded)' END AS headers,
+     status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
      processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
 /// Records one outcome kind for the rows of the JSON array ?1 still held by claim ?3, at ?2;

@@ -126,7 +126,7 @@ async fn reasons_and_log_lines_from_a_plugin_are_bounded_and_cannot_forge_lines(
     let flood = NewEvent::new("s", "long-reason", "{}").with_header("bytes", (20 << 20).to_string());
     let forged = "line\n2026-01-01T00:00:00Z ERROR ferry: forged \u{1b}[2J";
     let chatty = NewEvent::new("s", "log", "{}")
-        .with_header("message", format!("{forged}{}", "z".repeat(100_000)))
+        .with_header("message", format!("{forged}{}", "z".repeat(60_000)))
         .with_header("times", "3");
     let rows = async { s.deliver(&[flood, chatty]).await }.with_subscriber(log.subscriber()).await;
     let reason = rows[0].last_error.clone().unwrap();

@@ -426,6 +426,63 @@ async fn names_and_headers_too_long_to_load_fail_alone(db: TestDb) {
     assert_eq!(events[2]["ordering_key"], "(5000 bytes, not loaded)", "{}", events[2]);
     let headers = events[4]["headers"].as_str().unwrap_or_default();
     assert!(headers.ends_with(" bytes, not loaded)") && headers.starts_with("(3000"), "{headers}");
+    let (code, stdout, stderr) = run_ferry(&config, &["failed", "summary", "--json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let summary: Value = serde_json::from_str(&stdout).unwrap();
+    let groups = summary["groups"].as_array().unwrap();
+    let shown = |field: &str| groups.iter().filter(|g| g[field] == "(1025 bytes, not loaded)").count();
+    assert_eq!((shown("route"), shown("type")), (1, 1), "{summary}");
+}
+
+/// A row the database refuses to claim (here a trigger refuses its update; on PostgreSQL, headers
+/// that print past 1 GB do too) would fail every claim that includes it, and so stop every route.
+/// The relay then claims the due events one at a time: that row is set FAILED, `invalid_event`,
+/// with the database's error, and the others are delivered in the same cycle.
+async fn a_row_the_database_refuses_to_claim_fails_alone(db: TestDb) {
+    let s = stepped(db).await;
+    let (before, poison, after) = (insert(&s, "ok").await, insert(&s, "poison").await, insert(&s, "ok").await);
+    let (when, message) = ("NEW.event_type = 'poison' AND NEW.status = 'PROCESSING'", "this row is not to be claimed");
+    match s.db.backend {
+        Backend::Sqlite => {
+            sql(
+                &s.db,
+                &format!(
+                    "CREATE TRIGGER refuse_poison BEFORE UPDATE OF status ON ferry_events WHEN {when}
+                     BEGIN SELECT RAISE(ABORT, '{message}'); END"
+                ),
+            )
+            .await
+            .unwrap();
+        }
+        Backend::Postgres => {
+            for statement in [
+                format!(
+                    "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+                     BEGIN IF {when} THEN RAISE EXCEPTION '{message}'; END IF; RETURN NEW; END $$"
+                ),
+                "CREATE TRIGGER refuse_poison BEFORE UPDATE ON ferry_events FOR EACH ROW EXECUTE FUNCTION refuse_poison()"
+                    .into(),
+            ] {
+                sql(&s.db, &statement).await.unwrap();
+            }
+        }
+    }
+    let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(stats.claimed, 2, "{stats:?}");
+    for id in [before, after] {
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+        assert_eq!(row.status, Status::Sent, "event {id}: {:?}", row.last_error);
+    }
+    let row = s.db.store.get(poison).await.unwrap().unwrap();
+    let error = row.last_error.unwrap_or_default();
+    assert_eq!((row.status, row.failure_reason), (Status::Failed, Some(FailureReason::InvalidEvent)), "{error}");
+    assert!(
+        error.starts_with(&format!("event {poison}: the database refuses to claim it")) && error.contains(message),
+        "{error}"
+    );
+    let next = insert(&s, "ok").await;
+    assert_eq!(s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap().claimed, 1, "claims are whole again");
+    assert_eq!(s.db.store.get(next).await.unwrap().unwrap().status, Status::Sent);
 }
 
 crate::both_backends!(
@@ -436,7 +493,39 @@ crate::both_backends!(
     a_malformed_breaker_row_holds_only_its_route,
     a_processing_row_without_a_lease_is_recovered,
     names_and_headers_too_long_to_load_fail_alone,
+    a_row_the_database_refuses_to_claim_fails_alone,
 );
+
+/// The attack the claim's fallback answers, on PostgreSQL: headers of 8 700 numbers that print
+/// 131 072 digits each, stored in a few hundred bytes, written past the triggers. PostgreSQL
+/// cannot print them (its strings end at 1 GB), so every claim that includes the row fails. The
+/// row is set FAILED and the event beside it is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_that_print_past_a_gigabyte_fail_alone() {
+    let s = stepped(TestDb::new(Backend::Postgres).await).await;
+    let (good, bomb) = (insert(&s, "ok").await, insert(&s, "ok").await);
+    let edit = format!(
+        "SET session_replication_role = replica;
+         UPDATE ferry_events SET headers = ('{{\"h\": [' || repeat('1e131071,', 8700) || '1]}}')::jsonb WHERE id = {bomb};
+         RESET session_replication_role"
+    );
+    sqlx::raw_sql(&edit).execute(s.db.postgres.as_ref().unwrap().pool()).await.unwrap();
+    let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(stats.claimed, 1, "{stats:?}");
+    assert_eq!(s.db.store.get(good).await.unwrap().unwrap().status, Status::Sent);
+    let row = s.db.store.get(bomb).await;
+    // Reading the row whole prints its headers too: what failed is read from its columns.
+    assert!(row.is_err(), "the row cannot be printed: {row:?}");
+    let (status, reason, error): (String, Option<String>, Option<String>) =
+        sqlx::query_as("SELECT status, failure_reason, last_error FROM ferry_events WHERE id = $1")
+            .bind(bomb)
+            .fetch_one(s.db.postgres.as_ref().unwrap().pool())
+            .await
+            .unwrap();
+    let error = error.unwrap_or_default();
+    assert_eq!((status.as_str(), reason.as_deref()), ("FAILED", Some("invalid_event")), "{error}");
+    assert!(error.contains("the database refuses to claim it") && error.contains("out of memory"), "{error}");
+}
 
 /// On PostgreSQL, route, event_type and headers are checked by the INSERT trigger (migration 9)
 /// instead of CHECK constraints, which PostgreSQL evaluates on every row ferry's claim and

@@ -405,7 +405,7 @@ impl Relay {
         }
         let claiming = std::time::Instant::now();
         let claim_started = self.clock.now();
-        let mut events = self.store.claim(&claim).await?;
+        let mut events = self.claim_due(&claim).await?;
         let claim_took = claiming.elapsed();
         // A full batch leaves work behind, most likely: an idle worker is woken to claim it
         // rather than sleep out its wait. One wake-up (LISTEN/NOTIFY, an emit) thus sets every
@@ -539,6 +539,50 @@ impl Relay {
         }
     }
 
+    /// [`Store::claim`], around rows that break it. When the database refuses a claim (a value it
+    /// cannot return, a trigger or constraint refusing a row's update), a row may be at fault, and
+    /// it would fail every later claim too, stopping every route. The due events are then claimed
+    /// one at a time: each whose own claim is refused is set FAILED (`invalid_event`, with the
+    /// database's error), and the others are delivered.
+    async fn claim_due(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let error = match self.store.claim(claim).await {
+            Err(error) if error.is_refusal() => error,
+            other => return other,
+        };
+        tracing::warn!(
+            "the database refused a claim; claiming the due events one at a time to find the row at fault: {error}"
+        );
+        let mut claimed = Vec::new();
+        for id in self.store.due(claim).await? {
+            match self.store.claim_one(claim, id).await {
+                Ok(events) => claimed.extend(events),
+                Err(error) if error.is_refusal() => {
+                    let reason = crate::untrusted::clean(
+                        &format!(
+                            "event {id}: the database refuses to claim it ({error}); fix the row and resend it, or purge it"
+                        ),
+                        crate::untrusted::MAX_REASON,
+                    );
+                    match self.store.set_unclaimable(id, self.clock.now(), &reason).await {
+                        Ok(true) => tracing::error!(event = id, "event set FAILED (invalid_event): {reason}"),
+                        Ok(false) => {}
+                        Err(e) => tracing::error!(
+                            event = id,
+                            "the database refuses to claim event {id} ({error}) and to set it FAILED ({e}); it is skipped"
+                        ),
+                    }
+                }
+                // Those claimed so far are delivered; the next cycle meets the error again.
+                Err(error) if !claimed.is_empty() => {
+                    tracing::warn!("claiming the due events one at a time stopped: {error}");
+                    break;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(claimed)
+    }
+
     /// For each route whose breaker has cooled down, takes the half-open probe (one instance
     /// wins it) and claims one event to try the route with. Routes with destinations are not
     /// probed: their events are handed on, not delivered (see `cycle`); nor are routes `paused`
@@ -581,7 +625,7 @@ impl Relay {
             return Ok(None);
         }
         let one = Claim { limit: 1, paused_routes: Vec::new(), only_route: Some(route.to_string()), ..claim.clone() };
-        let claimed = self.store.claim(&one).await.map(|mut events| events.pop());
+        let claimed = self.claim_due(&one).await.map(|mut events| events.pop());
         if !matches!(claimed, Ok(Some(_))) {
             // Nothing to probe with, or the claim failed: the probe is given back (if that fails
             // too, it is held until its lease ends).

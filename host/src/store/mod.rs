@@ -191,8 +191,14 @@ impl FailedFilter {
     }
 }
 
-/// The columns [`Store::failed_groups`] selects, in the order its rows decode from.
-pub(crate) const FAILED_GROUP_COLUMNS: &str = "route, event_type, failure_reason AS reason, COUNT(*) AS events,
+/// The columns [`Store::failed_groups`] selects, in the order its rows decode from. A route or
+/// event type longer than a claim loads (written by SQL past `emit`'s limits) is shown as its
+/// size, as in lists. (`octet_length` is in the SQLite ferry links, 3.46.)
+pub(crate) const FAILED_GROUP_COLUMNS: &str = "
+     CASE WHEN octet_length(route) <= 1024 THEN route ELSE '(' || octet_length(route) || ' bytes, not loaded)' END AS route,
+     CASE WHEN octet_length(event_type) <= 1024 THEN event_type
+          ELSE '(' || octet_length(event_type) || ' bytes, not loaded)' END AS event_type,
+     failure_reason AS reason, COUNT(*) AS events,
      MIN(last_status_at) AS first_failed_at, MAX(last_status_at) AS last_failed_at";
 
 /// The grouping and order of [`Store::failed_groups`].
@@ -337,6 +343,16 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// and returns them in claim order (next attempt time, then id). Concurrent claimers never
     /// receive the same event.
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError>;
+
+    /// [`Store::claim`] of event `id` alone, if the claim would take it.
+    async fn claim_one(&self, claim: &Claim, id: i64) -> Result<Vec<ClaimedEvent>, StoreError>;
+
+    /// The ids of the events `claim` would take, in its order, without taking them.
+    async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError>;
+
+    /// Sets PENDING event `id` FAILED (`invalid_event`, `error`): a claim of it alone was refused,
+    /// so no claim could take it. Returns whether the row was written.
+    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, error: &str) -> Result<bool, StoreError>;
 
     /// Records outcomes of the claim `token`. Rows no longer held by that claim (recovered and
     /// claimed again elsewhere) are left alone. Returns how many rows were updated.

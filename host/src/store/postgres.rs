@@ -319,24 +319,46 @@ const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
 pub const SESSION_SETTINGS: [(&str, &str); 2] =
     [("plan_cache_mode", "force_custom_plan"), ("enable_bitmapscan", "off")];
 
-/// Claims up to $2 due events for instance $3 under token $4 until $5, at $1: not those of the
-/// paused routes $8, only those of $9 when given, and in an ordered route ($6) none queued behind
-/// an unfinished event of its key (or a FAILED one, in the blocking routes $7); payloads above $10
-/// bytes come back as their size only. The picked ids are handed to the UPDATE as an array, so it
-/// finds its rows by primary key at any size the outbox reaches: joined instead, PostgreSQL hashed
-/// the whole table for them when it held up to some tens of thousands of rows.
-pub const CLAIM_SQL: &str = "WITH picked AS (
+/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`).
+macro_rules! due_sql {
+    () => {
+        "
          SELECT e.id FROM ferry_events e
          WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1
            AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)
+           AND ($13::bigint IS NULL OR e.id = $13)
            AND (e.ordering_key IS NULL OR NOT (e.route = ANY($6)) OR NOT EXISTS (
                 SELECT 1 FROM ferry_events p
                 WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
                   AND (p.status IN ('PENDING', 'PROCESSING')
                        OR (p.status = 'FAILED' AND p.route = ANY($7)))))
          ORDER BY e.next_attempt_at, e.id
-         LIMIT $2
-         FOR UPDATE SKIP LOCKED
+         LIMIT $2"
+    };
+}
+
+/// Claims up to $2 due events for instance $3 under token $4 until $5, at $1: not those of the
+/// paused routes $8, only those of $9 when given, and in an ordered route ($6) none queued behind
+/// an unfinished event of its key (or a FAILED one, in the blocking routes $7); payloads above $10
+/// bytes come back as their size only. The picked ids are handed to the UPDATE as an array, so it
+/// finds its rows by primary key at any size the outbox reaches: joined instead, PostgreSQL hashed
+/// the whole table for them when it held up to some tens of thousands of rows.
+pub const CLAIM_SQL: &str = claim_sql!("FOR UPDATE SKIP LOCKED");
+
+/// [`CLAIM_SQL`] for one event ($13), which waits for a lock on it rather than skip it: a claim
+/// that PostgreSQL refused reports its error before its transaction has let go of its rows.
+const CLAIM_ONE_SQL: &str = claim_sql!("FOR UPDATE");
+
+/// The claim statement, locking the rows it picks with `$lock`.
+macro_rules! claim_sql {
+    ($lock:literal) => {
+        concat!(
+            "WITH picked AS (",
+            due_sql!(),
+            "
+         ",
+            $lock,
+            "
      )
      UPDATE ferry_events e
      SET status = 'PROCESSING', last_status_at = $1,
@@ -365,7 +387,15 @@ pub const CLAIM_SQL: &str = "WITH picked AS (
                     WHEN octet_length(e.content_type) > $11 THEN 'content_type ' || octet_length(e.content_type)
                     WHEN NOT (pg_column_size(e.headers) <= 256 AND pg_column_compression(e.headers) IS NULL)
                          AND octet_length(e.headers::text) > $12
-                    THEN 'headers ' || octet_length(e.headers::text) END AS oversized";
+                    THEN 'headers ' || octet_length(e.headers::text) END AS oversized"
+        )
+    };
+}
+use claim_sql;
+
+/// The ids of the events a claim would take, in its order, without taking them: the claim's
+/// parameters, of which it reads $1, $2 and $6 to $9, and $13 (only this id, when not NULL).
+const DUE_SQL: &str = due_sql!();
 
 /// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
 /// $1 on, read along the primary key; of them, the SENT rows processed before $3 are locked (those
@@ -408,6 +438,42 @@ const LIST_COLUMNS: &str = "id,
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
+/// Binds a claim's parameters, $1 to $13, to a query on `CLAIM_SQL` or `DUE_SQL`.
+macro_rules! bind_claim {
+    ($query:expr, $claim:expr, $only_id:expr) => {{
+        let claim: &Claim = $claim;
+        $query
+            .bind(claim.now)
+            .bind(i64::from(claim.limit))
+            .bind(&claim.instance)
+            .bind(&claim.token)
+            .bind(claim.lease_until)
+            .bind(&claim.ordered_routes)
+            .bind(&claim.blocking_routes)
+            .bind(&claim.paused_routes)
+            .bind(&claim.only_route)
+            .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
+            .bind(crate::event::MAX_CLAIMED_NAME)
+            .bind(crate::event::MAX_CLAIMED_HEADERS)
+            .bind($only_id)
+    }};
+}
+
+/// Sets FAILED (`invalid_event`, error $3, at $2) PENDING event $1, which no claim can take.
+const UNCLAIMABLE_SQL: &str = "UPDATE ferry_events
+     SET status = 'FAILED', failure_reason = 'invalid_event', last_error = $3, processed_at = $2,
+         last_status_at = $2
+     WHERE id = $1 AND status = 'PENDING'";
+
+impl PostgresStore {
+    /// The claim, of event `only_id` alone when given.
+    async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let sql = if only_id.is_some() { CLAIM_ONE_SQL } else { CLAIM_SQL };
+        let rows = bind_claim!(sqlx::query(sql), claim, only_id).fetch_all(&self.pool).await?;
+        claimed_events(&rows, claim.max_payload)
+    }
+}
+
 #[async_trait]
 impl Store for PostgresStore {
     fn backend(&self) -> &'static str {
@@ -425,22 +491,20 @@ impl Store for PostgresStore {
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let rows = sqlx::query(CLAIM_SQL)
-            .bind(claim.now)
-            .bind(i64::from(claim.limit))
-            .bind(&claim.instance)
-            .bind(&claim.token)
-            .bind(claim.lease_until)
-            .bind(&claim.ordered_routes)
-            .bind(&claim.blocking_routes)
-            .bind(&claim.paused_routes)
-            .bind(&claim.only_route)
-            .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
-            .bind(crate::event::MAX_CLAIMED_NAME)
-            .bind(crate::event::MAX_CLAIMED_HEADERS)
-            .fetch_all(&self.pool)
-            .await?;
-        claimed_events(&rows, claim.max_payload)
+        self.claim_only(claim, None).await
+    }
+
+    async fn claim_one(&self, claim: &Claim, id: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        self.claim_only(claim, Some(id)).await
+    }
+
+    async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {
+        Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim, None::<i64>).fetch_all(&self.pool).await?)
+    }
+
+    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, error: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query(UNCLAIMABLE_SQL).bind(id).bind(now).bind(error).execute(&self.pool).await?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {

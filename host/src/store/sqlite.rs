@@ -408,6 +408,24 @@ fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
+/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`).
+macro_rules! due_sql {
+    () => {
+        "
+         SELECT e.id FROM ferry_events e
+         WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1
+           AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)
+           AND (?13 IS NULL OR e.id = ?13)
+           AND (e.ordering_key IS NULL OR e.route NOT IN (SELECT value FROM json_each(?6)) OR NOT EXISTS (
+                SELECT 1 FROM ferry_events p
+                WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id AND p.status <> 'SENT'
+                  AND (p.status IN ('PENDING', 'PROCESSING')
+                       OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))
+         ORDER BY e.next_attempt_at, e.id
+         LIMIT ?2"
+    };
+}
+
 /// Claims up to ?2 due events for instance ?3 under token ?4 until ?5, at ?1: not those of the
 /// paused routes ?8 (JSON arrays, as ?6 and ?7), only those of ?9 when given, and in an ordered
 /// route (?6) none queued behind an unfinished event of its key (or a FAILED one, in the blocking
@@ -418,20 +436,13 @@ fn ms(t: DateTime<Utc>) -> i64 {
 /// derive it from the status tests beside it. Without it, SQLite walked the older rows by id, up
 /// to all of them, for each keyed event of an ordered route: with 200 000 rows, 199 000 of them SENT,
 /// one claim took 59 seconds instead of 5 milliseconds (a test build).
-pub const CLAIM_SQL: &str = "UPDATE ferry_events
+pub const CLAIM_SQL: &str = concat!(
+    "UPDATE ferry_events
      SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
          claimed_by = ?3, claim_token = ?4, lease_until = ?5
-     WHERE id IN (
-         SELECT e.id FROM ferry_events e
-         WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1
-           AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)
-           AND (e.ordering_key IS NULL OR e.route NOT IN (SELECT value FROM json_each(?6)) OR NOT EXISTS (
-                SELECT 1 FROM ferry_events p
-                WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id AND p.status <> 'SENT'
-                  AND (p.status IN ('PENDING', 'PROCESSING')
-                       OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))
-         ORDER BY e.next_attempt_at, e.id
-         LIMIT ?2
+     WHERE id IN (",
+    due_sql!(),
+    "
      )
      RETURNING id,
                CASE WHEN length(CAST(route AS BLOB)) <= ?11 THEN route ELSE '' END AS route,
@@ -449,7 +460,43 @@ pub const CLAIM_SQL: &str = "UPDATE ferry_events
                     WHEN length(CAST(content_type AS BLOB)) > ?11
                     THEN 'content_type ' || length(CAST(content_type AS BLOB))
                     WHEN length(CAST(headers AS BLOB)) > ?12 THEN 'headers ' || length(CAST(headers AS BLOB))
-               END AS oversized";
+               END AS oversized"
+);
+
+/// The ids of the events a claim would take, in its order, without taking them: the claim's
+/// parameters, of which it reads ?1, ?2 and ?6 to ?9, and ?13 (only this id, when not NULL).
+const DUE_SQL: &str = due_sql!();
+
+/// Binds a claim's parameters, ?1 to ?13, to a query on `CLAIM_SQL` or `DUE_SQL`.
+macro_rules! bind_claim {
+    ($query:expr, $claim:expr, $only_id:expr) => {{
+        let claim: &Claim = $claim;
+        $query
+            .bind(ms(claim.now))
+            .bind(i64::from(claim.limit))
+            .bind(&claim.instance)
+            .bind(&claim.token)
+            .bind(ms(claim.lease_until))
+            .bind(serde_json::to_string(&claim.ordered_routes).expect("strings serialize"))
+            .bind(serde_json::to_string(&claim.blocking_routes).expect("strings serialize"))
+            .bind(serde_json::to_string(&claim.paused_routes).expect("strings serialize"))
+            .bind(&claim.only_route)
+            .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
+            .bind(crate::event::MAX_CLAIMED_NAME)
+            .bind(crate::event::MAX_CLAIMED_HEADERS)
+            .bind($only_id)
+    }};
+}
+
+impl SqliteStore {
+    /// The claim, of event `only_id` alone when given.
+    async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let mut writing = self.writing().await?;
+        let rows = bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&mut *writing).await?;
+        writing.finish();
+        claimed_events(&rows, claim.max_payload)
+    }
+}
 
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
@@ -589,24 +636,32 @@ impl Store for SqliteStore {
     }
 
     async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
+        self.claim_only(claim, None).await
+    }
+
+    async fn claim_one(&self, claim: &Claim, id: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        self.claim_only(claim, Some(id)).await
+    }
+
+    async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {
+        Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim, None::<i64>).fetch_all(&self.pool).await?)
+    }
+
+    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, error: &str) -> Result<bool, StoreError> {
         let mut writing = self.writing().await?;
-        let rows = sqlx::query(CLAIM_SQL)
-            .bind(ms(claim.now))
-            .bind(i64::from(claim.limit))
-            .bind(&claim.instance)
-            .bind(&claim.token)
-            .bind(ms(claim.lease_until))
-            .bind(serde_json::to_string(&claim.ordered_routes).expect("strings serialize"))
-            .bind(serde_json::to_string(&claim.blocking_routes).expect("strings serialize"))
-            .bind(serde_json::to_string(&claim.paused_routes).expect("strings serialize"))
-            .bind(&claim.only_route)
-            .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
-            .bind(crate::event::MAX_CLAIMED_NAME)
-            .bind(crate::event::MAX_CLAIMED_HEADERS)
-            .fetch_all(&mut *writing)
-            .await?;
+        let done = sqlx::query(
+            "UPDATE ferry_events
+             SET status = 'FAILED', failure_reason = 'invalid_event', last_error = ?3, processed_at = ?2,
+                 last_status_at = ?2
+             WHERE id = ?1 AND status = 'PENDING'",
+        )
+        .bind(id)
+        .bind(ms(now))
+        .bind(error)
+        .execute(&mut *writing)
+        .await?;
         writing.finish();
-        claimed_events(&rows, claim.max_payload)
+        Ok(done.rows_affected() == 1)
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {

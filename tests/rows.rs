@@ -434,39 +434,54 @@ async fn names_and_headers_too_long_to_load_fail_alone(db: TestDb) {
     assert_eq!((shown("route"), shown("type")), (1, 1), "{summary}");
 }
 
+/// Makes the database refuse, with `message`, every update of a `ferry_events` row for which
+/// `when` (a condition on `NEW` in both dialects) holds: a trigger named `refuse_{name}`.
+async fn refuse_claims(db: &TestDb, name: &str, when: &str, message: &str) {
+    let statements = match db.backend {
+        Backend::Sqlite => vec![format!(
+            "CREATE TRIGGER refuse_{name} BEFORE UPDATE OF status ON ferry_events WHEN {when}
+             BEGIN SELECT RAISE(ABORT, '{message}'); END"
+        )],
+        Backend::Postgres => vec![
+            format!(
+                "CREATE FUNCTION refuse_{name}() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN IF {when} THEN RAISE EXCEPTION '{message}'; END IF; RETURN NEW; END $$"
+            ),
+            format!(
+                "CREATE TRIGGER refuse_{name} BEFORE UPDATE ON ferry_events FOR EACH ROW EXECUTE FUNCTION refuse_{name}()"
+            ),
+        ],
+    };
+    for statement in statements {
+        sql(db, &statement).await.unwrap();
+    }
+}
+
 /// A row the database refuses to claim (here a trigger refuses its update; on PostgreSQL, headers
 /// that print past 1 GB do too) would fail every claim that includes it, and so stop every route.
 /// The relay then claims the due events one at a time: that row is set FAILED, `invalid_event`,
 /// with the database's error, and the others are delivered in the same cycle.
 async fn a_row_the_database_refuses_to_claim_fails_alone(db: TestDb) {
     let s = stepped(db).await;
-    let (before, poison, after) = (insert(&s, "ok").await, insert(&s, "poison").await, insert(&s, "ok").await);
-    let (when, message) = ("NEW.event_type = 'poison' AND NEW.status = 'PROCESSING'", "this row is not to be claimed");
-    match s.db.backend {
-        Backend::Sqlite => {
-            sql(
-                &s.db,
-                &format!(
-                    "CREATE TRIGGER refuse_poison BEFORE UPDATE OF status ON ferry_events WHEN {when}
-                     BEGIN SELECT RAISE(ABORT, '{message}'); END"
-                ),
-            )
-            .await
-            .unwrap();
-        }
-        Backend::Postgres => {
-            for statement in [
-                format!(
-                    "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
-                     BEGIN IF {when} THEN RAISE EXCEPTION '{message}'; END IF; RETURN NEW; END $$"
-                ),
-                "CREATE TRIGGER refuse_poison BEFORE UPDATE ON ferry_events FOR EACH ROW EXECUTE FUNCTION refuse_poison()"
-                    .into(),
-            ] {
-                sql(&s.db, &statement).await.unwrap();
-            }
-        }
+    // A refusal every row meets is not a row's: nothing is set FAILED, the cycle fails.
+    refuse_claims(&s.db, "everything", "NEW.status = 'PROCESSING'", "no claims today").await;
+    let waiting = [insert(&s, "ok").await, insert(&s, "ok").await];
+    let error = s.ferry.relay.cycle(&CancellationToken::new()).await.expect_err("every claim is refused");
+    assert!(error.to_string().contains("no claims today"), "{error}");
+    for id in waiting {
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+        assert_eq!((row.status, row.last_error), (Status::Pending, None), "event {id}");
     }
+    let lifted = match s.db.backend {
+        Backend::Sqlite => "DROP TRIGGER refuse_everything",
+        Backend::Postgres => "DROP TRIGGER refuse_everything ON ferry_events",
+    };
+    sql(&s.db, lifted).await.unwrap();
+    assert_eq!(s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap().claimed, 2);
+
+    let (before, poison, after) = (insert(&s, "ok").await, insert(&s, "poison").await, insert(&s, "ok").await);
+    let message = "this row is not to be claimed";
+    refuse_claims(&s.db, "poison", "NEW.event_type = 'poison' AND NEW.status = 'PROCESSING'", message).await;
     let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
     assert_eq!(stats.claimed, 2, "{stats:?}");
     for id in [before, after] {

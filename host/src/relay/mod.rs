@@ -405,7 +405,7 @@ impl Relay {
         }
         let claiming = std::time::Instant::now();
         let claim_started = self.clock.now();
-        let mut events = self.claim_due(&claim).await?;
+        let mut events = self.claim_due(&claim, false).await?;
         let claim_took = claiming.elapsed();
         // A full batch leaves work behind, most likely: an idle worker is woken to claim it
         // rather than sleep out its wait. One wake-up (LISTEN/NOTIFY, an emit) thus sets every
@@ -539,45 +539,68 @@ impl Relay {
         }
     }
 
-    /// [`Store::claim`], around rows that break it. When the database refuses a claim (a value it
-    /// cannot return, a trigger or constraint refusing a row's update), a row may be at fault, and
-    /// it would fail every later claim too, stopping every route. The due events are then claimed
-    /// one at a time: each whose own claim is refused is set FAILED (`invalid_event`, with the
-    /// database's error), and the others are delivered.
-    async fn claim_due(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
+    /// [`Store::claim`], around rows that break it. When the database refuses a claim for a value
+    /// it met (one it cannot return, a trigger or constraint refusing a row's update), a row may
+    /// be at fault, and it would fail every later claim too, stopping every route. The due events
+    /// are then claimed one at a time, and the others are delivered. Those whose own claim is
+    /// refused are set FAILED (`invalid_event`, with the database's error), but only when another
+    /// due event could be claimed, or `works` says the claim statement has just worked for other
+    /// rows: a refusal every row meets is the statement's or the database's, not a row's, and
+    /// fails the cycle instead, leaving the events PENDING. Claiming one at a time stops after a
+    /// quarter of the lease, so the events claimed by then are delivered well within it.
+    async fn claim_due(&self, claim: &Claim, works: bool) -> Result<Vec<ClaimedEvent>, StoreError> {
         let error = match self.store.claim(claim).await {
-            Err(error) if error.is_refusal() => error,
+            Err(error) if error.refuses_a_value() => error,
             other => return other,
         };
         tracing::warn!(
             "the database refused a claim; claiming the due events one at a time to find the row at fault: {error}"
         );
-        let mut claimed = Vec::new();
+        let (mut claimed, mut refused, mut taken) = (Vec::new(), Vec::new(), works);
+        let started = std::time::Instant::now();
         for id in self.store.due(claim).await? {
+            if started.elapsed() > self.lease / 4 {
+                tracing::warn!(
+                    "claiming the due events one at a time took a quarter of the lease; the rest wait for the next cycle"
+                );
+                break;
+            }
             match self.store.claim_one(claim, id).await {
-                Ok(events) => claimed.extend(events),
-                Err(error) if error.is_refusal() => {
-                    let reason = crate::untrusted::clean(
-                        &format!(
-                            "event {id}: the database refuses to claim it ({error}); fix the row and resend it, or purge it"
-                        ),
-                        crate::untrusted::MAX_REASON,
-                    );
-                    match self.store.set_unclaimable(id, self.clock.now(), &reason).await {
-                        Ok(true) => tracing::error!(event = id, "event set FAILED (invalid_event): {reason}"),
-                        Ok(false) => {}
-                        Err(e) => tracing::error!(
-                            event = id,
-                            "the database refuses to claim event {id} ({error}) and to set it FAILED ({e}); it is skipped"
-                        ),
-                    }
+                Ok(events) => {
+                    taken = true;
+                    claimed.extend(events);
+                }
+                Err(error) if error.refuses_a_value() => refused.push((id, error)),
+                // Its lock held past the wait the one-event claim allows (an open transaction
+                // holds the row): tried again next cycle.
+                Err(error) if error.is_transient() => {
+                    tracing::warn!(event = id, "event skipped this cycle: {error}");
                 }
                 // Those claimed so far are delivered; the next cycle meets the error again.
-                Err(error) if !claimed.is_empty() => {
+                Err(error) if taken => {
                     tracing::warn!("claiming the due events one at a time stopped: {error}");
                     break;
                 }
                 Err(error) => return Err(error),
+            }
+        }
+        if !taken {
+            return Err(error);
+        }
+        for (id, error) in refused {
+            let reason = crate::untrusted::clean(
+                &format!(
+                    "event {id}: the database refuses to claim it ({error}); fix the row and resend it, or purge it"
+                ),
+                crate::untrusted::MAX_REASON,
+            );
+            match self.store.set_unclaimable(id, self.clock.now(), &reason).await {
+                Ok(true) => tracing::error!(event = id, "event set FAILED (invalid_event): {reason}"),
+                Ok(false) => {}
+                Err(e) => tracing::error!(
+                    event = id,
+                    "the database refuses to claim event {id} ({error}) and to set it FAILED ({e}); it is skipped"
+                ),
             }
         }
         Ok(claimed)
@@ -625,7 +648,9 @@ impl Relay {
             return Ok(None);
         }
         let one = Claim { limit: 1, paused_routes: Vec::new(), only_route: Some(route.to_string()), ..claim.clone() };
-        let claimed = self.claim_due(&one).await.map(|mut events| events.pop());
+        // This cycle's claim succeeded before probes are taken: a refusal of the probe's claim is
+        // its row's.
+        let claimed = self.claim_due(&one, true).await.map(|mut events| events.pop());
         if !matches!(claimed, Ok(Some(_))) {
             // Nothing to probe with, or the claim failed: the probe is given back (if that fails
             // too, it is held until its lease ends).

@@ -51,6 +51,9 @@ pub enum StoreError {
     /// The database does not exist and this command does not create one.
     #[error("{0}")]
     Missing(String),
+    /// The database server is a version ferry does not run on.
+    #[error("{0}")]
+    Unsupported(String),
     #[error("database migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database error: {0}")]
@@ -74,6 +77,19 @@ impl StoreError {
             return matches!(primary, Some(18..=20));
         }
         false
+    }
+
+    /// Whether the database refused a statement for a value it met (a row it read or would write):
+    /// a data exception, an integrity constraint, a program limit such as PostgreSQL's 1 GB
+    /// strings, or a trigger's raised error; on SQLite too big, a constraint (a trigger's RAISE
+    /// among them) or a type mismatch. Not an error in the statement itself (a missing column or
+    /// function, a privilege), which every row would meet.
+    pub fn refuses_a_value(&self) -> bool {
+        let StoreError::Database(sqlx::Error::Database(e)) = self else { return false };
+        if let Some(pg) = e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+            return ["22", "23", "54", "P0"].iter().any(|class| pg.code().starts_with(class));
+        }
+        self.is_refusal()
     }
 
     /// Whether the same statement may well succeed if run again shortly: the connection failed

@@ -459,6 +459,9 @@ macro_rules! bind_claim {
     }};
 }
 
+/// The oldest PostgreSQL ferry runs on (`server_version_num`): 14 has `pg_column_compression`.
+const MIN_SERVER_VERSION: i32 = 140_000;
+
 /// Sets FAILED (`invalid_event`, error $3, at $2) PENDING event $1, which no claim can take.
 const UNCLAIMABLE_SQL: &str = "UPDATE ferry_events
      SET status = 'FAILED', failure_reason = 'invalid_event', last_error = $3, processed_at = $2,
@@ -468,8 +471,17 @@ const UNCLAIMABLE_SQL: &str = "UPDATE ferry_events
 impl PostgresStore {
     /// The claim, of event `only_id` alone when given.
     async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let sql = if only_id.is_some() { CLAIM_ONE_SQL } else { CLAIM_SQL };
-        let rows = bind_claim!(sqlx::query(sql), claim, only_id).fetch_all(&self.pool).await?;
+        let rows = if only_id.is_some() {
+            // Waits for its row at most a second: a refused claim lets go of its rows within
+            // milliseconds, a transaction left open may hold one for good.
+            let mut tx = self.pool.begin().await?;
+            sqlx::query("SET LOCAL lock_timeout = '1s'").execute(&mut *tx).await?;
+            let rows = bind_claim!(sqlx::query(CLAIM_ONE_SQL), claim, only_id).fetch_all(&mut *tx).await?;
+            tx.commit().await?;
+            rows
+        } else {
+            bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&self.pool).await?
+        };
         claimed_events(&rows, claim.max_payload)
     }
 }
@@ -481,6 +493,15 @@ impl Store for PostgresStore {
     }
 
     async fn migrate(&self) -> Result<(), StoreError> {
+        let version: i32 =
+            sqlx::query_scalar("SELECT current_setting('server_version_num')::int").fetch_one(&self.pool).await?;
+        if version < MIN_SERVER_VERSION {
+            return Err(StoreError::Unsupported(format!(
+                "PostgreSQL {}.{} is too old: ferry needs 14 or later (its claim reads how values are compressed)",
+                version / 10_000,
+                version % 10_000 / 100
+            )));
+        }
         sqlx::migrate!("../migrations/postgres").run(&self.pool).await?;
         Ok(())
     }

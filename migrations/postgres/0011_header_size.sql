@@ -49,3 +49,21 @@ BEGIN
     RETURN NEW;
 END
 $$;
+
+-- Headers as ferry shows them in `ferry show` and `ferry failed list`: the printed text when it is
+-- at most `cap` bytes, else a note of its size. A value PostgreSQL cannot print at all (its
+-- strings end at 1 GB) is noted as such instead of failing the list it is in. Not used by the
+-- claim: the exception block costs a subtransaction per call.
+CREATE FUNCTION ferry_headers_text(headers jsonb, cap integer) RETURNS text LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    printed text;
+BEGIN
+    printed := headers::text;
+    IF octet_length(printed) <= cap THEN
+        RETURN printed;
+    END IF;
+    RETURN '(' || octet_length(printed) || ' bytes, not loaded)';
+EXCEPTION WHEN program_limit_exceeded THEN
+    RETURN '(over 1 GB as text, not loaded)';
+END
+$$;

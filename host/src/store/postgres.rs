@@ -415,7 +415,9 @@ pub const SWEEP_SQL: &str = "WITH seen AS (
      SELECT (SELECT COUNT(*) FROM seen) AS seen, (SELECT MAX(id) FROM seen) AS last,
             (SELECT bool_and(created_at >= $3 AND created_at <= $4) FROM seen) AS young, (SELECT COUNT(*) FROM gone) AS deleted";
 
-const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type, headers::text AS headers, \
+const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type,
+     CASE WHEN pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL THEN headers::text
+          ELSE ferry_headers_text(headers, 131072) END AS headers,
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 
@@ -432,9 +434,8 @@ const LIST_COLUMNS: &str = "id,
      '\\x'::bytea AS payload,
      CASE WHEN octet_length(content_type) <= 1024 THEN content_type
           ELSE '(' || octet_length(content_type) || ' bytes, not loaded)' END AS content_type,
-     CASE WHEN (pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL)
-               OR octet_length(headers::text) <= 131072 THEN headers::text
-          ELSE '(' || octet_length(headers::text) || ' bytes, not loaded)' END AS headers,
+     CASE WHEN pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL THEN headers::text
+          ELSE ferry_headers_text(headers, 131072) END AS headers,
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
 

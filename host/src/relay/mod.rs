@@ -567,7 +567,9 @@ impl Relay {
             }
             match self.store.claim_one(claim, id).await {
                 Ok(events) => {
-                    taken = true;
+                    // An event taken, not only a statement run: a refusal of every update would
+                    // let a claim of a row that is no longer due through.
+                    taken |= !events.is_empty();
                     claimed.extend(events);
                 }
                 Err(error) if error.refuses_a_value() => refused.push((id, error)),

@@ -358,10 +358,18 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// Atomically moves up to `claim.limit` due PENDING events to PROCESSING under `claim.token`
     /// and returns them in claim order (next attempt time, then id). Concurrent claimers never
     /// receive the same event.
-    async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError>;
+    async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
+        self.claim_only(claim, None).await
+    }
 
     /// [`Store::claim`] of event `id` alone, if the claim would take it.
-    async fn claim_one(&self, claim: &Claim, id: i64) -> Result<Vec<ClaimedEvent>, StoreError>;
+    async fn claim_one(&self, claim: &Claim, id: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
+        self.claim_only(claim, Some(id)).await
+    }
+
+    /// [`Store::claim`], of event `only_id` alone when given (waiting briefly for its row where
+    /// the backend locks rows, rather than skipping it).
+    async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError>;
 
     /// The ids of the events `claim` would take, in its order, without taking them.
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError>;

@@ -469,24 +469,6 @@ const UNCLAIMABLE_SQL: &str = "UPDATE ferry_events
          last_status_at = $2
      WHERE id = $1 AND status = 'PENDING'";
 
-impl PostgresStore {
-    /// The claim, of event `only_id` alone when given.
-    async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let rows = if only_id.is_some() {
-            // Waits for its row at most a second: a refused claim lets go of its rows within
-            // milliseconds, a transaction left open may hold one for good.
-            let mut tx = self.pool.begin().await?;
-            sqlx::query("SET LOCAL lock_timeout = '1s'").execute(&mut *tx).await?;
-            let rows = bind_claim!(sqlx::query(CLAIM_ONE_SQL), claim, only_id).fetch_all(&mut *tx).await?;
-            tx.commit().await?;
-            rows
-        } else {
-            bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&self.pool).await?
-        };
-        claimed_events(&rows, claim.max_payload)
-    }
-}
-
 #[async_trait]
 impl Store for PostgresStore {
     fn backend(&self) -> &'static str {
@@ -512,12 +494,19 @@ impl Store for PostgresStore {
         Ok(conn.insert_event(event, Some(now)).await?)
     }
 
-    async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_only(claim, None).await
-    }
-
-    async fn claim_one(&self, claim: &Claim, id: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_only(claim, Some(id)).await
+    async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let rows = if only_id.is_some() {
+            // Waits for its row at most a second: a refused claim lets go of its rows within
+            // milliseconds, a transaction left open may hold one for good.
+            let mut tx = self.pool.begin().await?;
+            sqlx::query("SET LOCAL lock_timeout = '1s'").execute(&mut *tx).await?;
+            let rows = bind_claim!(sqlx::query(CLAIM_ONE_SQL), claim, only_id).fetch_all(&mut *tx).await?;
+            tx.commit().await?;
+            rows
+        } else {
+            bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&self.pool).await?
+        };
+        claimed_events(&rows, claim.max_payload)
     }
 
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {

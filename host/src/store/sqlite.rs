@@ -488,16 +488,6 @@ macro_rules! bind_claim {
     }};
 }
 
-impl SqliteStore {
-    /// The claim, of event `only_id` alone when given.
-    async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let mut writing = self.writing().await?;
-        let rows = bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&mut *writing).await?;
-        writing.finish();
-        claimed_events(&rows, claim.max_payload)
-    }
-}
-
 const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload AS BLOB) AS payload, content_type, \
      headers, status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
      processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
@@ -635,12 +625,11 @@ impl Store for SqliteStore {
         Ok(conn.insert_event(event, Some(now)).await?)
     }
 
-    async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_only(claim, None).await
-    }
-
-    async fn claim_one(&self, claim: &Claim, id: i64) -> Result<Vec<ClaimedEvent>, StoreError> {
-        self.claim_only(claim, Some(id)).await
+    async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
+        let mut writing = self.writing().await?;
+        let rows = bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&mut *writing).await?;
+        writing.finish();
+        claimed_events(&rows, claim.max_payload)
     }
 
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {

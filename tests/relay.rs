@@ -570,6 +570,29 @@ async fn a_probe_that_cannot_be_taken_leaves_the_batch_alone(db: TestDb) {
     assert_eq!((b.opened_at.is_some(), b.probe_until), (true, None), "still open, no probe held");
 }
 
+/// A half-open route whose probe event the database refuses to claim: the event is set FAILED
+/// (the cycle's own claim has just worked, so the refusal is the row's), and the next cycle
+/// probes with the next event. Otherwise the route would stay half-open for good.
+async fn a_probe_the_database_refuses_to_claim_fails_alone(db: TestDb) {
+    let s = setup_breaker(db).await;
+    let (x1, x2) = (s.emit("s", "transient").await, s.emit("s", "transient").await);
+    s.cycle().await;
+    s.clock.advance(Duration::from_secs(60));
+    let when = format!("NEW.id = {x1} AND NEW.status = 'PROCESSING'");
+    crate::rows::refuse_claims(&s.db, "probe", &when, "not this one").await;
+    let stats = s.cycle().await;
+    assert_eq!(stats.claimed, 0, "{stats:?}");
+    let row = s.row(x1).await;
+    let error = row.last_error.unwrap_or_default();
+    assert_eq!((row.status, row.failure_reason), (Status::Failed, Some(FailureReason::InvalidEvent)), "{error}");
+    assert!(error.contains("refuses to claim it") && error.contains("not this one"), "{error}");
+    let b = breaker_of(&s, "s").await;
+    assert_eq!((b.opened_at.is_some(), b.probe_until), (true, None), "still open, the probe given back");
+    let stats = s.cycle().await;
+    assert_eq!((stats.claimed, stats.retried), (1, 1), "the next event is the probe");
+    assert_eq!(s.row(x2).await.attempts, 2);
+}
+
 async fn operators_open_and_close_breakers_by_hand(db: TestDb) {
     let s = setup_breaker(db).await;
     s.db.store.set_breaker("s", true, "receiver maintenance", s.clock.now()).await.unwrap();
@@ -772,6 +795,7 @@ crate::both_backends!(
     a_failed_probe_opens_the_breaker_again_at_once,
     a_probe_that_fails_permanently_is_given_back_at_once,
     a_probe_that_cannot_be_taken_leaves_the_batch_alone,
+    a_probe_the_database_refuses_to_claim_fails_alone,
     operators_open_and_close_breakers_by_hand,
     permanent_failures_do_not_trip_the_breaker,
     an_ordered_key_waits_for_its_head,

@@ -436,7 +436,7 @@ async fn names_and_headers_too_long_to_load_fail_alone(db: TestDb) {
 
 /// Makes the database refuse, with `message`, every update of a `ferry_events` row for which
 /// `when` (a condition on `NEW` in both dialects) holds: a trigger named `refuse_{name}`.
-async fn refuse_claims(db: &TestDb, name: &str, when: &str, message: &str) {
+pub(crate) async fn refuse_claims(db: &TestDb, name: &str, when: &str, message: &str) {
     let statements = match db.backend {
         Backend::Sqlite => vec![format!(
             "CREATE TRIGGER refuse_{name} BEFORE UPDATE OF status ON ferry_events WHEN {when}

@@ -570,27 +570,35 @@ async fn a_probe_that_cannot_be_taken_leaves_the_batch_alone(db: TestDb) {
     assert_eq!((b.opened_at.is_some(), b.probe_until), (true, None), "still open, no probe held");
 }
 
-/// A half-open route whose probe event the database refuses to claim: the event is set FAILED
-/// (the cycle's own claim has just worked, so the refusal is the row's), and the next cycle
-/// probes with the next event. Otherwise the route would stay half-open for good.
+/// A half-open route whose probe event the database refuses to claim: the route's next event is
+/// the probe, and the refused one is set FAILED, as that claim shows the refusal is the row's.
+/// Otherwise the route would stay half-open for good. A refusal of every claim fails no event,
+/// though the route's only due events are claimed as probes, one at a time.
 async fn a_probe_the_database_refuses_to_claim_fails_alone(db: TestDb) {
     let s = setup_breaker(db).await;
     let (x1, x2) = (s.emit("s", "transient").await, s.emit("s", "transient").await);
     s.cycle().await;
     s.clock.advance(Duration::from_secs(60));
+    crate::rows::refuse_claims(&s.db, "everything", "NEW.status = 'PROCESSING'", "no claims today").await;
+    assert_eq!(s.cycle().await.claimed, 0);
+    for id in [x1, x2] {
+        let row = s.row(id).await;
+        assert_eq!((row.status, row.attempts), (Status::Pending, 1), "event {id}: {:?}", row.last_error);
+    }
+    let lifted = match s.db.backend {
+        crate::common::Backend::Sqlite => "DROP TRIGGER refuse_everything",
+        crate::common::Backend::Postgres => "DROP TRIGGER refuse_everything ON ferry_events",
+    };
+    crate::rows::sql(&s.db, lifted).await.unwrap();
     let when = format!("NEW.id = {x1} AND NEW.status = 'PROCESSING'");
     crate::rows::refuse_claims(&s.db, "probe", &when, "not this one").await;
     let stats = s.cycle().await;
-    assert_eq!(stats.claimed, 0, "{stats:?}");
+    assert_eq!((stats.claimed, stats.retried), (1, 1), "the next event is the probe: {stats:?}");
+    assert_eq!(s.row(x2).await.attempts, 2);
     let row = s.row(x1).await;
     let error = row.last_error.unwrap_or_default();
     assert_eq!((row.status, row.failure_reason), (Status::Failed, Some(FailureReason::InvalidEvent)), "{error}");
     assert!(error.contains("refuses to claim it") && error.contains("not this one"), "{error}");
-    let b = breaker_of(&s, "s").await;
-    assert_eq!((b.opened_at.is_some(), b.probe_until), (true, None), "still open, the probe given back");
-    let stats = s.cycle().await;
-    assert_eq!((stats.claimed, stats.retried), (1, 1), "the next event is the probe");
-    assert_eq!(s.row(x2).await.attempts, 2);
 }
 
 async fn operators_open_and_close_breakers_by_hand(db: TestDb) {

@@ -22,7 +22,7 @@ async fn stepped(db: TestDb) -> Stepped {
 }
 
 /// Runs `sql` on the test database as an operator at a SQL prompt would.
-async fn sql(db: &TestDb, sql: &str) -> Result<u64, sqlx::Error> {
+pub(crate) async fn sql(db: &TestDb, sql: &str) -> Result<u64, sqlx::Error> {
     match db.backend {
         Backend::Sqlite => {
             sqlx::query(sql).execute(db.sqlite.as_ref().unwrap().pool()).await.map(|r| r.rows_affected())

@@ -467,8 +467,8 @@ pub(crate) const MAX_CLAIMED_NAME: i64 = ferry_outbox::MAX_NAME as i64;
 pub(crate) const MAX_CLAIMED_HEADERS: i64 = 2 * ferry_outbox::MAX_HEADERS as i64;
 
 /// The columns both claim statements return, in order. A claimed row is read by position: by
-/// name, each of its 13 columns cost a hashed lookup of the name, about a quarter of decoding the
-/// row. The claim checks the first row's names against these before any row is read.
+/// name, each column cost a hashed lookup of the name, about a quarter of decoding the row (of
+/// 13 columns then). The claim checks the first row's names against these before any row is read.
 pub(crate) const CLAIMED_COLUMNS: [&str; 14] = [
     "id",
     "route",
@@ -550,11 +550,14 @@ impl ClaimedRow {
         }
         if let Some(oversized) = &self.oversized {
             let (column, size) = oversized.split_once(' ').unwrap_or((oversized.as_str(), "?"));
-            let (limit, are) =
-                if column == "headers" { (MAX_CLAIMED_HEADERS, "are") } else { (MAX_CLAIMED_NAME, "is") };
+            let (limit, are, fix) = if column == "headers" {
+                (MAX_CLAIMED_HEADERS, "are", "smaller headers".to_string())
+            } else {
+                (MAX_CLAIMED_NAME, "is", format!("a shorter {column}"))
+            };
             defect = Some(format!(
                 "event {}: its {column} {are} {size} bytes, more than the {limit} ferry loads, so it was \
-                 not loaded; emit the event again with shorter {column}, or purge it",
+                 not loaded; emit the event again with {fix}, or purge it",
                 self.id
             ));
         }

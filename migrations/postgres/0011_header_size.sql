@@ -6,7 +6,7 @@
 -- cannot be known from the stored value. A jsonb number keeps its significant digits and prints
 -- every digit of its exponent (`1e131071` is a few bytes stored, 131 072 printed), and compression
 -- shrinks repeated values further, so a value stored in 256 bytes can print as hundreds of
--- megabytes. The claim still measures headers stored in more than 256 bytes and returns none over
+-- megabytes. The claim still measures headers stored compressed or in more than 256 bytes and returns none over
 -- the limit (the event fails alone as invalid_event); this check stops the rest where they are
 -- written. Rows that reach the table without triggers (logical replication, a restore that
 -- creates triggers after the data) are not checked here; see 0009.

@@ -26,7 +26,8 @@ pub const DEFAULT_MAX_PAYLOAD: usize = 1 << 20;
 pub const MAX_NAME: usize = 1024;
 
 /// The most bytes an event's headers may take as the JSON object stored in the `headers` column.
-/// Ferry does not load larger headers: the event fails as `invalid_event`.
+/// Ferry loads headers of up to twice this as the database prints them; larger ones, written by
+/// SQL, fail the event as `invalid_event`.
 pub const MAX_HEADERS: usize = 64 << 10;
 
 /// The refusal of a payload of `size` bytes over the limit of `max`, saying what to do instead.

@@ -138,6 +138,10 @@ struct EndpointCache {
 /// How often, at most, the log says per route that events ended FAILED.
 const FAILED_NOTICE_EVERY: Duration = Duration::from_secs(60);
 
+/// The fewest due events listed when a refused claim is retried one event at a time: a probe
+/// claims one, and needs others to show that the claim works while its first is refused.
+const MIN_LISTED: u32 = 16;
+
 /// The FAILED events of a route not yet in the log, and when it last said so.
 #[derive(Debug, Default)]
 struct FailedNotice {
@@ -405,7 +409,7 @@ impl Relay {
         }
         let claiming = std::time::Instant::now();
         let claim_started = self.clock.now();
-        let mut events = self.claim_due(&claim, false).await?;
+        let mut events = self.claim_due(&claim).await?;
         let claim_took = claiming.elapsed();
         // A full batch leaves work behind, most likely: an idle worker is woken to claim it
         // rather than sleep out its wait. One wake-up (LISTEN/NOTIFY, an emit) thus sets every
@@ -542,13 +546,13 @@ impl Relay {
     /// [`Store::claim`], around rows that break it. When the database refuses a claim for a value
     /// it met (one it cannot return, a trigger or constraint refusing a row's update), a row may
     /// be at fault, and it would fail every later claim too, stopping every route. The due events
-    /// are then claimed one at a time, and the others are delivered. Those whose own claim is
-    /// refused are set FAILED (`invalid_event`, with the database's error), but only when another
-    /// due event could be claimed, or `works` says the claim statement has just worked for other
-    /// rows: a refusal every row meets is the statement's or the database's, not a row's, and
+    /// (at least [`MIN_LISTED`], so a probe's one-event claim has others to try) are then claimed
+    /// one at a time, up to the claim's limit, and delivered. Those whose own claim is refused are
+    /// set FAILED (`invalid_event`, with the database's error), but only when another event was
+    /// taken: a refusal every row meets is the statement's or the database's, not a row's, and
     /// fails the cycle instead, leaving the events PENDING. Claiming one at a time stops after a
     /// quarter of the lease, so the events claimed by then are delivered well within it.
-    async fn claim_due(&self, claim: &Claim, works: bool) -> Result<Vec<ClaimedEvent>, StoreError> {
+    async fn claim_due(&self, claim: &Claim) -> Result<Vec<ClaimedEvent>, StoreError> {
         let error = match self.store.claim(claim).await {
             Err(error) if error.refuses_a_value() => error,
             other => return other,
@@ -556,9 +560,13 @@ impl Relay {
         tracing::warn!(
             "the database refused a claim; claiming the due events one at a time to find the row at fault: {error}"
         );
-        let (mut claimed, mut refused, mut taken) = (Vec::new(), Vec::new(), works);
+        let (mut claimed, mut refused) = (Vec::new(), Vec::new());
+        let listed = Claim { limit: claim.limit.max(MIN_LISTED), ..claim.clone() };
         let started = std::time::Instant::now();
-        for id in self.store.due(claim).await? {
+        for id in self.store.due(&listed).await? {
+            if claimed.len() >= claim.limit as usize {
+                break;
+            }
             if started.elapsed() > self.lease / 4 {
                 tracing::warn!(
                     "claiming the due events one at a time took a quarter of the lease; the rest wait for the next cycle"
@@ -566,12 +574,9 @@ impl Relay {
                 break;
             }
             match self.store.claim_one(claim, id).await {
-                Ok(events) => {
-                    // An event taken, not only a statement run: a refusal of every update would
-                    // let a claim of a row that is no longer due through.
-                    taken |= !events.is_empty();
-                    claimed.extend(events);
-                }
+                // An event taken, not only a statement run, shows the claim works: a refusal of
+                // every update lets through the claim of a row no longer due.
+                Ok(events) => claimed.extend(events),
                 Err(error) if error.refuses_a_value() => refused.push((id, error)),
                 // Its lock held past the wait the one-event claim allows (an open transaction
                 // holds the row): tried again next cycle.
@@ -579,14 +584,14 @@ impl Relay {
                     tracing::warn!(event = id, "event skipped this cycle: {error}");
                 }
                 // Those claimed so far are delivered; the next cycle meets the error again.
-                Err(error) if taken => {
+                Err(error) if !claimed.is_empty() => {
                     tracing::warn!("claiming the due events one at a time stopped: {error}");
                     break;
                 }
                 Err(error) => return Err(error),
             }
         }
-        if !taken {
+        if claimed.is_empty() {
             return Err(error);
         }
         for (id, error) in refused {
@@ -650,9 +655,7 @@ impl Relay {
             return Ok(None);
         }
         let one = Claim { limit: 1, paused_routes: Vec::new(), only_route: Some(route.to_string()), ..claim.clone() };
-        // This cycle's claim succeeded before probes are taken: a refusal of the probe's claim is
-        // its row's.
-        let claimed = self.claim_due(&one, true).await.map(|mut events| events.pop());
+        let claimed = self.claim_due(&one).await.map(|mut events| events.pop());
         if !matches!(claimed, Ok(Some(_))) {
             // Nothing to probe with, or the claim failed: the probe is given back (if that fails
             // too, it is held until its lease ends).

@@ -1121,6 +1121,28 @@ mod tests {
         }
     }
 
+    /// The claim binds its size limits; lists, the failed summary, `ferry show` and migration 11
+    /// write them into their SQL: they are the same numbers.
+    #[test]
+    fn statements_limit_names_and_headers_as_the_claim_does() {
+        let (name, headers) = (crate::event::MAX_CLAIMED_NAME, crate::event::MAX_CLAIMED_HEADERS);
+        let names = ["route", "event_type", "ordering_key", "content_type"];
+        for sql in [super::postgres::LIST_COLUMNS, super::sqlite::LIST_COLUMNS] {
+            for column in names {
+                assert!(sql.contains(&format!("octet_length({column}) <= {name} THEN {column}")), "{column}: {sql}");
+            }
+        }
+        for column in ["route", "event_type"] {
+            assert!(super::FAILED_GROUP_COLUMNS.contains(&format!("octet_length({column}) <= {name} THEN {column}")));
+        }
+        for sql in [super::postgres::LIST_COLUMNS, super::postgres::EVENT_COLUMNS] {
+            assert!(sql.contains(&format!("ferry_headers_text(headers, {headers})")), "{sql}");
+        }
+        assert!(super::sqlite::LIST_COLUMNS.contains(&format!("octet_length(headers) <= {headers} THEN headers")));
+        let migration = include_str!("../../../migrations/postgres/0011_header_size.sql");
+        assert_eq!(migration.matches(&format!("> {headers}")).count(), 4, "the trigger's checks and message");
+    }
+
     /// Claimed rows are read by position: rows whose columns are not the claim's, in its order,
     /// are refused before any is read, rather than decoded one column as another.
     #[tokio::test]

@@ -340,7 +340,8 @@ macro_rules! due_sql {
 /// Claims up to $2 due events for instance $3 under token $4 until $5, at $1: not those of the
 /// paused routes $8, only those of $9 when given, and in an ordered route ($6) none queued behind
 /// an unfinished event of its key (or a FAILED one, in the blocking routes $7); payloads above $10
-/// bytes come back as their size only. The picked ids are handed to the UPDATE as an array, so it
+/// bytes come back as their size only, names above $11 and headers printing above $12 empty,
+/// named in `oversized`; only event $13 when given (`CLAIM_ONE_SQL`). The picked ids are handed to the UPDATE as an array, so it
 /// finds its rows by primary key at any size the outbox reaches: joined instead, PostgreSQL hashed
 /// the whole table for them when it held up to some tens of thousands of rows.
 pub const CLAIM_SQL: &str = claim_sql!("FOR UPDATE SKIP LOCKED");
@@ -415,7 +416,7 @@ pub const SWEEP_SQL: &str = "WITH seen AS (
      SELECT (SELECT COUNT(*) FROM seen) AS seen, (SELECT MAX(id) FROM seen) AS last,
             (SELECT bool_and(created_at >= $3 AND created_at <= $4) FROM seen) AS young, (SELECT COUNT(*) FROM gone) AS deleted";
 
-const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type,
+pub(super) const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type,
      CASE WHEN pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL THEN headers::text
           ELSE ferry_headers_text(headers, 131072) END AS headers,
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
@@ -424,7 +425,7 @@ const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, conte
 /// The columns of a list: every one but the payload, which lists do not show. A name or headers
 /// longer than a claim loads (written by SQL past `emit`'s limits) is shown as its size: a page
 /// of such rows would otherwise be loaded whole.
-const LIST_COLUMNS: &str = "id,
+pub(super) const LIST_COLUMNS: &str = "id,
      CASE WHEN octet_length(route) <= 1024 THEN route
           ELSE '(' || octet_length(route) || ' bytes, not loaded)' END AS route,
      CASE WHEN octet_length(event_type) <= 1024 THEN event_type
@@ -476,13 +477,13 @@ impl Store for PostgresStore {
     }
 
     async fn migrate(&self) -> Result<(), StoreError> {
-        let version: i32 =
-            sqlx::query_scalar("SELECT current_setting('server_version_num')::int").fetch_one(&self.pool).await?;
-        if version < MIN_SERVER_VERSION {
+        let (number, version): (i32, String) =
+            sqlx::query_as("SELECT current_setting('server_version_num')::int, current_setting('server_version')")
+                .fetch_one(&self.pool)
+                .await?;
+        if number < MIN_SERVER_VERSION {
             return Err(StoreError::Unsupported(format!(
-                "PostgreSQL {}.{} is too old: ferry needs 14 or later (its claim reads how values are compressed)",
-                version / 10_000,
-                version % 10_000 / 100
+                "PostgreSQL {version} is too old: ferry needs 14 or later (its claim reads how values are compressed)"
             )));
         }
         sqlx::migrate!("../migrations/postgres").run(&self.pool).await?;

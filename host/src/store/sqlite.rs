@@ -495,7 +495,7 @@ const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload A
 /// The columns of a list: every one but the payload, which lists do not show. A name or headers
 /// longer than a claim loads (written by SQL past `emit`'s limits) is shown as its size: a page
 /// of such rows would otherwise be loaded whole.
-const LIST_COLUMNS: &str = "id,
+pub(super) const LIST_COLUMNS: &str = "id,
      CASE WHEN octet_length(route) <= 1024 THEN route
           ELSE '(' || octet_length(route) || ' bytes, not loaded)' END AS route,
      CASE WHEN octet_length(event_type) <= 1024 THEN event_type

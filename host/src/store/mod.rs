@@ -207,15 +207,54 @@ impl FailedFilter {
     }
 }
 
-/// The columns [`Store::failed_groups`] selects, in the order its rows decode from. A route or
-/// event type longer than a claim loads (written by SQL past `emit`'s limits) is shown as its
-/// size, as in lists. (`octet_length` is in the SQLite ferry links, 3.46.)
-pub(crate) const FAILED_GROUP_COLUMNS: &str = "
-     CASE WHEN octet_length(route) <= 1024 THEN route ELSE '(' || octet_length(route) || ' bytes, not loaded)' END AS route,
-     CASE WHEN octet_length(event_type) <= 1024 THEN event_type
-          ELSE '(' || octet_length(event_type) || ' bytes, not loaded)' END AS event_type,
-     failure_reason AS reason, COUNT(*) AS events,
-     MIN(last_status_at) AS first_failed_at, MAX(last_status_at) AS last_failed_at";
+/// A name column as lists and the failed summary select it, on both backends: itself, or its size
+/// when it is longer than a claim loads (1024 bytes, `MAX_CLAIMED_NAME`; written by SQL past
+/// `emit`'s limits), so a page of such rows is not loaded whole. (`octet_length` is in the SQLite
+/// ferry links, 3.46.)
+macro_rules! shown_name {
+    ($column:literal) => {
+        concat!(
+            "CASE WHEN octet_length(",
+            $column,
+            ") <= 1024 THEN ",
+            $column,
+            " ELSE '(' || octet_length(",
+            $column,
+            ") || ' bytes, not loaded)' END AS ",
+            $column
+        )
+    };
+}
+pub(crate) use shown_name;
+
+/// The names of a list's columns, both backends': [`shown_name`] for each but the payload.
+macro_rules! listed_names {
+    ($payload:literal) => {
+        concat!(
+            "id, ",
+            crate::store::shown_name!("route"),
+            ", ",
+            crate::store::shown_name!("event_type"),
+            ", ",
+            crate::store::shown_name!("ordering_key"),
+            ", ",
+            $payload,
+            " AS payload, ",
+            crate::store::shown_name!("content_type"),
+            ", "
+        )
+    };
+}
+pub(crate) use listed_names;
+
+/// The columns [`Store::failed_groups`] selects, in the order its rows decode from.
+pub(crate) const FAILED_GROUP_COLUMNS: &str = concat!(
+    shown_name!("route"),
+    ", ",
+    shown_name!("event_type"),
+    ", failure_reason AS reason, COUNT(*) AS events,
+     MIN(last_status_at) AS first_failed_at, MAX(last_status_at) AS last_failed_at"
+);
 
 /// The grouping and order of [`Store::failed_groups`].
 pub(crate) const FAILED_GROUP_ORDER: &str =

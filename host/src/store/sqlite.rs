@@ -495,20 +495,13 @@ const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload A
 /// The columns of a list: every one but the payload, which lists do not show. A name or headers
 /// longer than a claim loads (written by SQL past `emit`'s limits) is shown as its size: a page
 /// of such rows would otherwise be loaded whole.
-pub(super) const LIST_COLUMNS: &str = "id,
-     CASE WHEN octet_length(route) <= 1024 THEN route
-          ELSE '(' || octet_length(route) || ' bytes, not loaded)' END AS route,
-     CASE WHEN octet_length(event_type) <= 1024 THEN event_type
-          ELSE '(' || octet_length(event_type) || ' bytes, not loaded)' END AS event_type,
-     CASE WHEN octet_length(ordering_key) <= 1024 THEN ordering_key
-          ELSE '(' || octet_length(ordering_key) || ' bytes, not loaded)' END AS ordering_key,
-     x'' AS payload,
-     CASE WHEN octet_length(content_type) <= 1024 THEN content_type
-          ELSE '(' || octet_length(content_type) || ' bytes, not loaded)' END AS content_type,
-     CASE WHEN octet_length(headers) <= 131072 THEN headers
+pub(super) const LIST_COLUMNS: &str = concat!(
+    super::listed_names!("x''"),
+    "CASE WHEN octet_length(headers) <= 131072 THEN headers
           ELSE '(' || octet_length(headers) || ' bytes, not loaded)' END AS headers,
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
-     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
+     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id"
+);
 
 /// Records one outcome kind for the rows of the JSON array ?1 still held by claim ?3, at ?2;
 /// returns the ids written.

@@ -495,6 +495,12 @@ async fn a_row_the_database_refuses_to_claim_fails_alone(db: TestDb) {
         error.starts_with(&format!("event {poison}: the database refuses to claim it")) && error.contains(message),
         "{error}"
     );
+    let labels = ferry::metrics::FailedLabels {
+        route: ferry::metrics::UNCLAIMED.into(),
+        plugin: "".into(),
+        reason: "invalid_event".into(),
+    };
+    assert_eq!(s.ferry.registry.metrics().failed.get_or_create(&labels).get(), 1, "counted as FAILED");
     let next = insert(&s, "ok").await;
     assert_eq!(s.ferry.relay.cycle(&CancellationToken::new()).await.unwrap().claimed, 1, "claims are whole again");
     assert_eq!(s.db.store.get(next).await.unwrap().unwrap().status, Status::Sent);

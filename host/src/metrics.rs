@@ -25,6 +25,10 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 /// a series of its own until the process ends. `ferry stats` and `ferry failed list` name them.
 pub const UNCONFIGURED: &str = "(not configured)";
 
+/// The `route` label of events set FAILED because the database refused every claim of them: their
+/// route was never read (it may be what the database refuses), so they share one series.
+pub const UNCLAIMED: &str = "(not claimed)";
+
 /// A label value, escaped as the text format asks (`\\`, `\"`, `\n`) when rendered: prometheus-client
 /// writes label values as they are, and route names come from rows and requests, so a name
 /// holding a quote or a line break could otherwise close its label early, forge series or end the

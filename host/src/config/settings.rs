@@ -262,9 +262,9 @@ impl Settings {
                     "route.{name:?}: a route's name must not be empty or contain {DESTINATION_SEPARATOR:?}, which separates a route from its destinations"
                 ));
             }
-            if name == crate::metrics::UNCONFIGURED {
+            if name == crate::metrics::UNCONFIGURED || name == crate::metrics::UNCLAIMED {
                 return Err(format!(
-                    "route.{name:?}: the metrics count routes not configured by this name; choose another"
+                    "route.{name:?}: the metrics use this name for routes not configured and events not claimed; choose another"
                 ));
             }
             let ordering = match (route.ordered, route.ordered_after_failure) {

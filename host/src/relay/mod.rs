@@ -602,7 +602,15 @@ impl Relay {
                 crate::untrusted::MAX_REASON,
             );
             match self.store.set_unclaimable(id, self.clock.now(), &reason).await {
-                Ok(true) => tracing::error!(event = id, "event set FAILED (invalid_event): {reason}"),
+                Ok(true) => {
+                    tracing::error!(event = id, "event set FAILED (invalid_event): {reason}");
+                    let labels = crate::metrics::FailedLabels {
+                        route: crate::metrics::UNCLAIMED.into(),
+                        plugin: "".into(),
+                        reason: FailureReason::InvalidEvent.as_str().into(),
+                    };
+                    self.metrics.failed.get_or_create(&labels).inc();
+                }
                 Ok(false) => {}
                 Err(e) => tracing::error!(
                     event = id,

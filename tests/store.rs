@@ -854,7 +854,7 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
                 (
                     "claim",
                     ferry::store::POSTGRES_CLAIM_SQL,
-                    "(now(), 500, 'i', 't', now() + interval '5 minutes', '{r}', '{}', '{}', NULL, 1048576, 1024, 131072, NULL)",
+                    "(now(), 500, 'i', 't', now() + interval '5 minutes', '{r}', '{}', '{}', NULL, 1048576, 1024, 131072)",
                 ),
                 ("ahead", ferry::store::ahead_in_key_sql(true), "('r', 'k1', 20000)"),
                 ("ahead_open", ferry::store::ahead_in_key_sql(false), "('r', 'k1', 20000)"),
@@ -888,7 +888,6 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
                 .bind(1 << 20)
                 .bind(1024)
                 .bind(128 << 10)
-                .bind(None::<i64>)
                 .fetch_all(pool)
                 .await
                 .unwrap();

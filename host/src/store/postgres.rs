@@ -319,14 +319,17 @@ const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
 pub const SESSION_SETTINGS: [(&str, &str); 2] =
     [("plan_cache_mode", "force_custom_plan"), ("enable_bitmapscan", "off")];
 
-/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`).
+/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`), `$one` narrowing them to one
+/// (`CLAIM_ONE_SQL`).
 macro_rules! due_sql {
-    () => {
-        "
+    ($one:literal) => {
+        concat!(
+            "
          SELECT e.id FROM ferry_events e
          WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1
-           AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)
-           AND ($13::bigint IS NULL OR e.id = $13)
+           AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)",
+            $one,
+            "
            AND (e.ordering_key IS NULL OR NOT (e.route = ANY($6)) OR NOT EXISTS (
                 SELECT 1 FROM ferry_events p
                 WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
@@ -334,6 +337,7 @@ macro_rules! due_sql {
                        OR (p.status = 'FAILED' AND p.route = ANY($7)))))
          ORDER BY e.next_attempt_at, e.id
          LIMIT $2"
+        )
     };
 }
 
@@ -341,21 +345,23 @@ macro_rules! due_sql {
 /// paused routes $8, only those of $9 when given, and in an ordered route ($6) none queued behind
 /// an unfinished event of its key (or a FAILED one, in the blocking routes $7); payloads above $10
 /// bytes come back as their size only, names above $11 and headers printing above $12 empty,
-/// named in `oversized`; only event $13 when given (`CLAIM_ONE_SQL`). The picked ids are handed to the UPDATE as an array, so it
-/// finds its rows by primary key at any size the outbox reaches: joined instead, PostgreSQL hashed
-/// the whole table for them when it held up to some tens of thousands of rows.
-pub const CLAIM_SQL: &str = claim_sql!("FOR UPDATE SKIP LOCKED");
+/// named in `oversized`. The picked ids are handed to the UPDATE as an array, so it finds its rows
+/// by primary key at any size the outbox reaches: joined instead, PostgreSQL hashed the whole
+/// table for them when it held up to some tens of thousands of rows.
+pub const CLAIM_SQL: &str = claim_sql!("", "FOR UPDATE SKIP LOCKED");
 
-/// [`CLAIM_SQL`] for one event ($13), which waits for a lock on it rather than skip it: a claim
-/// that PostgreSQL refused reports its error before its transaction has let go of its rows.
-const CLAIM_ONE_SQL: &str = claim_sql!("FOR UPDATE");
+/// [`CLAIM_SQL`] for event $13 alone, found by primary key, which waits for a lock on it rather
+/// than skip it: a claim that PostgreSQL refused reports its error before its transaction has let
+/// go of its rows.
+const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = $13", "FOR UPDATE");
 
-/// The claim statement, locking the rows it picks with `$lock`.
+/// The claim statement, of the events `$one` narrows them to, locking the rows it picks with
+/// `$lock`.
 macro_rules! claim_sql {
-    ($lock:literal) => {
+    ($one:literal, $lock:literal) => {
         concat!(
             "WITH picked AS (",
-            due_sql!(),
+            due_sql!($one),
             "
          ",
             $lock,
@@ -395,8 +401,8 @@ macro_rules! claim_sql {
 use claim_sql;
 
 /// The ids of the events a claim would take, in its order, without taking them: the claim's
-/// parameters, of which it reads $1, $2 and $6 to $9, and $13 (only this id, when not NULL).
-const DUE_SQL: &str = due_sql!();
+/// parameters, of which it reads $1, $2 and $6 to $9.
+const DUE_SQL: &str = due_sql!("");
 
 /// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
 /// $1 on, read along the primary key; of them, the SENT rows processed before $3 are locked (those
@@ -416,26 +422,39 @@ pub const SWEEP_SQL: &str = "WITH seen AS (
      SELECT (SELECT COUNT(*) FROM seen) AS seen, (SELECT MAX(id) FROM seen) AS last,
             (SELECT bool_and(created_at >= $3 AND created_at <= $4) FROM seen) AS young, (SELECT COUNT(*) FROM gone) AS deleted";
 
-pub(super) const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, payload, content_type,
-     CASE WHEN pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL THEN headers::text
-          ELSE ferry_headers_text(headers, 131072) END AS headers,
+/// The headers as `ferry show` and lists show them: their text, or a note of its size past 128 KiB
+/// (`ferry_headers_text`, migration 11). Those stored uncompressed in at most 256 bytes are printed
+/// as they are, sparing the function's call.
+macro_rules! shown_headers {
+    () => {
+        "CASE WHEN pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL THEN headers::text
+          ELSE ferry_headers_text(headers, 131072) END AS headers"
+    };
+}
+
+pub(super) const EVENT_COLUMNS: &str = concat!(
+    "id, route, event_type, ordering_key, payload, content_type, ",
+    shown_headers!(),
+    ",
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
-     last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id";
+     last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id"
+);
 
 /// The columns of a list: every one but the payload, which lists do not show. A name or headers
 /// longer than a claim loads (written by SQL past `emit`'s limits) is shown as its size: a page
 /// of such rows would otherwise be loaded whole.
 pub(super) const LIST_COLUMNS: &str = concat!(
     super::listed_names!("'\\x'::bytea"),
-    "CASE WHEN pg_column_size(headers) <= 256 AND pg_column_compression(headers) IS NULL THEN headers::text
-          ELSE ferry_headers_text(headers, 131072) END AS headers,
+    shown_headers!(),
+    ",
      status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
      last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id"
 );
 
-/// Binds a claim's parameters, $1 to $13, to a query on `CLAIM_SQL` or `DUE_SQL`.
+/// Binds a claim's parameters, $1 to $12, to a query on `CLAIM_SQL`, `CLAIM_ONE_SQL` (which binds
+/// the event, $13, after them) or `DUE_SQL`.
 macro_rules! bind_claim {
-    ($query:expr, $claim:expr, $only_id:expr) => {{
+    ($query:expr, $claim:expr) => {{
         let claim: &Claim = $claim;
         $query
             .bind(claim.now)
@@ -450,7 +469,6 @@ macro_rules! bind_claim {
             .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
             .bind(crate::event::MAX_CLAIMED_NAME)
             .bind(crate::event::MAX_CLAIMED_HEADERS)
-            .bind($only_id)
     }};
 }
 
@@ -489,22 +507,22 @@ impl Store for PostgresStore {
     }
 
     async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
-        let rows = if only_id.is_some() {
+        let rows = if let Some(id) = only_id {
             // Waits for its row at most a second: a refused claim lets go of its rows within
             // milliseconds, a transaction left open may hold one for good.
             let mut tx = self.pool.begin().await?;
             sqlx::query("SET LOCAL lock_timeout = '1s'").execute(&mut *tx).await?;
-            let rows = bind_claim!(sqlx::query(CLAIM_ONE_SQL), claim, only_id).fetch_all(&mut *tx).await?;
+            let rows = bind_claim!(sqlx::query(CLAIM_ONE_SQL), claim).bind(id).fetch_all(&mut *tx).await?;
             tx.commit().await?;
             rows
         } else {
-            bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&self.pool).await?
+            bind_claim!(sqlx::query(CLAIM_SQL), claim).fetch_all(&self.pool).await?
         };
         claimed_events(&rows, claim.max_payload)
     }
 
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {
-        Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim, None::<i64>).fetch_all(&self.pool).await?)
+        Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim).fetch_all(&self.pool).await?)
     }
 
     async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, error: &str) -> Result<bool, StoreError> {

@@ -408,14 +408,17 @@ fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`).
+/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`), `$one` narrowing them to one
+/// (`CLAIM_ONE_SQL`).
 macro_rules! due_sql {
-    () => {
-        "
+    ($one:literal) => {
+        concat!(
+            "
          SELECT e.id FROM ferry_events e
          WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1
-           AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)
-           AND (?13 IS NULL OR e.id = ?13)
+           AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)",
+            $one,
+            "
            AND (e.ordering_key IS NULL OR e.route NOT IN (SELECT value FROM json_each(?6)) OR NOT EXISTS (
                 SELECT 1 FROM ferry_events p
                 WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id AND p.status <> 'SENT'
@@ -423,6 +426,7 @@ macro_rules! due_sql {
                        OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))
          ORDER BY e.next_attempt_at, e.id
          LIMIT ?2"
+        )
     };
 }
 
@@ -438,13 +442,21 @@ macro_rules! due_sql {
 /// derive it from the status tests beside it. Without it, SQLite walked the older rows by id, up
 /// to all of them, for each keyed event of an ordered route: with 200 000 rows, 199 000 of them SENT,
 /// one claim took 59 seconds instead of 5 milliseconds (a test build).
-pub const CLAIM_SQL: &str = concat!(
-    "UPDATE ferry_events
+pub const CLAIM_SQL: &str = claim_sql!("");
+
+/// [`CLAIM_SQL`] for event ?13 alone, found by primary key.
+const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = ?13");
+
+/// The claim statement, of the events `$one` narrows them to.
+macro_rules! claim_sql {
+    ($one:literal) => {
+        concat!(
+            "UPDATE ferry_events
      SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
          claimed_by = ?3, claim_token = ?4, lease_until = ?5
      WHERE id IN (",
-    due_sql!(),
-    "
+            due_sql!($one),
+            "
      )
      RETURNING id,
                CASE WHEN octet_length(route) <= ?11 THEN route ELSE '' END AS route,
@@ -461,15 +473,19 @@ pub const CLAIM_SQL: &str = concat!(
                     WHEN octet_length(content_type) > ?11 THEN 'content_type ' || octet_length(content_type)
                     WHEN octet_length(headers) > ?12 THEN 'headers ' || octet_length(headers)
                END AS oversized"
-);
+        )
+    };
+}
+use claim_sql;
 
 /// The ids of the events a claim would take, in its order, without taking them: the claim's
-/// parameters, of which it reads ?1, ?2 and ?6 to ?9, and ?13 (only this id, when not NULL).
-const DUE_SQL: &str = due_sql!();
+/// parameters, of which it reads ?1, ?2 and ?6 to ?9.
+const DUE_SQL: &str = due_sql!("");
 
-/// Binds a claim's parameters, ?1 to ?13, to a query on `CLAIM_SQL` or `DUE_SQL`.
+/// Binds a claim's parameters, ?1 to ?12, to a query on `CLAIM_SQL`, `CLAIM_ONE_SQL` (which binds
+/// the event, ?13, after them) or `DUE_SQL`.
 macro_rules! bind_claim {
-    ($query:expr, $claim:expr, $only_id:expr) => {{
+    ($query:expr, $claim:expr) => {{
         let claim: &Claim = $claim;
         $query
             .bind(ms(claim.now))
@@ -484,7 +500,6 @@ macro_rules! bind_claim {
             .bind(i64::try_from(claim.max_payload).unwrap_or(i64::MAX))
             .bind(crate::event::MAX_CLAIMED_NAME)
             .bind(crate::event::MAX_CLAIMED_HEADERS)
-            .bind($only_id)
     }};
 }
 
@@ -620,13 +635,17 @@ impl Store for SqliteStore {
 
     async fn claim_only(&self, claim: &Claim, only_id: Option<i64>) -> Result<Vec<ClaimedEvent>, StoreError> {
         let mut writing = self.writing().await?;
-        let rows = bind_claim!(sqlx::query(CLAIM_SQL), claim, only_id).fetch_all(&mut *writing).await?;
+        let query = match only_id {
+            Some(id) => bind_claim!(sqlx::query(CLAIM_ONE_SQL), claim).bind(id),
+            None => bind_claim!(sqlx::query(CLAIM_SQL), claim),
+        };
+        let rows = query.fetch_all(&mut *writing).await?;
         writing.finish();
         claimed_events(&rows, claim.max_payload)
     }
 
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {
-        Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim, None::<i64>).fetch_all(&self.pool).await?)
+        Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim).fetch_all(&self.pool).await?)
     }
 
     async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, error: &str) -> Result<bool, StoreError> {

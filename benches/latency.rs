@@ -4,7 +4,9 @@
 //! 250 ms, backing off to 1 s while idle.
 //!
 //! Each event is committed in its own transaction and timed when the commit returns; the
-//! `scripted` test transport records the wall-clock time of the call that delivers it. Ferry runs
+//! `scripted` test transport records the wall-clock time of the call that delivers it. At most
+//! as many events are being committed at once as the pool has connections; where the machine
+//! commits fewer than the load offers, the table's committed/s says so. Ferry runs
 //! in this process and starts idle, as on a quiet system.
 //!
 //! Run: `cargo bench --bench latency [-- --seconds N]` (needs PostgreSQL as for the tests and the
@@ -58,8 +60,9 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1]
 }
 
-/// Milliseconds from commit to delivery of every event, one run.
-async fn measure(load: Load, listen: bool, seconds: u64) -> Vec<f64> {
+/// Milliseconds from commit to delivery of every event, one run, and the events committed per
+/// second (below the load's nominal rate when the machine cannot commit that fast).
+async fn measure(load: Load, listen: bool, seconds: u64) -> (Vec<f64>, f64) {
     let db = TestDb::postgres().await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let out = db.dir.path().join("out");
@@ -75,23 +78,35 @@ async fn measure(load: Load, listen: bool, seconds: u64) -> Vec<f64> {
 
     let pool = db.postgres.as_ref().unwrap().pool().clone();
     let committed: Arc<Mutex<HashMap<i64, u128>>> = Arc::default();
+    // Emitters take turns at the pool's connections in the order they were started. Unbounded,
+    // a load the machine cannot commit as fast as it is offered left emitters waiting past the
+    // pool's acquire timeout, and their events silently out of the figure.
+    let turns = Arc::new(tokio::sync::Semaphore::new(pool.options().get_max_connections() as usize));
     let mut ticker = tokio::time::interval(load.tick);
-    let end = Instant::now() + Duration::from_secs(seconds);
+    let started = Instant::now();
+    let end = started + Duration::from_secs(seconds);
     let mut emitters = Vec::new();
     while Instant::now() < end {
         ticker.tick().await;
         for _ in 0..load.per_tick {
-            let (pool, committed) = (pool.clone(), committed.clone());
+            let (pool, committed, turns) = (pool.clone(), committed.clone(), turns.clone());
             emitters.push(tokio::spawn(async move {
-                let mut tx = pool.begin().await.expect("begin");
-                let id = ferry::emit(&mut *tx, &NewEvent::new("bench", "bench.event", "{}")).await.expect("emit");
-                tx.commit().await.expect("commit");
+                let _turn = turns.acquire_owned().await.expect("the semaphore is never closed");
+                let mut tx = pool.begin().await?;
+                let id = ferry::emit(&mut *tx, &NewEvent::new("bench", "bench.event", "{}")).await?;
+                tx.commit().await?;
                 committed.lock().unwrap().insert(id, nanos_now());
+                anyhow::Ok(())
             }));
         }
     }
-    futures::future::join_all(emitters).await;
+    let offered = emitters.len();
+    for emitter in futures::future::join_all(emitters).await {
+        emitter.expect("an emitter panicked").expect("an event could not be committed");
+    }
+    let committing = started.elapsed();
     let total = committed.lock().unwrap().len();
+    assert_eq!(total, offered, "every event offered is committed");
     let deadline = Instant::now() + Duration::from_secs(120);
     while (db.store.counts().await.unwrap()[&Status::Sent] as usize) < total {
         assert!(Instant::now() < deadline, "not all {total} events delivered within 2 minutes");
@@ -112,7 +127,7 @@ async fn measure(load: Load, listen: bool, seconds: u64) -> Vec<f64> {
         })
         .collect();
     latencies.sort_by(f64::total_cmp);
-    latencies
+    (latencies, total as f64 / committing.as_secs_f64())
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -121,25 +136,32 @@ async fn main() {
     let mut rows = Vec::new();
     for listen in [true, false] {
         for load in LOADS {
-            let latencies = measure(load, listen, seconds).await;
+            let (latencies, rate) = measure(load, listen, seconds).await;
             let (p50, p95, p99) =
                 (percentile(&latencies, 0.50), percentile(&latencies, 0.95), percentile(&latencies, 0.99));
             eprintln!(
-                "{} NOTIFY {}: p50 {p50:.1} ms p95 {p95:.1} ms p99 {p99:.1} ms",
+                "{} NOTIFY {}: {rate:.0} committed/s, p50 {p50:.1} ms p95 {p95:.1} ms p99 {p99:.1} ms",
                 load.name,
                 if listen { "on" } else { "off" }
             );
-            rows.push((load.name, listen, latencies.len(), p50, p95, p99));
+            rows.push((load.name, listen, latencies.len(), rate, p50, p95, p99));
         }
     }
-    println!("| load | LISTEN/NOTIFY | events | p50 ms | p95 ms | p99 ms |\n| --- | --- | ---: | ---: | ---: | ---: |");
-    for (load, listen, n, p50, p95, p99) in &rows {
-        println!("| {load} | {} | {n} | {p50:.1} | {p95:.1} | {p99:.1} |", if *listen { "on" } else { "off" });
+    println!(
+        "| load | LISTEN/NOTIFY | events | committed/s | p50 ms | p95 ms | p99 ms |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for (load, listen, n, rate, p50, p95, p99) in &rows {
+        println!(
+            "| {load} | {} | {n} | {rate:.0} | {p50:.1} | {p95:.1} | {p99:.1} |",
+            if *listen { "on" } else { "off" }
+        );
     }
     let json = serde_json::json!({
         "seconds": seconds,
-        "results": rows.iter().map(|(load, listen, n, p50, p95, p99)| serde_json::json!({
-            "load": load, "listen": listen, "events": n, "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
+        "results": rows.iter().map(|(load, listen, n, rate, p50, p95, p99)| serde_json::json!({
+            "load": load, "listen": listen, "events": n, "committed_per_second": rate,
+            "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
         })).collect::<Vec<_>>(),
     });
     let out = repo_root().join("target/bench");

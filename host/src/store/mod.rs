@@ -30,8 +30,11 @@ pub(crate) use self::stats::{ATTEMPTS_SQL, LATENCY_SQL, ROUTE_COUNTS_SQL, stats_
 pub use self::stats::{LATENCY_SAMPLES, Latency, Percentiles, Stats};
 /// What a `/metrics` scrape runs: public so a test can check their plans read no SENT rows.
 pub use self::stats::{UNFINISHED_COUNTS_SQL, WATCH_SQL};
-/// Each backend's claim: public so a test can check their plans.
+pub use self::{postgres::CLAIM_ONE_SQL as POSTGRES_CLAIM_ONE_SQL, sqlite::CLAIM_ONE_SQL as SQLITE_CLAIM_ONE_SQL};
+/// Each backend's claim, its one-event claim and its list of due events (the fallback of a
+/// refused claim): public so a test can check their plans.
 pub use self::{postgres::CLAIM_SQL as POSTGRES_CLAIM_SQL, sqlite::CLAIM_SQL as SQLITE_CLAIM_SQL};
+pub use self::{postgres::DUE_SQL as POSTGRES_DUE_SQL, sqlite::DUE_SQL as SQLITE_DUE_SQL};
 /// Each backend's step of retention's sweep: public so a test can check their plans.
 pub use self::{postgres::SWEEP_SQL as POSTGRES_SWEEP_SQL, sqlite::SWEEP_SQL as SQLITE_SWEEP_SQL};
 pub use crate::breaker::Breaker;

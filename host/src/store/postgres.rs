@@ -353,7 +353,7 @@ pub const CLAIM_SQL: &str = claim_sql!("", "FOR UPDATE SKIP LOCKED");
 /// [`CLAIM_SQL`] for event $13 alone, found by primary key, which waits for a lock on it rather
 /// than skip it: a claim that PostgreSQL refused reports its error before its transaction has let
 /// go of its rows.
-const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = $13", "FOR UPDATE");
+pub const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = $13", "FOR UPDATE");
 
 /// The claim statement, of the events `$one` narrows them to, locking the rows it picks with
 /// `$lock`.
@@ -402,7 +402,7 @@ use claim_sql;
 
 /// The ids of the events a claim would take, in its order, without taking them: the claim's
 /// parameters, of which it reads $1, $2 and $6 to $9.
-const DUE_SQL: &str = due_sql!("");
+pub const DUE_SQL: &str = due_sql!("");
 
 /// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
 /// $1 on, read along the primary key; of them, the SENT rows processed before $3 are locked (those

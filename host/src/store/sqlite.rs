@@ -445,7 +445,7 @@ macro_rules! due_sql {
 pub const CLAIM_SQL: &str = claim_sql!("");
 
 /// [`CLAIM_SQL`] for event ?13 alone, found by primary key.
-const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = ?13");
+pub const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = ?13");
 
 /// The claim statement, of the events `$one` narrows them to.
 macro_rules! claim_sql {
@@ -480,7 +480,7 @@ use claim_sql;
 
 /// The ids of the events a claim would take, in its order, without taking them: the claim's
 /// parameters, of which it reads ?1, ?2 and ?6 to ?9.
-const DUE_SQL: &str = due_sql!("");
+pub const DUE_SQL: &str = due_sql!("");
 
 /// Binds a claim's parameters, ?1 to ?12, to a query on `CLAIM_SQL`, `CLAIM_ONE_SQL` (which binds
 /// the event, ?13, after them) or `DUE_SQL`.

@@ -78,9 +78,9 @@ async fn measure(load: Load, listen: bool, seconds: u64) -> (Vec<f64>, f64) {
 
     let pool = db.postgres.as_ref().unwrap().pool().clone();
     let committed: Arc<Mutex<HashMap<i64, u128>>> = Arc::default();
-    // Emitters take turns at the pool's connections in the order they were started. Unbounded,
-    // a load the machine cannot commit as fast as it is offered left emitters waiting past the
-    // pool's acquire timeout, and their events silently out of the figure.
+    // Emitters take turns at the pool's connections, about in the order they were started.
+    // Unbounded, a load the machine cannot commit as fast as it is offered left emitters waiting
+    // past the pool's acquire timeout, and their events silently out of the figure.
     let turns = Arc::new(tokio::sync::Semaphore::new(pool.options().get_max_connections() as usize));
     let mut ticker = tokio::time::interval(load.tick);
     let started = Instant::now();

@@ -495,6 +495,12 @@ async fn a_row_the_database_refuses_to_claim_fails_alone(db: TestDb) {
         error.starts_with(&format!("event {poison}: the database refuses to claim it")) && error.contains(message),
         "{error}"
     );
+    // Its history says so too: one failure, by this instance, with no plugin.
+    let history = s.db.store.attempts(poison).await.unwrap();
+    let seen: Vec<_> =
+        history.iter().map(|a| (a.attempt, a.outcome, a.reason, a.error.as_deref(), a.plugin.as_deref())).collect();
+    assert_eq!(seen, [(0, AttemptOutcome::Failed, Some(FailureReason::InvalidEvent), Some(&*error), None)]);
+    assert!(history[0].instance.as_deref().is_some_and(|i| !i.is_empty()), "{history:?}");
     let labels = ferry::metrics::FailedLabels {
         route: ferry::metrics::UNCLAIMED.into(),
         plugin: "".into(),

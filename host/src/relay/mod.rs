@@ -601,7 +601,7 @@ impl Relay {
                 ),
                 crate::untrusted::MAX_REASON,
             );
-            match self.store.set_unclaimable(id, self.clock.now(), &reason).await {
+            match self.store.set_unclaimable(id, self.clock.now(), &self.instance, &reason).await {
                 Ok(true) => {
                     tracing::error!(event = id, "event set FAILED (invalid_event): {reason}");
                     let labels = crate::metrics::FailedLabels {

@@ -476,10 +476,15 @@ macro_rules! bind_claim {
 const MIN_SERVER_VERSION: i32 = 140_000;
 
 /// Sets FAILED (`invalid_event`, error $3, at $2) PENDING event $1, which no claim can take.
-const UNCLAIMABLE_SQL: &str = "UPDATE ferry_events
-     SET status = 'FAILED', failure_reason = 'invalid_event', last_error = $3, processed_at = $2,
-         last_status_at = $2
-     WHERE id = $1 AND status = 'PENDING'";
+const UNCLAIMABLE_SQL: &str = "WITH failed AS (
+         UPDATE ferry_events
+         SET status = 'FAILED', failure_reason = 'invalid_event', last_error = $3, processed_at = $2,
+             last_status_at = $2
+         WHERE id = $1 AND status = 'PENDING'
+         RETURNING id, attempts
+     )
+     INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome, reason, error, instance)
+     SELECT id, attempts, $2, 0, 'failed', 'invalid_event', $3, $4 FROM failed";
 
 #[async_trait]
 impl Store for PostgresStore {
@@ -525,9 +530,15 @@ impl Store for PostgresStore {
         Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim).fetch_all(&self.pool).await?)
     }
 
-    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, error: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query(UNCLAIMABLE_SQL).bind(id).bind(now).bind(error).execute(&self.pool).await?;
-        Ok(done.rows_affected() == 1)
+    async fn set_unclaimable(
+        &self,
+        id: i64,
+        now: DateTime<Utc>,
+        instance: &str,
+        error: &str,
+    ) -> Result<bool, StoreError> {
+        let query = sqlx::query(UNCLAIMABLE_SQL).bind(id).bind(now).bind(error).bind(instance);
+        Ok(query.execute(&self.pool).await?.rows_affected() == 1)
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {

@@ -648,21 +648,43 @@ impl Store for SqliteStore {
         Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim).fetch_all(&self.pool).await?)
     }
 
-    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, error: &str) -> Result<bool, StoreError> {
+    async fn set_unclaimable(
+        &self,
+        id: i64,
+        now: DateTime<Utc>,
+        instance: &str,
+        error: &str,
+    ) -> Result<bool, StoreError> {
         let mut writing = self.writing().await?;
-        let done = sqlx::query(
+        let mut tx = writing.begin().await?;
+        let attempts: Option<i64> = sqlx::query_scalar(
             "UPDATE ferry_events
              SET status = 'FAILED', failure_reason = 'invalid_event', last_error = ?3, processed_at = ?2,
                  last_status_at = ?2
-             WHERE id = ?1 AND status = 'PENDING'",
+             WHERE id = ?1 AND status = 'PENDING'
+             RETURNING attempts",
         )
         .bind(id)
         .bind(ms(now))
         .bind(error)
-        .execute(&mut *writing)
+        .fetch_optional(&mut *tx)
         .await?;
+        if let Some(attempts) = attempts {
+            sqlx::query(
+                "INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome, reason, error, instance)
+                 VALUES (?1, ?2, ?3, 0, 'failed', 'invalid_event', ?4, ?5)",
+            )
+            .bind(id)
+            .bind(attempts)
+            .bind(ms(now))
+            .bind(error)
+            .bind(instance)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
         writing.finish();
-        Ok(done.rows_affected() == 1)
+        Ok(attempts.is_some())
     }
 
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError> {

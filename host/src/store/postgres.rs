@@ -475,7 +475,8 @@ macro_rules! bind_claim {
 /// The oldest PostgreSQL ferry runs on (`server_version_num`): 14 has `pg_column_compression`.
 const MIN_SERVER_VERSION: i32 = 140_000;
 
-/// Sets FAILED (`invalid_event`, error $3, at $2) PENDING event $1, which no claim can take.
+/// Sets FAILED (`invalid_event`, error $3, at $2) PENDING event $1, which no claim can take, and
+/// writes the failure into its history as by instance $4. Affects one row when the event was set.
 const UNCLAIMABLE_SQL: &str = "WITH failed AS (
          UPDATE ferry_events
          SET status = 'FAILED', failure_reason = 'invalid_event', last_error = $3, processed_at = $2,

@@ -662,7 +662,9 @@ impl Store for SqliteStore {
              SET status = 'FAILED', failure_reason = 'invalid_event', last_error = ?3, processed_at = ?2,
                  last_status_at = ?2
              WHERE id = ?1 AND status = 'PENDING'
-             RETURNING attempts",
+             -- A count edited by hand into text or out of range must not stop the event failing.
+             RETURNING CASE WHEN typeof(attempts) = 'integer' AND attempts BETWEEN 0 AND 2147483647
+                            THEN attempts ELSE 0 END",
         )
         .bind(id)
         .bind(ms(now))

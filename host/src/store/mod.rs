@@ -417,15 +417,9 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError>;
 
     /// Sets PENDING event `id` FAILED (`invalid_event`, `error`): a claim of it alone was refused,
-    /// so no claim could take it. Its history gets the failure, as by `instance`, with no plugin
+    /// so no claim could take it. Its history gets the failure, as by instance `by`, with no plugin
     /// and no time taken. Returns whether the row was written.
-    async fn set_unclaimable(
-        &self,
-        id: i64,
-        now: DateTime<Utc>,
-        instance: &str,
-        error: &str,
-    ) -> Result<bool, StoreError>;
+    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, by: &str, error: &str) -> Result<bool, StoreError>;
 
     /// Records outcomes of the claim `token`. Rows no longer held by that claim (recovered and
     /// claimed again elsewhere) are left alone. Returns how many rows were updated.

@@ -531,14 +531,8 @@ impl Store for PostgresStore {
         Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim).fetch_all(&self.pool).await?)
     }
 
-    async fn set_unclaimable(
-        &self,
-        id: i64,
-        now: DateTime<Utc>,
-        instance: &str,
-        error: &str,
-    ) -> Result<bool, StoreError> {
-        let query = sqlx::query(UNCLAIMABLE_SQL).bind(id).bind(now).bind(error).bind(instance);
+    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, by: &str, error: &str) -> Result<bool, StoreError> {
+        let query = sqlx::query(UNCLAIMABLE_SQL).bind(id).bind(now).bind(error).bind(by);
         Ok(query.execute(&self.pool).await?.rows_affected() == 1)
     }
 

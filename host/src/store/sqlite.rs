@@ -648,13 +648,7 @@ impl Store for SqliteStore {
         Ok(bind_claim!(sqlx::query_scalar(DUE_SQL), claim).fetch_all(&self.pool).await?)
     }
 
-    async fn set_unclaimable(
-        &self,
-        id: i64,
-        now: DateTime<Utc>,
-        instance: &str,
-        error: &str,
-    ) -> Result<bool, StoreError> {
+    async fn set_unclaimable(&self, id: i64, now: DateTime<Utc>, by: &str, error: &str) -> Result<bool, StoreError> {
         let mut writing = self.writing().await?;
         let mut tx = writing.begin().await?;
         let attempts: Option<i64> = sqlx::query_scalar(
@@ -680,7 +674,7 @@ impl Store for SqliteStore {
             .bind(attempts)
             .bind(ms(now))
             .bind(error)
-            .bind(instance)
+            .bind(by)
             .execute(&mut *tx)
             .await?;
         }

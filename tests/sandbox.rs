@@ -404,9 +404,9 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
     .unwrap();
     // The idle worker polls every 20 ms at most, so its claim soon waits for the lock. If it had
     // not begun when the stop came, it would never claim, and the test would fail on the batch
-    // count below, not pass: a second gives a loaded machine (CI runs tests side by side) fifty
-    // polls' worth of time.
-    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    // count below, not pass. Three seconds give a loaded machine (CI runs tests side by side)
+    // plenty of polls' worth of time: one second was too little once in a slow CI run.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let stopping = tokio::spawn(running.stop());
     tokio::time::sleep(std::time::Duration::from_millis(700)).await;
     assert!(!stopping.is_finished(), "the first batch's release waits for the lock too");

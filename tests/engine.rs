@@ -144,6 +144,40 @@ async fn listen_notify_wakes_an_idle_relay_at_once() {
     assert!(latencies.iter().all(|l| *l < Duration::from_secs(5)), "woken by NOTIFY, not by polling: {latencies:?}");
 }
 
+/// A resend through ferry wakes idle relays at once, as an insert does: no trigger watches
+/// UPDATEs (migration 12), so each resend (of events by id, and of failed events by filter)
+/// notifies them itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_wakes_an_idle_relay_at_once() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let ids = [
+        db.store.insert(&NewEvent::new("s", "ok", "{}"), SystemClock.now()).await.unwrap(),
+        db.store.insert(&NewEvent::new("s", "ok", "{}"), SystemClock.now()).await.unwrap(),
+    ];
+    let failed = "UPDATE ferry_events SET status = 'FAILED', failure_reason = 'permanent'";
+    sqlx::query(failed).execute(db.postgres.as_ref().unwrap().pool()).await.unwrap();
+    // Polling alone would take 30 s: only a notification can explain a fast delivery.
+    let config = db.config(&instance_config(&db, 0, "poll_interval = \"30s\"\nidle_poll_max = \"30s\"", ""));
+    let running = Running::start(&config).await;
+    for (n, id) in ids.into_iter().enumerate() {
+        // Idle again, after its first (empty) cycle or the last delivery.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let start = Instant::now();
+        if n == 0 {
+            assert_eq!(db.store.resend(&[id], SystemClock.now()).await.unwrap(), 1);
+        } else {
+            let filter = ferry::store::FailedFilter::default();
+            assert_eq!(db.store.resend_failed(&filter, SystemClock.now(), 10).await.unwrap(), [id]);
+        }
+        eventually(Duration::from_secs(10), "the resent event to be SENT", || async {
+            (db.store.get(id).await.unwrap().unwrap().status == Status::Sent).then_some(())
+        })
+        .await;
+        assert!(start.elapsed() < Duration::from_secs(5), "woken by resend {n}, not by polling: {:?}", start.elapsed());
+    }
+    running.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_listen_off_the_relay_only_polls() {
     let db = TestDb::new(Backend::Postgres).await;

@@ -589,6 +589,56 @@ async fn history_is_written_with_outcomes_and_kept_across_resends(db: TestDb) {
     assert!(s.attempts(gone).await.unwrap().is_empty());
 }
 
+/// An event's history goes with it however it goes: deleted by retention, cancelled by an
+/// operator, or deleted by SQL (nothing cascades on PostgreSQL, so retention's sweep deletes
+/// history rows whose event is gone as it passes their ids). Other events keep theirs.
+async fn history_goes_with_its_event(db: TestDb) {
+    let s = &db.store;
+    let ids: Vec<i64> = {
+        let mut ids = Vec::new();
+        for _ in 0..4 {
+            ids.push(s.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap());
+        }
+        ids
+    };
+    let (swept, cancelled, by_sql, kept) = (ids[0], ids[1], ids[2], ids[3]);
+    assert_eq!(s.claim(&claim(t0(), 10, "tok")).await.unwrap().len(), 4);
+    let retry = Disposition::Retry { at: t0() + secs(5), error: "busy".into() };
+    let retries: Vec<Completion> = ids.iter().map(|id| logged(*id, 1, retry.clone())).collect();
+    assert_eq!(s.complete("tok", t0() + secs(2), &retries).await.unwrap(), 4);
+    assert_eq!(history_rows(&db).await, 4);
+    // `swept` is delivered on its second attempt; the others stay PENDING.
+    let claimed = s.claim(&claim(t0() + secs(5), 1, "tok2")).await.unwrap();
+    assert_eq!(claimed.iter().map(|e| e.id).collect::<Vec<_>>(), vec![swept]);
+    s.complete("tok2", t0() + secs(6), &[done(swept, Disposition::Sent)]).await.unwrap();
+
+    assert!(s.end_event(cancelled, EndEvent::Cancel, t0() + secs(7)).await.unwrap());
+    assert!(s.attempts(cancelled).await.unwrap().is_empty(), "a cancelled event's history goes with it");
+    // As an application would: on SQLite, on a connection without foreign keys (SQLite's default).
+    let delete = format!("DELETE FROM ferry_events WHERE id = {by_sql}");
+    match db.backend {
+        Backend::Sqlite => {
+            let pool = db.sqlite.as_ref().unwrap().pool();
+            let mut conn = pool.acquire().await.unwrap();
+            sqlx::query("PRAGMA foreign_keys = OFF").execute(&mut *conn).await.unwrap();
+            sqlx::query(&delete).execute(&mut *conn).await.unwrap();
+            sqlx::query("PRAGMA foreign_keys = ON").execute(&mut *conn).await.unwrap();
+        }
+        Backend::Postgres => execute(&db, &delete).await.unwrap(),
+    }
+    assert_eq!(history_rows(&db).await, 3, "the event deleted by SQL left its history");
+
+    let later = t0() + secs(60);
+    let step = s.purge_sent(&sweep(i64::MIN, later, later, 10)).await.unwrap();
+    assert_eq!((step.seen, step.deleted), (2, 1), "{step:?}");
+    assert!(s.get(swept).await.unwrap().is_none());
+    for gone in [swept, by_sql] {
+        assert!(s.attempts(gone).await.unwrap().is_empty(), "event {gone}'s history is deleted");
+    }
+    assert_eq!(s.attempts(kept).await.unwrap().len(), 1, "a kept event keeps its history");
+    assert_eq!(history_rows(&db).await, 1);
+}
+
 /// Rows in `ferry_attempts`, over all events.
 async fn history_rows(db: &TestDb) -> i64 {
     let sql = "SELECT COUNT(*) FROM ferry_attempts";
@@ -843,8 +893,15 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
         }
     };
     execute(&db, fill).await.unwrap();
+    // History for one event in ten, so the sweep's look for history rows has some to find.
+    let started = if db.backend == Backend::Postgres { "now()" } else { "0" };
+    let history = format!(
+        "INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome)
+         SELECT id, 1, {started}, 0, 'retry' FROM ferry_events WHERE id % 10 = 0"
+    );
+    execute(&db, &history).await.unwrap();
     execute(&db, "ANALYZE").await.unwrap();
-    let (claim, one, due, ahead, sweep) = match db.backend {
+    let (claim, plain, one, due, ahead, sweep) = match db.backend {
         Backend::Postgres => {
             use sqlx::Connection as _;
             let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
@@ -860,6 +917,7 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
             let mut plans = Vec::new();
             for (name, sql, types, args) in [
                 ("claim", ferry::store::POSTGRES_CLAIM_SQL, "", format!("({claim_args})")),
+                ("plain", ferry::store::POSTGRES_CLAIM_PLAIN_SQL, claim_types, format!("({claim_args})")),
                 ("one", ferry::store::POSTGRES_CLAIM_ONE_SQL, "", format!("({claim_args}, 10000)")),
                 ("due", ferry::store::POSTGRES_DUE_SQL, claim_types, format!("({claim_args})")),
                 ("ahead", ferry::store::ahead_in_key_sql(true), "", "('r', 'k1', 20000)".into()),
@@ -872,8 +930,8 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
                 plans.push(rows.into_iter().map(|(line,)| line).collect::<Vec<_>>().join("\n"));
             }
             let sweep = vec![plans.pop().unwrap()];
-            let [claim, one, due, ahead @ ..] = &plans[..] else { unreachable!("six statements") };
-            (claim.clone(), one.clone(), due.clone(), ahead.join("\n"), sweep)
+            let [claim, plain, one, due, ahead @ ..] = &plans[..] else { unreachable!("seven statements") };
+            (claim.clone(), plain.clone(), one.clone(), due.clone(), ahead.join("\n"), sweep)
         }
         Backend::Sqlite => {
             let pool = db.sqlite.as_ref().unwrap().pool();
@@ -883,9 +941,12 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
             // Bound as the relay binds them: SQLite weighs the values against ANALYZE's samples.
             let now = chrono::Utc::now().timestamp_millis();
             let mut claims = Vec::new();
-            for sql in
-                [ferry::store::SQLITE_CLAIM_SQL, ferry::store::SQLITE_CLAIM_ONE_SQL, ferry::store::SQLITE_DUE_SQL]
-            {
+            for sql in [
+                ferry::store::SQLITE_CLAIM_SQL,
+                ferry::store::SQLITE_CLAIM_PLAIN_SQL,
+                ferry::store::SQLITE_CLAIM_ONE_SQL,
+                ferry::store::SQLITE_DUE_SQL,
+            ] {
                 let rows = sqlx::query_as(&explain(sql))
                     .bind(now)
                     .bind(500)
@@ -905,7 +966,7 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
                     .unwrap();
                 claims.push(plan(rows));
             }
-            let [claim, one, due] = <[String; 3]>::try_from(claims).expect("three statements");
+            let [claim, plain, one, due] = <[String; 4]>::try_from(claims).expect("four statements");
             let mut ahead = Vec::new();
             for failed_blocks in [true, false] {
                 let rows = sqlx::query_as(&explain(ferry::store::ahead_in_key_sql(failed_blocks)))
@@ -919,19 +980,23 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
             }
             let mut sweep = Vec::new();
             // As the relay binds them: a new sweep starts from the lowest id.
-            let [window, delete] = ferry::store::SQLITE_SWEEP_SQL.map(explain);
+            let [window, delete, orphans] = ferry::store::SQLITE_SWEEP_SQL.map(explain);
             let window = sqlx::query_as(&window).bind(i64::MIN).bind(1000).bind(now).bind(now);
             let delete = sqlx::query_as(&delete).bind(i64::MIN).bind(i64::MAX).bind(now);
-            for query in [window, delete] {
+            let orphans = sqlx::query_as(&orphans).bind(i64::MIN).bind(i64::MAX);
+            for query in [window, delete, orphans] {
                 sweep.push(plan(query.fetch_all(pool).await.unwrap()));
             }
-            (claim, one, due, ahead.join("\n"), sweep)
+            (claim, plain, one, due, ahead.join("\n"), sweep)
         }
     };
     // The claim writes its rows by primary key, picks them through the pending index and looks
     // for their predecessors through the key index; so does the look at one event's key.
     assert!(claim.contains("ferry_events_pkey") || claim.contains("INTEGER PRIMARY KEY (rowid=?)"), "{claim}");
     assert!(claim.contains("ferry_events_pending") && claim.contains("ferry_events_key"), "{claim}");
+    // The claim without route filters walks the pending index alone.
+    assert!(plain.contains("ferry_events_pkey") || plain.contains("INTEGER PRIMARY KEY (rowid=?)"), "{plain}");
+    assert!(plain.contains("ferry_events_pending") && !plain.contains("ferry_events_key"), "{plain}");
     assert!(ahead.contains("ferry_events_key"), "{ahead}");
     assert!(due.contains("ferry_events_pending") && due.contains("ferry_events_key"), "{due}");
     // The claim of one event picks its row by primary key (its UPDATE finds the row by primary
@@ -943,15 +1008,16 @@ async fn the_claim_the_look_at_a_key_and_retention_read_indexes(db: TestDb) {
     };
     assert!(picked_by_key, "{one}");
     assert!(!one.contains("ferry_events_pending"), "{one}");
-    for line in [&claim, &one, &due, &ahead].into_iter().flat_map(|plan| plan.lines()) {
+    for line in [&claim, &plain, &one, &due, &ahead].into_iter().flat_map(|plan| plan.lines()) {
         let walks_the_table = ["Seq Scan", "Hash Join", "rowid<", "rowid>"].iter().any(|w| line.contains(w))
             || (line.trim_start().starts_with("SCAN") && !line.contains("json_each"));
-        assert!(!walks_the_table, "{line}\n{claim}\n{one}\n{due}\n{ahead}");
+        assert!(!walks_the_table, "{line}\n{claim}\n{plain}\n{one}\n{due}\n{ahead}");
     }
-    // Retention's sweep reads a window along the primary key and deletes by it (on SQLite, each
-    // of its two statements).
+    // Retention's sweep reads a window along the primary key and deletes by it, and finds the
+    // window's history through its index (on SQLite, each of its three statements).
     for sweep in &sweep {
-        assert!(sweep.contains("ferry_events_pkey") || sweep.contains("INTEGER PRIMARY KEY (rowid>?"), "{sweep}");
+        let by_key = ["ferry_events_pkey", "INTEGER PRIMARY KEY (rowid>?", "ferry_attempts_event (event_id>?"];
+        assert!(by_key.iter().any(|k| sweep.contains(k)), "{sweep}");
         for line in sweep.lines() {
             let walks_the_table =
                 ["Seq Scan", "Hash", "Sort"].iter().any(|w| line.contains(w)) || line.contains("SCAN ferry_events");
@@ -964,6 +1030,7 @@ crate::both_backends!(
     the_claim_the_look_at_a_key_and_retention_read_indexes,
     failed_groups_span_their_first_and_last_failure,
     history_is_written_with_outcomes_and_kept_across_resends,
+    history_goes_with_its_event,
     successes_are_recorded_on_the_event_row,
     a_fenced_off_row_never_lets_another_be_marked_sent,
     stats_describe_the_outbox,

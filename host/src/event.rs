@@ -220,6 +220,10 @@ pub mod headers_json {
 
 /// Parses the stored `headers` JSON object. Non-string values are kept as their JSON text.
 pub fn parse_headers(json: &str) -> Result<Vec<(String, String)>, String> {
+    // The default, and what most events carry: nothing to parse.
+    if json == "{}" {
+        return Ok(Vec::new());
+    }
     match serde_json::from_str::<serde_json::Value>(json) {
         Ok(serde_json::Value::Object(map)) => Ok(map
             .into_iter()
@@ -439,22 +443,26 @@ impl StoredRow {
 #[derive(Debug)]
 pub(crate) struct ClaimedRow {
     id: i64,
-    route: String,
-    event_type: String,
+    /// NULL when longer than [`MAX_CLAIMED_NAME`] (a route is never NULL in the table): it is not
+    /// loaded. So for the event type and the content type.
+    route: Option<String>,
+    event_type: Option<String>,
+    /// NULL when the event has none, or when it is longer than [`MAX_CLAIMED_NAME`]
+    /// (`key_oversized` tells which).
     ordering_key: Option<String>,
     /// NULL when the payload is larger than the claim's `max_payload`: it is not loaded.
     payload: Option<Vec<u8>>,
     payload_size: i64,
-    content_type: String,
-    headers: String,
+    content_type: Option<String>,
+    /// NULL when the headers print in more than [`MAX_CLAIMED_HEADERS`] bytes.
+    headers: Option<String>,
     attempts: u32,
     max_attempts: Option<u32>,
     event_time: DateTime<Utc>,
     created_at: DateTime<Utc>,
     pub(crate) next_attempt_at: DateTime<Utc>,
-    /// The first column over its limit and its size in bytes (`"headers 70000"`), when one is:
-    /// the claim then returns that column empty rather than load it.
-    oversized: Option<String>,
+    /// True when the ordering key is longer than [`MAX_CLAIMED_NAME`], NULL when there is none.
+    key_oversized: Option<bool>,
 }
 
 /// The longest route, event type, ordering key or content type a claim loads, in bytes (bound
@@ -483,51 +491,116 @@ pub(crate) const CLAIMED_COLUMNS: [&str; 14] = [
     "event_time",
     "created_at",
     "next_attempt_at",
-    "oversized",
+    "key_oversized",
 ];
 
-impl<'r, R> sqlx::FromRow<'r, R> for ClaimedRow
+impl ClaimedRow {
+    /// Checks that the columns of `row` are declared with types compatible with those each is
+    /// read as, naming the first that is not. Where every row of a result has its columns'
+    /// declared types (PostgreSQL's), this checks them all, and [`ClaimedRow::decode`] need not
+    /// check each value.
+    pub(crate) fn check_declared_types<R>(row: &R) -> Result<(), String>
+    where
+        R: sqlx::Row,
+        i64: sqlx::Type<R::Database>,
+        String: sqlx::Type<R::Database>,
+        Vec<u8>: sqlx::Type<R::Database>,
+        Count: sqlx::Type<R::Database>,
+        MaybeCount: sqlx::Type<R::Database>,
+        DbTime: sqlx::Type<R::Database>,
+        bool: sqlx::Type<R::Database>,
+    {
+        use sqlx::{Column, TypeInfo};
+        type Check<DB> = fn(&<DB as sqlx::Database>::TypeInfo) -> bool;
+        fn check<DB: sqlx::Database, T: sqlx::Type<DB>>(ty: &DB::TypeInfo) -> bool {
+            T::compatible(ty)
+        }
+        let checks: [Check<R::Database>; 14] = [
+            check::<_, i64>,
+            check::<_, String>,
+            check::<_, String>,
+            check::<_, String>,
+            check::<_, Vec<u8>>,
+            check::<_, i64>,
+            check::<_, String>,
+            check::<_, String>,
+            check::<_, Count>,
+            check::<_, MaybeCount>,
+            check::<_, DbTime>,
+            check::<_, DbTime>,
+            check::<_, DbTime>,
+            check::<_, bool>,
+        ];
+        // The names are checked first (`claimed_events`): these are the claim's columns, in order.
+        for ((column, check), name) in row.columns().iter().zip(checks).zip(CLAIMED_COLUMNS) {
+            if !check(column.type_info()) {
+                return Err(format!("returned its column {name} as {}", column.type_info().name()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Decodes a claimed row, by position. With `check_types`, each value's type is checked
+    /// against what it is read as before it is decoded, as `FromRow` does. Without, it is not: for
+    /// a row whose values have the types their columns declare (PostgreSQL's), once
+    /// [`ClaimedRow::check_declared_types`] passed. SQLite's values carry types of their own, so
+    /// its rows are checked value by value.
+    pub(crate) fn decode<'r, R>(row: &'r R, check_types: bool) -> Result<Self, sqlx::Error>
+    where
+        R: sqlx::Row,
+        usize: sqlx::ColumnIndex<R>,
+        i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        Count: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        MaybeCount: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        DbTime: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        bool: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        let column = |i: usize| ClaimedColumn { row, i, check_types };
+        Ok(Self {
+            id: column(0).get()?,
+            route: column(1).get()?,
+            event_type: column(2).get()?,
+            ordering_key: column(3).get()?,
+            payload: column(4).get()?,
+            payload_size: column(5).get()?,
+            content_type: column(6).get()?,
+            headers: column(7).get()?,
+            attempts: column(8).get::<Count>()?.into(),
+            max_attempts: column(9).get::<MaybeCount>()?.into(),
+            event_time: column(10).get::<DbTime>()?.into(),
+            created_at: column(11).get::<DbTime>()?.into(),
+            next_attempt_at: column(12).get::<DbTime>()?.into(),
+            key_oversized: column(13).get()?,
+        })
+    }
+}
+
+/// Column `i` of a claimed row, read as [`ClaimedRow::decode`] says.
+struct ClaimedColumn<'r, R> {
+    row: &'r R,
+    i: usize,
+    check_types: bool,
+}
+
+impl<'r, R> ClaimedColumn<'r, R>
 where
     R: sqlx::Row,
     usize: sqlx::ColumnIndex<R>,
-    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    Count: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    MaybeCount: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    DbTime: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
-    fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
-        /// Column `i`, an error naming it as a decode by name would.
-        fn column<'r, R, T>(row: &'r R, i: usize) -> Result<T, sqlx::Error>
-        where
-            R: sqlx::Row,
-            usize: sqlx::ColumnIndex<R>,
-            T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        {
-            row.try_get(i).map_err(|e| match e {
-                sqlx::Error::ColumnDecode { source, .. } => {
-                    let name = CLAIMED_COLUMNS.get(i).copied().unwrap_or("?");
-                    sqlx::Error::ColumnDecode { index: format!("{name:?}"), source }
-                }
-                other => other,
-            })
-        }
-        Ok(Self {
-            id: column(row, 0)?,
-            route: column(row, 1)?,
-            event_type: column(row, 2)?,
-            ordering_key: column(row, 3)?,
-            payload: column(row, 4)?,
-            payload_size: column(row, 5)?,
-            content_type: column(row, 6)?,
-            headers: column(row, 7)?,
-            attempts: column::<R, Count>(row, 8)?.into(),
-            max_attempts: column::<R, MaybeCount>(row, 9)?.into(),
-            event_time: column::<R, DbTime>(row, 10)?.into(),
-            created_at: column::<R, DbTime>(row, 11)?.into(),
-            next_attempt_at: column::<R, DbTime>(row, 12)?.into(),
-            oversized: column(row, 13)?,
+    /// The value, or an error naming the column as a decode by name would.
+    fn get<T>(&self) -> Result<T, sqlx::Error>
+    where
+        T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        let value = if self.check_types { self.row.try_get(self.i) } else { self.row.try_get_unchecked(self.i) };
+        value.map_err(|e| match e {
+            sqlx::Error::ColumnDecode { source, .. } => {
+                let name = CLAIMED_COLUMNS.get(self.i).copied().unwrap_or("?");
+                sqlx::Error::ColumnDecode { index: format!("{name:?}"), source }
+            }
+            other => other,
         })
     }
 }
@@ -537,44 +610,57 @@ impl ClaimedRow {
     /// headers too long to load, or a payload over the size limit (`max` bytes), become the
     /// event's defect.
     pub(crate) fn into_event(self, max_payload: u64) -> ClaimedEvent {
-        let (headers, mut defect) = match parse_headers(&self.headers) {
-            Ok(headers) => (headers, None),
-            Err(e) => (Vec::new(), Some(format!("event {}: {e}", self.id))),
+        let id = self.id;
+        // Each later finding replaces an earlier one: a value not loaded says more than one that
+        // is wrong, and the payload's size, which the operator can change a limit for, most.
+        let (headers, mut defect) = match self.headers.as_deref().map(parse_headers) {
+            Some(Ok(headers)) => (headers, None),
+            Some(Err(e)) => (Vec::new(), Some(format!("event {id}: {e}"))),
+            None => (Vec::new(), None),
         };
+        let not_loaded = [
+            ("route", self.route.is_none()),
+            ("event_type", self.event_type.is_none()),
+            ("ordering_key", self.key_oversized == Some(true)),
+            ("content_type", self.content_type.is_none()),
+            ("headers", self.headers.is_none()),
+        ];
+        let (route, event_type) = (self.route.unwrap_or_default(), self.event_type.unwrap_or_default());
         // The schema refuses these at INSERT; a row written past its checks (a logical replica,
-        // a restore without triggers) can still hold them.
-        for (column, value) in [("route", &self.route), ("event_type", &self.event_type)] {
+        // a restore without triggers, an UPDATE by hand) can still hold them.
+        for (column, value) in [("route", &route), ("event_type", &event_type)] {
             if value.is_empty() {
-                defect = Some(format!("event {}: {column} is empty; set it and resend the event", self.id));
+                defect = Some(format!("event {id}: {column} is empty; set it and resend the event"));
             }
         }
-        if let Some(oversized) = &self.oversized {
-            let (column, size) = oversized.split_once(' ').unwrap_or((oversized.as_str(), "?"));
-            let (limit, are, fix) = if column == "headers" {
-                (MAX_CLAIMED_HEADERS, "are", "smaller headers".to_string())
+        if let Some((column, _)) = not_loaded.into_iter().find(|(_, missing)| *missing) {
+            defect = Some(if column == "headers" {
+                format!(
+                    "event {id}: its headers print in more than the {MAX_CLAIMED_HEADERS} bytes ferry loads, so they \
+                     were not loaded; emit the event again with smaller headers, or purge it"
+                )
             } else {
-                (MAX_CLAIMED_NAME, "is", format!("a shorter {column}"))
-            };
-            defect = Some(format!(
-                "event {}: its {column} {are} {size} bytes, more than the {limit} ferry loads, so it was \
-                 not loaded; emit the event again with {fix}, or purge it",
-                self.id
-            ));
+                format!(
+                    "event {id}: its {column} is longer than the {MAX_CLAIMED_NAME} bytes ferry loads, so it was not \
+                     loaded; emit the event again with a shorter {column}, or purge it"
+                )
+            });
         }
         if self.payload.is_none() {
             defect = Some(format!(
-                "event {}: the payload is {} bytes, more than relay.max_payload ({max_payload} bytes); \
+                "event {id}: the payload is {} bytes, more than relay.max_payload ({max_payload} bytes); \
                  raise the limit and resend it, or purge it",
-                self.id, self.payload_size
+                self.payload_size
             ));
         }
+        let content_type = self.content_type.unwrap_or_default();
         ClaimedEvent {
-            id: self.id,
-            route: self.route,
-            event_type: self.event_type,
+            id,
+            route,
+            event_type,
             ordering_key: self.ordering_key,
             payload: self.payload.unwrap_or_default(),
-            content_type: self.content_type,
+            content_type,
             headers,
             attempt: self.attempts,
             max_attempts: self.max_attempts,

@@ -18,6 +18,9 @@ pub(super) mod current {
         path: "../wit",
         world: "transport-plugin",
         exports: { default: async },
+        // Events are lowered into the guest from ferry's own copy, not cloned into owned records
+        // first.
+        ownership: Borrowing { duplicate_if_necessary: true },
     });
 }
 
@@ -27,6 +30,9 @@ pub(super) mod v0_1 {
         path: "../wit/v0.1",
         world: "transport-plugin",
         exports: { default: async },
+        // Events are lowered into the guest from ferry's own copy, not cloned into owned records
+        // first.
+        ownership: Borrowing { duplicate_if_necessary: true },
     });
 }
 
@@ -91,22 +97,27 @@ pub(super) fn add_to_linker(linker: &mut Linker<HostState>) -> anyhow::Result<()
 }
 
 /// `event` as the WIT `event` record of the version whose type is `$record` (the record is the
-/// same in every version).
+/// same in every version), borrowing its values; `$headers` is its headers as borrowed pairs.
 macro_rules! wit_event {
-    ($record:path, $event:expr) => {{
+    ($record:path, $event:expr, $headers:expr) => {{
         let event: &ClaimedEvent = $event;
         $record {
             id: u64::try_from(event.id).unwrap_or_default(),
-            event_type: event.event_type.clone(),
-            route: event.route.clone(),
-            ordering_key: event.ordering_key.clone(),
-            payload: event.payload.clone(),
-            content_type: event.content_type.clone(),
-            headers: event.headers.clone(),
+            event_type: &event.event_type,
+            route: &event.route,
+            ordering_key: event.ordering_key.as_deref(),
+            payload: &event.payload,
+            content_type: &event.content_type,
+            headers: $headers,
             attempt: event.attempt,
             event_time: event.event_time.timestamp_millis(),
         }
     }};
+}
+
+/// Each event's headers as the borrowed pairs a WIT `event` record holds.
+fn borrowed_headers<'a>(events: &[&'a ClaimedEvent]) -> Vec<Vec<(&'a str, &'a str)>> {
+    events.iter().map(|e| e.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()).collect()
 }
 
 /// A component linked and checked against the world of its version, ready to instantiate.
@@ -154,9 +165,10 @@ impl Bindings {
         store: &mut WasmStore<HostState>,
         config: &[(String, String)],
     ) -> wasmtime::Result<Result<(), String>> {
+        let config: Vec<(&str, &str)> = config.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         match self {
-            Bindings::Current(b) => b.ferry_transport_transport().call_init(store, config).await,
-            Bindings::V0_1(b) => b.ferry_transport_transport().call_init(store, config).await,
+            Bindings::Current(b) => b.ferry_transport_transport().call_init(store, &config).await,
+            Bindings::V0_1(b) => b.ferry_transport_transport().call_init(store, &config).await,
         }
     }
 
@@ -166,15 +178,17 @@ impl Bindings {
         store: &mut WasmStore<HostState>,
         events: &[&ClaimedEvent],
     ) -> wasmtime::Result<Vec<Outcome>> {
+        let headers = borrowed_headers(events);
+        let pairs = events.iter().zip(&headers);
         match self {
             Bindings::Current(b) => {
                 let events: Vec<_> =
-                    events.iter().map(|e| wit_event!(current::ferry::transport::types::Event, e)).collect();
+                    pairs.map(|(e, h)| wit_event!(current::ferry::transport::types::Event, e, h)).collect();
                 b.ferry_transport_transport().call_deliver_batch(store, &events).await
             }
             Bindings::V0_1(b) => {
                 let events: Vec<_> =
-                    events.iter().map(|e| wit_event!(v0_1::ferry::transport::types::Event, e)).collect();
+                    pairs.map(|(e, h)| wit_event!(v0_1::ferry::transport::types::Event, e, h)).collect();
                 let outcomes = b.ferry_transport_transport().call_deliver_batch(store, &events).await?;
                 Ok(outcomes.into_iter().map(from_v0_1).collect())
             }

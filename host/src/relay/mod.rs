@@ -12,6 +12,7 @@ use rand::Rng;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use self::tally::{EventsById, Runs};
 use self::trace::BatchTimes;
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
@@ -24,6 +25,7 @@ use crate::telemetry::{Attr, Tracer};
 
 mod deliver;
 mod health;
+mod tally;
 mod trace;
 
 pub use self::health::RelayHealth;
@@ -683,11 +685,11 @@ impl Relay {
         breakers: &[Breaker],
         probed: &[String],
     ) -> Result<(), StoreError> {
-        let route_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.route.as_str())).collect();
+        let mut by_id = EventsById::new(events);
         let mut tallies: BTreeMap<&str, Tally> = BTreeMap::new();
         for completion in completions {
-            if let Some(route) = route_of.get(&completion.id) {
-                tallies.entry(route).or_default().add(&completion.disposition);
+            if let Some(event) = by_id.get(completion.id) {
+                tallies.entry(&event.route).or_default().add(&completion.disposition);
             }
         }
         for route in probed {
@@ -851,21 +853,22 @@ impl Relay {
         label: &dyn Fn(&'a str) -> &'a str,
     ) {
         // Tallied first, so each label set is looked up once per batch, not once per event.
-        let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
+        let mut by_id = EventsById::new(events);
         // By route, plugin and (for failures) failure reason.
-        let mut tally: HashMap<(&str, &str, Option<FailureReason>), Outcomes> = HashMap::new();
-        let mut latencies: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        let mut tally: Runs<(&str, &str, Option<FailureReason>), Outcomes> = Runs::new();
+        let mut latencies: Runs<&str, Vec<f64>> = Runs::new();
         for completion in completions {
-            let Some(event) = by_id.get(&completion.id) else { continue };
+            let Some(event) = by_id.get(completion.id) else { continue };
             let plugin = completion.attempt.call.plugin.as_deref().unwrap_or_default();
             let reason = completion.disposition.reason();
             let route = event.route.as_str();
-            tally.entry((route, plugin, reason)).or_default().count(&completion.disposition);
+            tally.entry((route, plugin, reason)).count(&completion.disposition);
             if completion.disposition == Disposition::Sent {
                 let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
-                latencies.entry(route).or_default().push(latency);
+                latencies.entry(route).push(latency);
             }
         }
+        let (tally, latencies) = (tally.into_entries(), latencies.into_entries());
         // Labelled per route, not per event: routes not configured share one label, and their
         // counts add up in it.
         for ((route, plugin, reason), outcomes) in tally {
@@ -883,7 +886,7 @@ impl Relay {
                 }
             }
         }
-        let all: Vec<f64> = latencies.values().flatten().map(|seconds| seconds * 1000.0).collect();
+        let all: Vec<f64> = latencies.iter().flat_map(|(_, values)| values).map(|seconds| seconds * 1000.0).collect();
         self.metrics.activity.record(done_at, count(totals.sent), count(totals.retried), count(totals.failed), &all);
         for (route, values) in latencies {
             let histogram = self.metrics.delivery_latency.get_or_create(&RouteOnly { route: label(route).into() });

@@ -24,13 +24,16 @@ pub use self::postgres::PostgresStore;
 pub fn postgres_session_settings() -> &'static [(&'static str, &'static str)] {
     &postgres::SESSION_SETTINGS
 }
-use self::codec::{DbTime, Lenient};
+use self::codec::{Count, DbTime, Lenient, MaybeCount};
 pub use self::sqlite::SqliteStore;
 pub(crate) use self::stats::{ATTEMPTS_SQL, LATENCY_SQL, ROUTE_COUNTS_SQL, stats_from};
 pub use self::stats::{LATENCY_SAMPLES, Latency, Percentiles, Stats};
 /// What a `/metrics` scrape runs: public so a test can check their plans read no SENT rows.
 pub use self::stats::{UNFINISHED_COUNTS_SQL, WATCH_SQL};
 pub use self::{postgres::CLAIM_ONE_SQL as POSTGRES_CLAIM_ONE_SQL, sqlite::CLAIM_ONE_SQL as SQLITE_CLAIM_ONE_SQL};
+pub use self::{
+    postgres::CLAIM_PLAIN_SQL as POSTGRES_CLAIM_PLAIN_SQL, sqlite::CLAIM_PLAIN_SQL as SQLITE_CLAIM_PLAIN_SQL,
+};
 /// Each backend's claim, its one-event claim and its list of due events (the fallback of a
 /// refused claim): public so a test can check their plans.
 pub use self::{postgres::CLAIM_SQL as POSTGRES_CLAIM_SQL, sqlite::CLAIM_SQL as SQLITE_CLAIM_SQL};
@@ -159,6 +162,14 @@ pub struct Claim {
     pub only_route: Option<String>,
     /// Payloads larger than this are not loaded: such an event comes back with a defect.
     pub max_payload: u64,
+}
+
+impl Claim {
+    /// Whether a due event's route can keep it from this claim: a route is paused, chosen or
+    /// ordered. When none is, the claim statement leaves out its tests of the route.
+    pub fn filters_routes(&self) -> bool {
+        !self.paused_routes.is_empty() || self.only_route.is_some() || !self.ordered_routes.is_empty()
+    }
 }
 
 /// Which FAILED events an operation applies to. Every field narrows the selection; the default
@@ -790,13 +801,21 @@ fn counts_by_status(rows: Vec<(String, i64)>) -> BTreeMap<Status, u64> {
 /// A row that cannot be decoded (a column holding what ferry cannot represent) still comes back,
 /// as an event whose defect names the column, so the relay fails it alone instead of losing the
 /// whole batch.
-fn claimed_events<R>(rows: &[R], max_payload: u64) -> Result<Vec<ClaimedEvent>, StoreError>
+///
+/// With `types_per_value` (SQLite, whose values carry types of their own) every value is checked
+/// against the type it is read as; otherwise (PostgreSQL, where every row has the types the
+/// statement declares) the declared types are, once.
+fn claimed_events<R>(rows: &[R], max_payload: u64, types_per_value: bool) -> Result<Vec<ClaimedEvent>, StoreError>
 where
     R: Row,
     usize: ColumnIndex<R>,
-    for<'r> ClaimedRow: FromRow<'r, R>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Count: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> MaybeCount: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> DbTime: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
 {
     if let Some(first) = rows.first() {
         let names = || first.columns().iter().map(sqlx::Column::name);
@@ -806,8 +825,13 @@ where
                 names().collect::<Vec<_>>()
             ))));
         }
+        if !types_per_value {
+            ClaimedRow::check_declared_types(first).map_err(|why| {
+                StoreError::Database(sqlx::Error::Protocol(format!("the claim {why}, which ferry does not read it as")))
+            })?;
+        }
     }
-    let decode = |row: &R| match ClaimedRow::from_row(row) {
+    let decode = |row: &R| match ClaimedRow::decode(row, types_per_value) {
         Ok(decoded) => (decoded.next_attempt_at, decoded.into_event(max_payload)),
         Err(e) => {
             // The columns are the claim's (checked above): the id and the route come first.
@@ -1191,14 +1215,13 @@ mod tests {
     #[tokio::test]
     async fn claimed_rows_are_read_only_with_the_claims_columns() {
         use sqlx::Connection as _;
-        use sqlx::FromRow as _;
         let mut db = sqlx::SqliteConnection::connect("sqlite::memory:").await.unwrap();
         let in_order = "7 AS id, 'r' AS route, 't' AS event_type, NULL AS ordering_key, x'7b7d' AS payload, \
              2 AS payload_size, 'application/json' AS content_type, '{}' AS headers, 1 AS attempts, \
              NULL AS max_attempts, 1000 AS event_time, 2000 AS created_at, 3000 AS next_attempt_at, \
-             NULL AS oversized";
+             NULL AS key_oversized";
         let rows = sqlx::query(&format!("SELECT {in_order}")).fetch_all(&mut db).await.unwrap();
-        let events = super::claimed_events(&rows, 1024).unwrap();
+        let events = super::claimed_events(&rows, 1024, true).unwrap();
         assert_eq!(events.len(), 1);
         let event = &events[0];
         assert_eq!((event.id, event.route.as_str(), event.event_type.as_str()), (7, "r", "t"));
@@ -1208,25 +1231,67 @@ mod tests {
         // Two columns of the same type swapped: by position, each would read as the other.
         let swapped = in_order.replace("'r' AS route, 't' AS event_type", "'t' AS event_type, 'r' AS route");
         let rows = sqlx::query(&format!("SELECT {swapped}")).fetch_all(&mut db).await.unwrap();
-        let unchecked = super::ClaimedRow::from_row(&rows[0]).unwrap().into_event(1024);
+        let unchecked = super::ClaimedRow::decode(&rows[0], true).unwrap().into_event(1024);
         assert_eq!((unchecked.route.as_str(), unchecked.event_type.as_str()), ("t", "r"), "read by position");
-        let error = super::claimed_events(&rows, 1024).unwrap_err().to_string();
+        let error = super::claimed_events(&rows, 1024, true).unwrap_err().to_string();
         assert!(error.contains("\"event_type\", \"route\"") && error.contains("not [\"id\", \"route\""), "{error}");
         // A value that does not decode is named by its column, as when columns were read by name.
         let unreadable = in_order.replace("1000 AS event_time", "'yesterday' AS event_time");
         let rows = sqlx::query(&format!("SELECT {unreadable}")).fetch_all(&mut db).await.unwrap();
-        let events = super::claimed_events(&rows, 1024).unwrap();
+        let events = super::claimed_events(&rows, 1024, true).unwrap();
         let defect = events[0].defect.as_deref().unwrap_or_default();
         assert!(defect.starts_with("event 7: column event_time cannot be read"), "{defect}");
-        // A column the claim did not load for its size is named, with the size and the limit.
-        let oversized = in_order.replace("NULL AS oversized", "'headers 200000' AS oversized");
-        let rows = sqlx::query(&format!("SELECT {oversized}")).fetch_all(&mut db).await.unwrap();
-        let events = super::claimed_events(&rows, 1024).unwrap();
-        let defect = events[0].defect.as_deref().unwrap_or_default();
+        // SQLite's values carry their own types: a later row's is checked as the first's is.
+        let second = unreadable.replace("7 AS id", "8 AS id");
+        let rows =
+            sqlx::query(&format!("SELECT {in_order} UNION ALL SELECT {second}")).fetch_all(&mut db).await.unwrap();
+        let events = super::claimed_events(&rows, 1024, true).unwrap();
+        let defects: Vec<(i64, Option<&str>)> = events.iter().map(|e| (e.id, e.defect.as_deref())).collect();
         assert!(
-            defect.starts_with("event 7: its headers are 200000 bytes, more than the 131072 ferry loads"),
-            "{defect}"
+            matches!(defects[..], [(8, Some(d)), (7, None)] if d.starts_with("event 8: column event_time")),
+            "{defects:?}"
         );
+        // A value the claim did not load for its size is named, with the limit.
+        for (unloaded, named) in [
+            (in_order.replace("'{}' AS headers", "NULL AS headers"), "its headers print in more than the 131072 bytes"),
+            (
+                in_order.replace("'t' AS event_type", "NULL AS event_type"),
+                "its event_type is longer than the 1024 bytes",
+            ),
+            (
+                in_order.replace("NULL AS key_oversized", "1 AS key_oversized"),
+                "its ordering_key is longer than the 1024",
+            ),
+        ] {
+            let rows = sqlx::query(&format!("SELECT {unloaded}")).fetch_all(&mut db).await.unwrap();
+            let events = super::claimed_events(&rows, 1024, true).unwrap();
+            let defect = events[0].defect.as_deref().unwrap_or_default();
+            assert!(defect.starts_with(&format!("event 7: {named}")) && defect.contains("not loaded"), "{defect}");
+        }
+        // Of several findings the last in this order is named: headers that do not parse, an empty
+        // name, a value not loaded (the first of the claim's columns), a payload over the limit.
+        let several =
+            |edits: &[(&str, &str)]| edits.iter().fold(in_order.to_string(), |row, (from, to)| row.replace(from, to));
+        for (edits, named) in [
+            (
+                vec![("'{}' AS headers", "'[' AS headers"), ("'t' AS event_type", "'' AS event_type")],
+                "event_type is empty",
+            ),
+            (
+                vec![("'t' AS event_type", "'' AS event_type"), ("'{}' AS headers", "NULL AS headers")],
+                "its headers print",
+            ),
+            (vec![("'r' AS route", "NULL AS route"), ("'application/json'", "NULL")], "its route is longer"),
+            (
+                vec![("NULL AS key_oversized", "1 AS key_oversized"), ("x'7b7d' AS payload", "NULL AS payload")],
+                "the payload is 2",
+            ),
+        ] {
+            let rows = sqlx::query(&format!("SELECT {}", several(&edits))).fetch_all(&mut db).await.unwrap();
+            let events = super::claimed_events(&rows, 1024, true).unwrap();
+            let defect = events[0].defect.as_deref().unwrap_or_default();
+            assert!(defect.starts_with(&format!("event 7: {named}")), "{edits:?}: {defect}");
+        }
     }
 
     /// Only what may well not happen again is tried again: a busy SQLite file and a failed

@@ -66,6 +66,18 @@ impl PostgresStore {
         Ok(Self { pool })
     }
 
+    /// Wakes the relays listening on this database (every instance's), as an INSERT into the
+    /// outbox does through its trigger: for events made due by an UPDATE, which no trigger reports
+    /// (migration 12), such as a resend.
+    /// The events are resent whether or not it works: should it fail, the relays find them at
+    /// their next poll, so it is logged, not returned.
+    async fn wake_relays(&self) {
+        let notified = sqlx::query("SELECT pg_notify($1, '')").bind(NOTIFY_CHANNEL).execute(&self.pool).await;
+        if let Err(error) = notified {
+            tracing::warn!("resent events are found at the relays' next poll: waking them failed: {error}");
+        }
+    }
+
     /// The pool, for applications that emit through their own transactions. When the same store
     /// also runs a relay, the two share it: it is sized by `database.max_connections` for the
     /// relay's workers and LISTEN, and each connection the application holds is one a worker
@@ -250,6 +262,16 @@ impl RecordOutcomes for PostgresStore {
     }
 }
 
+/// Deletes the history of events `ids`, just deleted in `tx`: nothing cascades (migration 12). A
+/// statement of its own, so it also sees history that a transaction committed while the deletion
+/// waited for an event's row (a retry recorded as an operator cancels the event).
+async fn delete_history(tx: &mut sqlx::PgConnection, ids: &[i64]) -> Result<(), StoreError> {
+    if !ids.is_empty() {
+        sqlx::query("DELETE FROM ferry_attempts WHERE event_id = ANY($1)").bind(ids).execute(tx).await?;
+    }
+    Ok(())
+}
+
 /// `statement` ([`COMPLETE_SENT_BY_TOKEN`], perhaps with `RETURNING id`) bound for `sent`.
 fn sent_by_token<'q>(
     statement: &'q str,
@@ -319,49 +341,65 @@ const FAN_OUT_SQL: &str = "INSERT INTO ferry_events
 pub const SESSION_SETTINGS: [(&str, &str); 2] =
     [("plan_cache_mode", "force_custom_plan"), ("enable_bitmapscan", "off")];
 
-/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`), `$one` narrowing them to one
-/// (`CLAIM_ONE_SQL`).
-macro_rules! due_sql {
-    ($one:literal) => {
-        concat!(
-            "
-         SELECT e.id FROM ferry_events e
-         WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1
-           AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)",
-            $one,
-            "
+/// The claim's tests of a due event's route: not one of the paused routes $8, the route $9 when
+/// given, and in an ordered route ($6) not queued behind an unfinished event of its key (or a
+/// FAILED one, in the blocking routes $7). With no route paused, chosen or ordered, they pass every
+/// event, and [`CLAIM_PLAIN_SQL`] leaves them out.
+macro_rules! route_filters {
+    () => {
+        "
+           AND NOT (e.route = ANY($8)) AND ($9::text IS NULL OR e.route = $9)
            AND (e.ordering_key IS NULL OR NOT (e.route = ANY($6)) OR NOT EXISTS (
                 SELECT 1 FROM ferry_events p
                 WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id
                   AND (p.status IN ('PENDING', 'PROCESSING')
-                       OR (p.status = 'FAILED' AND p.route = ANY($7)))))
+                       OR (p.status = 'FAILED' AND p.route = ANY($7)))))"
+    };
+}
+
+/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`), `$one` narrowing them to one
+/// (`CLAIM_ONE_SQL`), tested by `$filters` (`route_filters!()`, or `""` for none).
+macro_rules! due_sql {
+    ($one:literal, $($filters:tt)*) => {
+        concat!(
+            "
+         SELECT e.id FROM ferry_events e
+         WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1",
+            $($filters)*,
+            $one,
+            "
          ORDER BY e.next_attempt_at, e.id
          LIMIT $2"
         )
     };
 }
 
-/// Claims up to $2 due events for instance $3 under token $4 until $5, at $1: not those of the
-/// paused routes $8, only those of $9 when given, and in an ordered route ($6) none queued behind
-/// an unfinished event of its key (or a FAILED one, in the blocking routes $7); payloads above $10
-/// bytes come back as their size only, names above $11 and headers printing above $12 empty,
-/// named in `oversized`. The picked ids are handed to the UPDATE as an array, so it finds its rows
-/// by primary key at any size the outbox reaches: joined instead, PostgreSQL hashed the whole
-/// table for them when it held up to some tens of thousands of rows.
-pub const CLAIM_SQL: &str = claim_sql!("", "FOR UPDATE SKIP LOCKED");
+/// Claims up to $2 due events for instance $3 under token $4 until $5, at $1, as the route filters
+/// (`route_filters!`) allow; payloads above $10 bytes come back as their size only, names above $11
+/// and headers printing above $12 as NULL. The picked ids are handed to the
+/// UPDATE as an array, so it finds its rows by primary key at any size the outbox reaches: joined
+/// instead, PostgreSQL hashed the whole table for them when it held up to some tens of thousands
+/// of rows.
+pub const CLAIM_SQL: &str = claim_sql!("", "FOR UPDATE SKIP LOCKED", route_filters!());
+
+/// [`CLAIM_SQL`] without the route filters, for a claim that has no route to hold back
+/// ([`Claim::filters_routes`]): the common case, where testing each due event's route against
+/// empty lists cost about 1% of what PostgreSQL spends per event (BENCHMARKS.md). It takes the
+/// same parameters and reads $6 to $9 not at all.
+pub const CLAIM_PLAIN_SQL: &str = claim_sql!("", "FOR UPDATE SKIP LOCKED", "");
 
 /// [`CLAIM_SQL`] for event $13 alone, found by primary key, which waits for a lock on it rather
 /// than skip it: a claim that PostgreSQL refused reports its error before its transaction has let
 /// go of its rows.
-pub const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = $13", "FOR UPDATE");
+pub const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = $13", "FOR UPDATE", route_filters!());
 
-/// The claim statement, of the events `$one` narrows them to, locking the rows it picks with
-/// `$lock`.
+/// The claim statement, of the events `$one` narrows them to and `$filters` allows, locking the
+/// rows it picks with `$lock`.
 macro_rules! claim_sql {
-    ($one:literal, $lock:literal) => {
+    ($one:literal, $lock:literal, $($filters:tt)*) => {
         concat!(
             "WITH picked AS (",
-            due_sql!($one),
+            due_sql!($one, $($filters)*),
             "
          ",
             $lock,
@@ -374,27 +412,23 @@ macro_rules! claim_sql {
          claimed_by = $3, claim_token = $4, lease_until = $5
      WHERE e.id = ANY(ARRAY(SELECT id FROM picked))
      RETURNING e.id,
-               CASE WHEN octet_length(e.route) <= $11 THEN e.route ELSE '' END AS route,
-               CASE WHEN octet_length(e.event_type) <= $11 THEN e.event_type ELSE '' END AS event_type,
+               -- A value over its limit comes back NULL (the event fails naming it), the ordering
+               -- key's with key_oversized set; so the relay never loads it.
+               CASE WHEN octet_length(e.route) <= $11 THEN e.route END AS route,
+               CASE WHEN octet_length(e.event_type) <= $11 THEN e.event_type END AS event_type,
                CASE WHEN octet_length(e.ordering_key) <= $11 THEN e.ordering_key END AS ordering_key,
                CASE WHEN octet_length(e.payload) <= $10 THEN e.payload END AS payload,
                octet_length(e.payload)::bigint AS payload_size,
-               CASE WHEN octet_length(e.content_type) <= $11 THEN e.content_type ELSE '' END AS content_type,
+               CASE WHEN octet_length(e.content_type) <= $11 THEN e.content_type END AS content_type,
                -- Headers stored uncompressed in at most 256 bytes print in at most a few MB (numbers
                -- print every digit of their exponent); others are measured as text first. The
                -- INSERT trigger (migration 11) holds headers to the limit where they are written;
-               -- this is for rows written without triggers.
+               -- this is for rows written without triggers or edited by hand.
                CASE WHEN (pg_column_size(e.headers) <= 256 AND pg_column_compression(e.headers) IS NULL)
                          OR octet_length(e.headers::text) <= $12
-                    THEN e.headers::text ELSE '{}' END AS headers,
+                    THEN e.headers::text END AS headers,
                e.attempts, e.max_attempts, e.event_time, e.created_at, e.next_attempt_at,
-               CASE WHEN octet_length(e.route) > $11 THEN 'route ' || octet_length(e.route)
-                    WHEN octet_length(e.event_type) > $11 THEN 'event_type ' || octet_length(e.event_type)
-                    WHEN octet_length(e.ordering_key) > $11 THEN 'ordering_key ' || octet_length(e.ordering_key)
-                    WHEN octet_length(e.content_type) > $11 THEN 'content_type ' || octet_length(e.content_type)
-                    WHEN NOT (pg_column_size(e.headers) <= 256 AND pg_column_compression(e.headers) IS NULL)
-                         AND octet_length(e.headers::text) > $12
-                    THEN 'headers ' || octet_length(e.headers::text) END AS oversized"
+               octet_length(e.ordering_key) > $11 AS key_oversized"
         )
     };
 }
@@ -402,13 +436,14 @@ use claim_sql;
 
 /// The ids of the events a claim would take, in its order, without taking them: the claim's
 /// parameters, of which it reads $1, $2 and $6 to $9.
-pub const DUE_SQL: &str = due_sql!("");
+pub const DUE_SQL: &str = due_sql!("", route_filters!());
 
 /// One step of retention's sweep (`Store::purge_sent`): the window is the next $2 events from id
 /// $1 on, read along the primary key; of them, the SENT rows processed before $3 are locked (those
-/// another transaction holds are skipped) and deleted, found by primary key as the claim finds its
-/// rows. Returns the window's size, its last id, whether all of it was written between $3 and
-/// $4 (now), and how many rows went.
+/// another transaction holds are skipped) and deleted with their history, found by primary key as
+/// the claim finds its rows. History rows in the window's range whose event is gone (deleted by
+/// SQL: nothing cascades) go too. Returns the window's size, its last id, whether all of it was
+/// written between $3 and $4 (now), and how many events went.
 pub const SWEEP_SQL: &str = "WITH seen AS (
          SELECT id, status, processed_at, created_at FROM ferry_events WHERE id >= $1 ORDER BY id LIMIT $2
      ), due AS (
@@ -418,6 +453,11 @@ pub const SWEEP_SQL: &str = "WITH seen AS (
          FOR UPDATE SKIP LOCKED
      ), gone AS (
          DELETE FROM ferry_events WHERE id = ANY(ARRAY(SELECT id FROM due)) RETURNING 1
+     ), history AS (
+         DELETE FROM ferry_attempts a
+         WHERE a.event_id >= $1 AND a.event_id <= (SELECT MAX(id) FROM seen)
+           AND (a.event_id = ANY(ARRAY(SELECT id FROM due))
+                OR NOT EXISTS (SELECT 1 FROM ferry_events e WHERE e.id = a.event_id))
      )
      SELECT (SELECT COUNT(*) FROM seen) AS seen, (SELECT MAX(id) FROM seen) AS last,
             (SELECT bool_and(created_at >= $3 AND created_at <= $4) FROM seen) AS young, (SELECT COUNT(*) FROM gone) AS deleted";
@@ -522,9 +562,10 @@ impl Store for PostgresStore {
             tx.commit().await?;
             rows
         } else {
-            bind_claim!(sqlx::query(CLAIM_SQL), claim).fetch_all(&self.pool).await?
+            let sql = if claim.filters_routes() { CLAIM_SQL } else { CLAIM_PLAIN_SQL };
+            bind_claim!(sqlx::query(sql), claim).fetch_all(&self.pool).await?
         };
-        claimed_events(&rows, claim.max_payload)
+        claimed_events(&rows, claim.max_payload, false)
     }
 
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {
@@ -591,6 +632,9 @@ impl Store for PostgresStore {
         .bind(now)
         .execute(&self.pool)
         .await?;
+        if done.rows_affected() > 0 {
+            self.wake_relays().await;
+        }
         Ok(done.rows_affected())
     }
 
@@ -604,15 +648,21 @@ impl Store for PostgresStore {
     }
 
     async fn end_event(&self, id: i64, end: EndEvent<'_>, now: DateTime<Utc>) -> Result<bool, StoreError> {
-        let done = match end {
+        let ended: i64 = match end {
             EndEvent::Cancel => {
-                sqlx::query("DELETE FROM ferry_events WHERE id = $1 AND status IN ('PENDING', 'PROCESSING')")
-                    .bind(id)
-                    .execute(&self.pool)
-                    .await?
+                let mut tx = self.pool.begin().await?;
+                let gone: Vec<i64> = sqlx::query_scalar(
+                    "DELETE FROM ferry_events WHERE id = $1 AND status IN ('PENDING', 'PROCESSING') RETURNING id",
+                )
+                .bind(id)
+                .fetch_all(&mut *tx)
+                .await?;
+                delete_history(&mut tx, &gone).await?;
+                tx.commit().await?;
+                i64::try_from(gone.len()).unwrap_or(i64::MAX)
             }
             EndEvent::Fail { note } => {
-                sqlx::query(
+                let done = sqlx::query(
                     "UPDATE ferry_events
                      SET status = 'FAILED', failure_reason = 'operator', last_error = $2, processed_at = $3,
                          last_status_at = $3, claim_token = NULL, lease_until = NULL
@@ -622,10 +672,11 @@ impl Store for PostgresStore {
                 .bind(note)
                 .bind(now)
                 .execute(&self.pool)
-                .await?
+                .await?;
+                i64::try_from(done.rows_affected()).unwrap_or(i64::MAX)
             }
         };
-        Ok(done.rows_affected() == 1)
+        Ok(ended == 1)
     }
 
     async fn purge_sent(&self, window: &SweepWindow) -> Result<SweepStep, StoreError> {
@@ -832,6 +883,9 @@ impl Store for PostgresStore {
             .bind(now)
             .fetch_all(&self.pool)
             .await?;
+        if !done.is_empty() {
+            self.wake_relays().await;
+        }
         Ok(ids_in_order(done))
     }
 
@@ -841,7 +895,10 @@ impl Store for PostgresStore {
                AND status = 'FAILED'
              RETURNING id"
         );
-        let done = bind_filter!(sqlx::query_scalar(&sql), filter).bind(i64::from(limit)).fetch_all(&self.pool).await?;
+        let mut tx = self.pool.begin().await?;
+        let done = bind_filter!(sqlx::query_scalar(&sql), filter).bind(i64::from(limit)).fetch_all(&mut *tx).await?;
+        delete_history(&mut tx, &done).await?;
+        tx.commit().await?;
         Ok(ids_in_order(done))
     }
 

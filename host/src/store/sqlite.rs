@@ -408,71 +408,82 @@ fn ms(t: DateTime<Utc>) -> i64 {
     t.timestamp_millis()
 }
 
-/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`), `$one` narrowing them to one
-/// (`CLAIM_ONE_SQL`).
-macro_rules! due_sql {
-    ($one:literal) => {
-        concat!(
-            "
-         SELECT e.id FROM ferry_events e
-         WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1
-           AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)",
-            $one,
-            "
+/// The claim's tests of a due event's route (JSON arrays of routes): not one of the paused routes
+/// ?8, the route ?9 when given, and in an ordered route (?6) not queued behind an unfinished event
+/// of its key (or a FAILED one, in the blocking routes ?7). With no route paused, chosen or
+/// ordered, they pass every event, and [`CLAIM_PLAIN_SQL`] leaves them out.
+macro_rules! route_filters {
+    () => {
+        "
+           AND e.route NOT IN (SELECT value FROM json_each(?8)) AND (?9 IS NULL OR e.route = ?9)
            AND (e.ordering_key IS NULL OR e.route NOT IN (SELECT value FROM json_each(?6)) OR NOT EXISTS (
                 SELECT 1 FROM ferry_events p
                 WHERE p.route = e.route AND p.ordering_key = e.ordering_key AND p.id < e.id AND p.status <> 'SENT'
                   AND (p.status IN ('PENDING', 'PROCESSING')
-                       OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))
+                       OR (p.status = 'FAILED' AND p.route IN (SELECT value FROM json_each(?7))))))"
+    };
+}
+
+/// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`), `$one` narrowing them to one
+/// (`CLAIM_ONE_SQL`), tested by `$filters` (`route_filters!()`, or `""` for none).
+macro_rules! due_sql {
+    ($one:literal, $($filters:tt)*) => {
+        concat!(
+            "
+         SELECT e.id FROM ferry_events e
+         WHERE e.status = 'PENDING' AND e.next_attempt_at <= ?1",
+            $($filters)*,
+            $one,
+            "
          ORDER BY e.next_attempt_at, e.id
          LIMIT ?2"
         )
     };
 }
 
-/// Claims up to ?2 due events for instance ?3 under token ?4 until ?5, at ?1: not those of the
-/// paused routes ?8 (JSON arrays, as ?6 and ?7), only those of ?9 when given, and in an ordered
-/// route (?6) none queued behind an unfinished event of its key (or a FAILED one, in the blocking
-/// routes ?7); payloads above ?10 bytes come back as their size only, names above ?11 and headers
-/// above ?12 empty, named in `oversized`. `octet_length` (SQLite 3.43, in the 3.46 ferry links)
-/// reads a text's size from the row without loading it, where `length(CAST(… AS BLOB))` loads it.
+/// Claims up to ?2 due events for instance ?3 under token ?4 until ?5, at ?1, as the route filters
+/// (`route_filters!`) allow; payloads above ?10 bytes come back as their size only, names above
+/// ?11 and headers above ?12 as NULL (the ordering key's with `key_oversized` set). `octet_length`
+/// (SQLite 3.43, in the 3.46 ferry links) reads a text's size from the row without loading it,
+/// where `length(CAST(… AS BLOB))` loads it.
 ///
 /// The look for an unfinished predecessor states the key index's own condition (`p.status <>
 /// 'SENT'`): SQLite uses a partial index only where the query states its condition, and does not
 /// derive it from the status tests beside it. Without it, SQLite walked the older rows by id, up
 /// to all of them, for each keyed event of an ordered route: with 200 000 rows, 199 000 of them SENT,
 /// one claim took 59 seconds instead of 5 milliseconds (a test build).
-pub const CLAIM_SQL: &str = claim_sql!("");
+pub const CLAIM_SQL: &str = claim_sql!("", route_filters!());
+
+/// [`CLAIM_SQL`] without the route filters, for a claim that has no route to hold back
+/// ([`Claim::filters_routes`]): the common case, where testing each due event's route against
+/// empty lists cost about 3% of what SQLite spends per event (BENCHMARKS.md). It takes the same
+/// parameters and reads ?6 to ?9 not at all.
+pub const CLAIM_PLAIN_SQL: &str = claim_sql!("", "");
 
 /// [`CLAIM_SQL`] for event ?13 alone, found by primary key.
-pub const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = ?13");
+pub const CLAIM_ONE_SQL: &str = claim_sql!(" AND e.id = ?13", route_filters!());
 
 /// The claim statement, of the events `$one` narrows them to.
 macro_rules! claim_sql {
-    ($one:literal) => {
+    ($one:literal, $($filters:tt)*) => {
         concat!(
             "UPDATE ferry_events
      SET status = 'PROCESSING', attempts = attempts + 1, last_status_at = ?1,
          claimed_by = ?3, claim_token = ?4, lease_until = ?5
      WHERE id IN (",
-            due_sql!($one),
+            due_sql!($one, $($filters)*),
             "
      )
      RETURNING id,
-               CASE WHEN octet_length(route) <= ?11 THEN route ELSE '' END AS route,
-               CASE WHEN octet_length(event_type) <= ?11 THEN event_type ELSE '' END AS event_type,
+               CASE WHEN octet_length(route) <= ?11 THEN route END AS route,
+               CASE WHEN octet_length(event_type) <= ?11 THEN event_type END AS event_type,
                CASE WHEN octet_length(ordering_key) <= ?11 THEN ordering_key END AS ordering_key,
                CASE WHEN length(CAST(payload AS BLOB)) <= ?10 THEN CAST(payload AS BLOB) END AS payload,
                length(CAST(payload AS BLOB)) AS payload_size,
-               CASE WHEN octet_length(content_type) <= ?11 THEN content_type ELSE '' END AS content_type,
-               CASE WHEN octet_length(headers) <= ?12 THEN headers ELSE '{}' END AS headers,
+               CASE WHEN octet_length(content_type) <= ?11 THEN content_type END AS content_type,
+               CASE WHEN octet_length(headers) <= ?12 THEN headers END AS headers,
                attempts, max_attempts, event_time, created_at, next_attempt_at,
-               CASE WHEN octet_length(route) > ?11 THEN 'route ' || octet_length(route)
-                    WHEN octet_length(event_type) > ?11 THEN 'event_type ' || octet_length(event_type)
-                    WHEN octet_length(ordering_key) > ?11 THEN 'ordering_key ' || octet_length(ordering_key)
-                    WHEN octet_length(content_type) > ?11 THEN 'content_type ' || octet_length(content_type)
-                    WHEN octet_length(headers) > ?12 THEN 'headers ' || octet_length(headers)
-               END AS oversized"
+               octet_length(ordering_key) > ?11 AS key_oversized"
         )
     };
 }
@@ -480,7 +491,7 @@ use claim_sql;
 
 /// The ids of the events a claim would take, in its order, without taking them: the claim's
 /// parameters, of which it reads ?1, ?2 and ?6 to ?9.
-pub const DUE_SQL: &str = due_sql!("");
+pub const DUE_SQL: &str = due_sql!("", route_filters!());
 
 /// Binds a claim's parameters, ?1 to ?12, to a query on `CLAIM_SQL`, `CLAIM_ONE_SQL` (which binds
 /// the event, ?13, after them) or `DUE_SQL`.
@@ -594,15 +605,19 @@ const COMPLETE_FAILED: &str = "UPDATE ferry_events
      WHERE ferry_events.id = u.id AND claim_token = ?3 AND status = 'PROCESSING'
      RETURNING ferry_events.id";
 
-/// One step of retention's sweep (`Store::purge_sent`), in two statements: the size, last id and
+/// One step of retention's sweep (`Store::purge_sent`), in three statements: the size, last id and
 /// youth (all written between ?3 and ?4, now, as integers) of the window of the next ?2 (the
 /// limit) events from id ?1 on, read along the primary key; then the deletion of the SENT rows
-/// processed before ?3 with ids from ?1 to ?2 (here the window's last id).
-pub const SWEEP_SQL: [&str; 2] = [
+/// processed before ?3 with ids from ?1 to ?2 (here the window's last id), whose history the
+/// foreign key deletes with them; then the history rows with event ids from ?1 to ?2 whose event is
+/// gone, which a connection without foreign keys (SQLite's default) leaves when it deletes events.
+pub const SWEEP_SQL: [&str; 3] = [
     "SELECT COUNT(*) AS seen, MAX(id) AS last,
             MIN(typeof(created_at) = 'integer' AND created_at >= ?3 AND created_at <= ?4) AS young
      FROM (SELECT id, created_at FROM ferry_events WHERE id >= ?1 ORDER BY id LIMIT ?2)",
     "DELETE FROM ferry_events WHERE id BETWEEN ?1 AND ?2 AND status = 'SENT' AND processed_at < ?3",
+    "DELETE FROM ferry_attempts
+     WHERE event_id BETWEEN ?1 AND ?2 AND NOT EXISTS (SELECT 1 FROM ferry_events e WHERE e.id = event_id)",
 ];
 
 #[async_trait]
@@ -637,11 +652,11 @@ impl Store for SqliteStore {
         let mut writing = self.writing().await?;
         let query = match only_id {
             Some(id) => bind_claim!(sqlx::query(CLAIM_ONE_SQL), claim).bind(id),
-            None => bind_claim!(sqlx::query(CLAIM_SQL), claim),
+            None => bind_claim!(sqlx::query(if claim.filters_routes() { CLAIM_SQL } else { CLAIM_PLAIN_SQL }), claim),
         };
         let rows = query.fetch_all(&mut *writing).await?;
         writing.finish();
-        claimed_events(&rows, claim.max_payload)
+        claimed_events(&rows, claim.max_payload, true)
     }
 
     async fn due(&self, claim: &Claim) -> Result<Vec<i64>, StoreError> {
@@ -790,13 +805,12 @@ impl Store for SqliteStore {
             // The deletion checks status and time itself: a row that came into the window's range
             // since (SQLite hands out ids above the highest ever used, so only one written with
             // its id by hand) is deleted only if it is due too.
-            Some(last) => sqlx::query(SWEEP_SQL[1])
-                .bind(from)
-                .bind(last)
-                .bind(ms(before))
-                .execute(&mut *writing)
-                .await?
-                .rows_affected(),
+            Some(last) => {
+                let deleted =
+                    sqlx::query(SWEEP_SQL[1]).bind(from).bind(last).bind(ms(before)).execute(&mut *writing).await?;
+                sqlx::query(SWEEP_SQL[2]).bind(from).bind(last).execute(&mut *writing).await?;
+                deleted.rows_affected()
+            }
             None => 0,
         };
         writing.finish();

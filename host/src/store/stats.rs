@@ -142,11 +142,13 @@ pub(crate) struct WatchRow {
     last_attempt: i64,
 }
 
-/// A row of `ROUTE_COUNTS_SQL`.
+/// A row of `ROUTE_COUNTS_SQL`. The status is read as text: no constraint holds a row edited by
+/// hand to the four ferry writes (migration 12 on PostgreSQL), and such rows are left out of the
+/// counts rather than fail them.
 #[derive(Debug, sqlx::FromRow)]
 pub(crate) struct RouteCount {
     route: String,
-    status: Status,
+    status: String,
     n: i64,
 }
 
@@ -177,7 +179,9 @@ where
     let mut routes: BTreeMap<String, BTreeMap<Status, u64>> = BTreeMap::new();
     for row in counts {
         let RouteCount { route, status, n } = RouteCount::from_row(row)?;
-        routes.entry(route).or_default().insert(status, u64::try_from(n).unwrap_or(0));
+        if let Ok(status) = status.parse::<Status>() {
+            routes.entry(route).or_default().insert(status, u64::try_from(n).unwrap_or(0));
+        }
     }
     let latency = match latency_rows {
         None => None,

@@ -396,8 +396,12 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
 
     let mut lock = db.sqlite.as_ref().unwrap().pool().acquire().await.unwrap();
     sqlx::query("BEGIN IMMEDIATE").execute(&mut *lock).await.unwrap();
+    // Due a minute ago: the idle worker's claim may have read its clock before the lock was
+    // taken, and an event due at the insert's own time would not yet be due to that claim.
     let second: i64 = sqlx::query_scalar(
-        "INSERT INTO ferry_events (route, event_type, payload) VALUES ('s', 'count', x'7b7d') RETURNING id",
+        "INSERT INTO ferry_events (route, event_type, payload, next_attempt_at)
+         VALUES ('s', 'count', x'7b7d', CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) - 60000)
+         RETURNING id",
     )
     .fetch_one(&mut *lock)
     .await
@@ -405,7 +409,7 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
     // The idle worker polls every 20 ms at most, so its claim soon waits for the lock. If it had
     // not begun when the stop came, it would never claim, and the test would fail on the batch
     // count below, not pass. Three seconds give a loaded machine (CI runs tests side by side)
-    // plenty of polls' worth of time: one second was too little once in a slow CI run.
+    // plenty of polls' worth of time.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let stopping = tokio::spawn(running.stop());
     tokio::time::sleep(std::time::Duration::from_millis(700)).await;

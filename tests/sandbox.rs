@@ -381,8 +381,8 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
     // from when its claim came back, it would take the instance the first batch gives back and
     // call the plugin after ferry's grace was over.
     //
-    // The lock may instead catch the idle worker before its claim (opening a pooled connection
-    // waits for it too); it then sees the stop and claims nothing, which is right but not this
+    // In about one run in twenty the lock catches the idle worker before its claim, at a step
+    // not yet pinned down; it then sees the stop and claims nothing, which is right but not this
     // case. Such a run is told by the claims counted and tried again, three times at most.
     for _ in 0..3 {
         if grace_period_run().await {

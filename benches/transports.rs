@@ -86,7 +86,19 @@ async fn plugin_setup(plugin: &str, db: &TestDb, options: &Options) -> (String, 
     }
 }
 
-async fn measure(plugin: &str, options: &Options) -> f64 {
+/// One plugin's run: events per second and, where the receiver is nginx, the CPU its worker spent
+/// per event.
+struct Measured {
+    rate: f64,
+    receiver_cpu: Option<Duration>,
+}
+
+/// nginx's CPU per request from its worker's CPU time before and after `requests` requests.
+fn per_request(receiver: &common::nginx::Nginx, before: Duration, requests: usize) -> Duration {
+    (receiver.worker_cpu() - before) / requests as u32
+}
+
+async fn measure(plugin: &str, options: &Options) -> Measured {
     let db = TestDb::postgres().await;
     let crate_name = match plugin {
         "accept-all" => "ferry_test_scripted".to_string(),
@@ -95,7 +107,7 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
     };
     let plugins = plugins_dir(db.dir.path(), &[crate_name.as_str()]);
     let name = common::plugin_name(&crate_name);
-    let (sandbox, config, _receiver) = plugin_setup(plugin, &db, options).await;
+    let (sandbox, config, receiver) = plugin_setup(plugin, &db, options).await;
     let text = format!(
         "[relay]\nbatch_size = {}\n[plugins]\ndir = {plugins:?}\n[sandbox.{name}]\n{sandbox}\n\
          [route.bench]\nplugin = \"{name}\"\nconfig = {config}\n",
@@ -110,6 +122,8 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
             .with_key(format!("key-{}", n % 64));
         ferry::emit(&mut *tx, &event).await.expect("emit");
     }
+    let nginx = receiver.downcast_ref::<common::nginx::Nginx>();
+    let receiver_before = nginx.map(|n| n.worker_cpu());
     tx.commit().await.expect("commit");
     let started = Instant::now();
     let deadline = started + Duration::from_secs(600);
@@ -123,17 +137,19 @@ async fn measure(plugin: &str, options: &Options) -> f64 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let elapsed = started.elapsed();
+    let receiver_cpu = nginx.zip(receiver_before).map(|(n, before)| per_request(n, before, options.events));
     running.stop().await;
-    options.events as f64 / elapsed.as_secs_f64()
+    Measured { rate: options.events as f64 / elapsed.as_secs_f64(), receiver_cpu }
 }
 
 /// Requests per second a plain HTTP client (reqwest, no ferry, no database) gets through to the
 /// same kind of receiver the `http` figure uses: `events` POSTs of the same bodies, on as many
 /// keep-alive connections as the plugin's `concurrency`, each a task of its own so both runtime
 /// threads send. Independent of ferry, it bounds what any route that makes one request per event
-/// can reach on this machine.
-async fn plain_client(options: &Options) -> f64 {
+/// can reach on this machine. Also returns nginx's CPU per request in this run.
+async fn plain_client(options: &Options) -> Measured {
     let receiver = common::nginx::Nginx::start();
+    let receiver_before = receiver.worker_cpu();
     let client = reqwest::Client::new();
     let (connections, events) = (options.http_concurrency as usize, options.events);
     let started = Instant::now();
@@ -156,7 +172,8 @@ async fn plain_client(options: &Options) -> f64 {
     for worker in futures::future::join_all(workers).await {
         worker.expect("a plain client worker");
     }
-    options.events as f64 / started.elapsed().as_secs_f64()
+    let rate = options.events as f64 / started.elapsed().as_secs_f64();
+    Measured { rate, receiver_cpu: Some(per_request(&receiver, receiver_before, events)) }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -168,17 +185,17 @@ async fn main() {
         .collect();
     let mut results = Vec::new();
     for plugin in plugins {
-        let rate = measure(plugin, &options).await;
-        eprintln!("{plugin}: {rate:.0} events/s");
-        results.push((plugin, rate));
+        let measured = measure(plugin, &options).await;
+        eprintln!("{plugin}: {:.0} events/s", measured.rate);
+        results.push((plugin, measured));
     }
-    let accept_all = results.iter().find(|(p, _)| *p == "accept-all").map(|(_, r)| *r);
+    let accept_all = results.iter().find(|(p, _)| *p == "accept-all").map(|(_, m)| m.rate);
     let thousandths = |x: f64| (x * 1000.0).round() / 1000.0;
     let ratio = |rate: f64| accept_all.map(|a| thousandths(rate / a));
     println!(
         "| plugin | receiver | events | batch size | events/s | ÷ accept-all |\n| --- | --- | ---: | ---: | ---: | ---: |"
     );
-    for (plugin, rate) in &results {
+    for (plugin, measured) in &results {
         let receiver = match *plugin {
             "accept-all" => "none (answers success)",
             "log" => "JSON lines file",
@@ -186,31 +203,55 @@ async fn main() {
             "kafka-tls" => "tansu behind stunnel (TLS), 3 partitions, lz4",
             _ => "tansu broker, 3 partitions",
         };
-        let shown = ratio(*rate).map_or("–".to_string(), |r| format!("{r:.2}×"));
-        println!("| {plugin} | {receiver} | {} | {} | {rate:.0} | {shown} |", options.events, options.batch_size);
+        let shown = ratio(measured.rate).map_or("–".to_string(), |r| format!("{r:.2}×"));
+        println!(
+            "| {plugin} | {receiver} | {} | {} | {:.0} | {shown} |",
+            options.events, options.batch_size, measured.rate
+        );
     }
     // With accept-all and http measured: how close http comes to what the machine allows. When the
     // cores are the limit (as on the two-core machine of BENCHMARKS.md, where PostgreSQL, ferry
     // and the receiver share them), a route making one request per event pays at least
     // accept-all's cost per event plus the plain client's per request, so its rate is at most
     // 1 / (1/accept-all + 1/plain): an estimate, not a bound where other limits dominate.
-    let http = results.iter().find(|(p, _)| *p == "http").map(|(_, r)| *r);
+    // The receiver's own share, measured as its worker's CPU time in the `http` run, bounds any
+    // sender, however cheap: with accept-all's cost per event taken as the cores ÷ its rate, a
+    // route of one request per event reaches at most 1 / (1 + receiver CPU per request × rate ÷
+    // cores) of it.
+    let http = results.iter().find(|(p, _)| *p == "http").map(|(_, m)| m);
     let bound = match (accept_all, http) {
         (Some(accept_all), Some(http)) => {
             let plain = plain_client(&options).await;
-            eprintln!("plain client: {plain:.0} requests/s");
-            let bound = plain / (accept_all + plain);
-            let to_bound = http / accept_all / bound;
+            eprintln!("plain client: {:.0} requests/s", plain.rate);
+            let bound = plain.rate / (accept_all + plain.rate);
+            let to_bound = http.rate / accept_all / bound;
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+            let micros = |cpu: Option<Duration>| cpu.map_or(f64::NAN, |cpu| cpu.as_secs_f64() * 1e6);
+            let (receiver_http, receiver_plain) = (micros(http.receiver_cpu), micros(plain.receiver_cpu));
+            let receiver_bound = 1.0 / (1.0 + receiver_http * 1e-6 * accept_all / cores);
             println!();
             println!("| http against what the machine allows | |\n| --- | ---: |");
-            println!("| plain client into nginx, {} connections, requests/s | {plain:.0} |", options.http_concurrency);
+            println!(
+                "| plain client into nginx, {} connections, requests/s | {:.0} |",
+                options.http_concurrency, plain.rate
+            );
             println!("| most an `http` route can reach, ÷ accept-all: plain ÷ (accept-all + plain) | {bound:.2}× |");
             println!("| `http` ÷ that bound | {to_bound:.2} |");
+            println!(
+                "| nginx's CPU per request, µs: from `http` / from the plain client | {receiver_http:.1} / {receiver_plain:.1} |"
+            );
+            println!(
+                "| most any sender can reach into this receiver on {cores} cores, ÷ accept-all | {receiver_bound:.2}× |"
+            );
             Some(serde_json::json!({
                 "connections": options.http_concurrency,
-                "plain_client_requests_per_second": plain.round(),
+                "plain_client_requests_per_second": plain.rate.round(),
                 "http_bound_ratio_to_accept_all": thousandths(bound),
                 "http_ratio_to_bound": thousandths(to_bound),
+                "receiver_cpu_us_per_request_http": thousandths(receiver_http),
+                "receiver_cpu_us_per_request_plain_client": thousandths(receiver_plain),
+                "receiver_bound_ratio_to_accept_all": thousandths(receiver_bound),
+                "cores": cores,
             }))
         }
         _ => None,
@@ -220,8 +261,8 @@ async fn main() {
         "batch_size": options.batch_size,
         "results": results.iter().map(|(p, r)| serde_json::json!({
             "plugin": p,
-            "events_per_second": r.round(),
-            "ratio_to_accept_all": ratio(*r),
+            "events_per_second": r.rate.round(),
+            "ratio_to_accept_all": ratio(r.rate),
         })).collect::<Vec<_>>(),
         "http_bound": bound,
     });

@@ -607,8 +607,8 @@ where
 
 impl ClaimedRow {
     /// The event to deliver; headers that do not parse, an empty route or event type, a name or
-    /// headers too long to load, or a payload over the size limit (`max` bytes), become the
-    /// event's defect.
+    /// headers too long to load, a payload over the size limit (`max` bytes), or an id below 1,
+    /// become the event's defect.
     pub(crate) fn into_event(self, max_payload: u64) -> ClaimedEvent {
         let id = self.id;
         // Each later finding replaces an earlier one: a value not loaded says more than one that
@@ -651,6 +651,15 @@ impl ClaimedRow {
                 "event {id}: the payload is {} bytes, more than relay.max_payload ({max_payload} bytes); \
                  raise the limit and resend it, or purge it",
                 self.payload_size
+            ));
+        }
+        // Last, as neither a resend nor a limit fixes it: plugins get the id as an unsigned number and
+        // use it as an idempotency key, so an id below 1 (which the outbox never assigns, but a
+        // hand-written INSERT can) would reach them as a duplicate 0.
+        if id < 1 {
+            defect = Some(format!(
+                "event {id}: its id is not positive, and ferry hands plugins ids from 1; emit the event again \
+                 (it gets a new id) and delete this row"
             ));
         }
         let content_type = self.content_type.unwrap_or_default();

@@ -361,7 +361,7 @@ impl Ops {
                     a.error.as_deref().unwrap_or("no reason given")
                 ),
                 (None, 0) => format!("deferred until {when}"),
-                (None, n) => format!("attempt {} is due at {when}, after a transient failure", n + 1),
+                (None, n) => format!("attempt {} is due at {when}, after a transient failure", u64::from(n) + 1),
             });
         }
         if settings.endpoints_of(&event.route).is_some() {

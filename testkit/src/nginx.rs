@@ -66,6 +66,24 @@ impl Nginx {
         nginx
     }
 
+    /// The CPU time nginx's worker has used since it started, from Linux's
+    /// `/proc/PID/schedstat` (nanoseconds on a CPU, counted by the scheduler). Read before and
+    /// after a run, it is what the receiver alone cost: CPU that a sender on the same cores does
+    /// not have, whatever the sender.
+    pub fn worker_cpu(&self) -> Duration {
+        let master = self.process.id();
+        let children = std::fs::read_to_string(format!("/proc/{master}/task/{master}/children"))
+            .expect("nginx's workers listed in /proc (Linux)");
+        let nanos = children
+            .split_whitespace()
+            .map(|pid| {
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/schedstat")).expect("a worker's schedstat");
+                stat.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()).expect("schedstat's first field")
+            })
+            .sum();
+        Duration::from_nanos(nanos)
+    }
+
     /// `http://<addr><path>`.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)

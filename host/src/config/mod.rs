@@ -118,6 +118,11 @@ pub struct TelemetryConfig {
 
 /// Shortest admin token accepted.
 const MIN_TOKEN_LEN: usize = 16;
+/// The most database connections one process may open: far more than a database serves well, and
+/// few enough that the pool's bookkeeping, sized by it at start-up, stays small.
+const MAX_DB_CONNECTIONS: u32 = 10_000;
+/// The largest plugin file `plugins.max_file_size` may allow; a file is read whole into memory.
+const MAX_PLUGIN_FILE: usize = 1 << 30;
 
 impl AdminConfig {
     /// The address to serve on, if the API is enabled.
@@ -498,8 +503,11 @@ impl Config {
                 crate::store::redact_url(&self.database.url)
             ));
         }
-        if self.database.max_connections == 0 {
-            return Err("database.max_connections must be at least 1".into());
+        if !(1..=MAX_DB_CONNECTIONS).contains(&self.database.max_connections) {
+            return Err(format!(
+                "database.max_connections must be between 1 and {MAX_DB_CONNECTIONS}, got {}",
+                self.database.max_connections
+            ));
         }
         if !(1..=10_000).contains(&self.relay.batch_size) {
             return Err(format!("relay.batch_size must be between 1 and 10000, got {}", self.relay.batch_size));
@@ -518,6 +526,13 @@ impl Config {
         }
         if self.relay.max_payload.0 == 0 || self.relay.max_payload.0 > 256 << 20 {
             return Err("relay.max_payload must be between 1B and 256MiB".into());
+        }
+        if self.plugins.max_file_size.0 == 0 || self.plugins.max_file_size.0 > MAX_PLUGIN_FILE {
+            return Err(format!(
+                "plugins.max_file_size must be between 1B and {}MiB, got {} bytes",
+                MAX_PLUGIN_FILE >> 20,
+                self.plugins.max_file_size.0
+            ));
         }
         if !(1..=64).contains(&self.relay.workers) {
             return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));

@@ -98,6 +98,13 @@ fn route_overrides_inherit_the_rest() {
 fn errors_name_the_file_and_key() {
     let e = err("[relay]\nbatch_size = 0");
     assert!(e.contains("test.toml") && e.contains("relay.batch_size"), "{e}");
+    // Sizes the pool's bookkeeping up front: four billion slots would abort the process.
+    let e = err("[database]\nmax_connections = 4294967295");
+    assert!(e.contains("database.max_connections must be between 1 and 10000, got 4294967295"), "{e}");
+    assert!(err("[database]\nmax_connections = 0").contains("database.max_connections"));
+    // A file is read whole, and the cap plus one must not wrap to a read of nothing.
+    let e = err("[plugins]\nmax_file_size = \"18446744073709551615\"");
+    assert!(e.contains("plugins.max_file_size must be between 1B and 1024MiB"), "{e}");
     let e = err("[relay]\nbatchsize = 5");
     assert!(e.contains("batchsize"), "{e}");
     let e = err("[relay]\npoll_interval = \"soon\"");
@@ -220,6 +227,9 @@ fn durations_parse_every_unit_and_reject_the_rest() {
     for bad in ["", "5", "m", "1.5s", "-1s", "5 weeks", "99999999999999999999d"] {
         assert!(parse_duration(bad).is_err(), "{bad:?} should be rejected");
     }
+    assert_eq!(parse_duration("36500d"), Ok(Duration::from_secs(36_500 * 86_400)));
+    let long = parse_duration("36501d").unwrap_err();
+    assert!(long.contains("longer than 36500d (100 years)"), "{long}");
 }
 
 #[test]

@@ -140,8 +140,17 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "d" => 86_400_000,
         _ => return Err(bad()),
     };
-    n.checked_mul(unit_ms).map(Duration::from_millis).ok_or_else(bad)
+    let ms = n.checked_mul(unit_ms).ok_or_else(bad)?;
+    if ms > MAX_DURATION_MS {
+        return Err(format!("duration {text:?} is longer than 36500d (100 years), the longest ferry takes"));
+    }
+    Ok(Duration::from_millis(ms))
 }
+
+/// The longest duration `parse_duration` takes: a time this far from now still fits every
+/// database's timestamps (a retention of millions of years would make each purge's cut-off one
+/// PostgreSQL refuses, and so fail every purge).
+const MAX_DURATION_MS: u64 = 36_500 * 86_400_000;
 
 /// An origin as `scheme://host:port`, with the scheme's default port filled in, so the allowlist
 /// and the requests compare equal however they were written.

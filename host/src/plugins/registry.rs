@@ -437,8 +437,9 @@ fn read_plugin_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
     if meta.len() > max {
         return Err(refuse(format!("{} bytes, more than plugins.max_file_size ({max} bytes)", meta.len())));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(max + 1).read_to_end(&mut bytes)?;
+    // Sized by what the file says it holds, at most the cap, which `validate` bounds.
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    file.take(max.saturating_add(1)).read_to_end(&mut bytes)?;
     if bytes.len() as u64 > max {
         return Err(refuse(format!("grew past plugins.max_file_size ({max} bytes) while being read")));
     }

@@ -160,11 +160,16 @@ fn expanded(nodes: &[Node], node: usize, times: u64, most_imports: u64) -> u64 {
     let this = &nodes[node];
     let own = this.own.saturating_add(1).saturating_add(this.core_instantiations.saturating_mul(most_imports));
     let mut total = times.saturating_mul(own);
+    // Counted once, not per nested component: a hostile file may hold millions of both.
+    let mut named_times: std::collections::HashMap<u32, u64> = std::collections::HashMap::new();
+    for &index in &this.instantiations {
+        *named_times.entry(index).or_default() += 1;
+    }
     for (index, &child) in this.nested.iter().enumerate() {
         if total > MAX_EXPANDED {
             break;
         }
-        let named = this.instantiations.iter().filter(|&&i| i as usize == index).count() as u64;
+        let named = u32::try_from(index).ok().and_then(|i| named_times.get(&i)).copied().unwrap_or(0);
         total = total.saturating_add(expanded(nodes, child, times.saturating_mul(named.max(1)), most_imports));
     }
     total
@@ -202,6 +207,21 @@ mod tests {
         let instances: String = (0..1000).map(|_| "(core instance (instantiate $m))").collect();
         let core = wat::parse_str(format!("(component (core module $m {imports}) {instances})")).unwrap();
         assert!(check(&core).unwrap_err().contains("more than the 4 MiB"));
+    }
+
+    #[test]
+    fn many_components_and_instantiations_are_counted_without_rescanning() {
+        // 150 000 empty components and as many instantiations of the first, within the size cap:
+        // counting each component's instantiations by rescanning them all would make 2·10¹⁰
+        // comparisons (minutes in a test build, the reload lock held meanwhile); counted once,
+        // it takes milliseconds. The 60 s allowed tells a hang, not a speed.
+        let n = 150_000;
+        let body = format!("{}{}", "(component)".repeat(n), "(instance (instantiate 0))".repeat(n));
+        let file = wat::parse_str(format!("(component {body})")).unwrap();
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || done.send(check(&file)).unwrap());
+        let checked = finished.recv_timeout(std::time::Duration::from_secs(60)).expect("checked within a minute");
+        assert!(checked.is_ok(), "{checked:?}");
     }
 
     #[test]

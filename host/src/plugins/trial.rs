@@ -181,6 +181,9 @@ pub fn parse_events(
             );
         }
         let id = event.id.unwrap_or(events.len() as i64 + 1);
+        if id < 1 {
+            anyhow::bail!("events line {line_no}: id {id} is not an outbox id; ids start at 1");
+        }
         if events.iter().any(|e: &ClaimedEvent| e.id == id) {
             anyhow::bail!("events line {line_no}: id {id} is taken by an earlier event; give each event its own id");
         }
@@ -459,6 +462,7 @@ mod tests {
         assert!(time.starts_with("events line 1: time: "), "{time}");
         let twice = message("{\"id\": 2}\n{}");
         assert_eq!(twice, "events line 2: id 2 is taken by an earlier event; give each event its own id");
+        assert_eq!(message("{\"id\": 0}"), "events line 1: id 0 is not an outbox id; ids start at 1");
     }
 
     #[test]

@@ -1292,6 +1292,14 @@ mod tests {
             let defect = events[0].defect.as_deref().unwrap_or_default();
             assert!(defect.starts_with(&format!("event 7: {named}")), "{edits:?}: {defect}");
         }
+        // An id the outbox never assigns would reach plugins as 0, the same for every such row.
+        for id in ["0", "-3"] {
+            let row = several(&[("7 AS id", &format!("{id} AS id")), ("x'7b7d' AS payload", "NULL AS payload")]);
+            let rows = sqlx::query(&format!("SELECT {row}")).fetch_all(&mut db).await.unwrap();
+            let events = super::claimed_events(&rows, 1024, true).unwrap();
+            let defect = events[0].defect.as_deref().unwrap_or_default();
+            assert!(defect.starts_with(&format!("event {id}: its id is not positive")), "{defect}");
+        }
     }
 
     /// Only what may well not happen again is tried again: a busy SQLite file and a failed

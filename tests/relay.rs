@@ -173,6 +173,11 @@ async fn retry_after_hint_is_honoured(db: TestDb) {
     let id = s.emit_event(NewEvent::new("s", "transient", "{}").with_header("retry-after-ms", "45000")).await;
     s.cycle().await;
     assert_eq!(s.row(id).await.next_attempt_at, s.clock.now() + chrono::Duration::seconds(45));
+    // A hint of nothing (a 503 with `Retry-After: 0`) waits a second, not a hot loop of retries.
+    let id = s.emit_event(NewEvent::new("s", "transient", "{}").with_header("retry-after-ms", "0")).await;
+    s.cycle().await;
+    let row = s.row(id).await;
+    assert_eq!((row.attempts, row.next_attempt_at), (1, s.clock.now() + chrono::Duration::seconds(1)));
 }
 
 async fn permanent_fails_at_once(db: TestDb) {

@@ -301,6 +301,20 @@ async fn a_malformed_breaker_row_holds_only_its_route(db: TestDb) {
     assert_eq!(s.db.store.get(on_u).await.unwrap().unwrap().status, Status::Sent, "route u flows once mended");
 }
 
+/// A breaker's failure count edited to the top of PostgreSQL's `integer`: the next failures
+/// neither overflow it (which would fail every cycle with a failure on that route) nor lose it;
+/// the breaker opens, at the top.
+async fn a_breaker_count_edited_to_its_top_still_counts(db: TestDb) {
+    let s = stepped(db).await;
+    let edit = "INSERT INTO ferry_breakers (route, consecutive_failures) VALUES ('s', 2147483647)";
+    assert_eq!(sql(&s.db, edit).await.unwrap(), 1);
+    insert(&s, "transient").await;
+    s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    let breakers = s.db.store.breakers().await.unwrap();
+    let b = breakers.iter().find(|b| b.route == "s").unwrap();
+    assert_eq!((b.consecutive_failures, b.opened_at.is_some()), (i32::MAX as u32, true), "{b:?}");
+}
+
 /// A row left PROCESSING by hand without a lease ferry can read (none; text on SQLite, an
 /// infinite time on PostgreSQL) is
 /// recovered by housekeeping like an expired claim and then delivered, rather than held forever
@@ -321,6 +335,35 @@ async fn a_processing_row_without_a_lease_is_recovered(db: TestDb) {
     s.ferry.relay.housekeeping().await;
     s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
     for id in stuck {
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+        assert_eq!(row.status, Status::Sent, "event {id}: {:?}", row.last_error);
+    }
+}
+
+/// A PENDING row whose `next_attempt_at` was edited into something the claim cannot compare with
+/// a time (text or a blob on SQLite, `infinity` on PostgreSQL) is never due: housekeeping makes it
+/// due now, and it is delivered, rather than waiting forever.
+async fn a_pending_row_whose_retry_time_cannot_be_compared_is_made_due(db: TestDb) {
+    let s = stepped(db).await;
+    let times: &[&str] = match s.db.backend {
+        Backend::Sqlite => &["'2025-01-01T00:00:00Z'", "x'00'"],
+        Backend::Postgres => &["'infinity'"],
+    };
+    let mut never_due = Vec::new();
+    for time in times {
+        let id = insert(&s, "ok").await;
+        let edit = format!("UPDATE ferry_events SET next_attempt_at = {time} WHERE id = {id}");
+        assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
+        never_due.push(id);
+    }
+    let fine = insert(&s, "ok").await;
+    // As edited, the claim passes them over.
+    let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    assert_eq!(stats.claimed, 1);
+    assert_eq!(s.db.store.get(fine).await.unwrap().unwrap().status, Status::Sent);
+    s.ferry.relay.housekeeping().await;
+    s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    for id in never_due {
         let row = s.db.store.get(id).await.unwrap().unwrap();
         assert_eq!(row.status, Status::Sent, "event {id}: {:?}", row.last_error);
     }
@@ -519,19 +562,22 @@ crate::both_backends!(
     a_processing_row_without_a_lease_is_recovered,
     names_and_headers_too_long_to_load_fail_alone,
     a_row_the_database_refuses_to_claim_fails_alone,
+    a_breaker_count_edited_to_its_top_still_counts,
+    a_pending_row_whose_retry_time_cannot_be_compared_is_made_due,
 );
 
 /// The attack the claim's fallback answers, on PostgreSQL: headers of 8 700 numbers that print
 /// 131 072 digits each, stored in a few hundred bytes, edited into a row by hand (no trigger checks
 /// an UPDATE: migration 12). PostgreSQL
 /// cannot print them (its strings end at 1 GB), so every claim that includes the row fails. The
-/// row is set FAILED and the event beside it is delivered.
+/// row is set FAILED and the event beside it is delivered; its attempts, edited below zero too,
+/// do not stop its history recording why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_that_print_past_a_gigabyte_fail_alone() {
     let s = stepped(TestDb::new(Backend::Postgres).await).await;
     let (good, bomb) = (insert(&s, "ok").await, insert(&s, "ok").await);
     let edit = format!(
-        "UPDATE ferry_events SET headers = ('{{\"h\": [' || repeat('1e131071,', 8700) || '1]}}')::jsonb WHERE id = {bomb}"
+        "UPDATE ferry_events SET headers = ('{{\"h\": [' || repeat('1e131071,', 8700) || '1]}}')::jsonb, attempts = -1 WHERE id = {bomb}"
     );
     sqlx::raw_sql(&edit).execute(s.db.postgres.as_ref().unwrap().pool()).await.unwrap();
     let stats = s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");

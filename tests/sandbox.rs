@@ -26,6 +26,11 @@ struct Setup {
 /// Ferry on SQLite with the scripted plugin on route `s` (a 300 ms timeout plus the sandbox
 /// settings `sandbox`) and the log plugin on route `ok`.
 async fn setup(sandbox: &str) -> Setup {
+    setup_timed("300ms", sandbox).await
+}
+
+/// [`setup`] with the scripted plugin's timeout `timeout`.
+async fn setup_timed(timeout: &str, sandbox: &str) -> Setup {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted", "ferry_transport_log"]);
     let out = db.dir.path().join("out");
@@ -34,7 +39,7 @@ async fn setup(sandbox: &str) -> Setup {
         [plugins]
         dir = {plugins:?}
         [sandbox.scripted]
-        timeout = "300ms"
+        timeout = {timeout:?}
         {sandbox}
         [sandbox.log]
         dirs = {{ "/out" = {out:?} }}
@@ -96,6 +101,37 @@ async fn traps_loops_and_memory_hogs_become_transient_failures() {
     for kind in ["out_of_memory", "timeout", "trap"] {
         let line = format!("ferry_plugin_faults_total{{plugin=\"scripted\",kind=\"{kind}\"}} 1");
         assert!(metrics.contains(&line), "{line} missing from:\n{metrics}");
+    }
+}
+
+/// The relay's workers are futures of one task. A plugin computing in a loop, far inside its
+/// timeout, holds only its own call: the loop gives the task back at every epoch tick, so another
+/// worker claims and delivers another route's event meanwhile. Without that, the loop would hold
+/// the task, and every worker and route with it, until its timeout trapped it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_spinning_in_its_code_holds_up_no_other_worker() {
+    let s = setup_timed("60s", "").await;
+    let spinning = s.emit(NewEvent::new("s", "spin", "{}")).await;
+    let never = CancellationToken::new();
+    let spin = s.ferry.relay.cycle(&never);
+    let other_worker = async {
+        crate::common::eventually(std::time::Duration::from_secs(30), "the spinning event claimed", || async {
+            (s.db.store.get(spinning).await.unwrap().unwrap().status == Status::Processing).then_some(())
+        })
+        .await;
+        let healthy = s.emit(NewEvent::new("ok", "fine", "{}")).await;
+        let cycle = s.ferry.relay.cycle(&never).await.expect("the other worker's cycle completes");
+        (healthy, cycle)
+    };
+    // Both in this one task, as the relay runs its workers.
+    tokio::select! {
+        _ = spin => panic!("the spinning call ended (timed out) before the other worker could deliver"),
+        (healthy, cycle) = other_worker => {
+            assert_eq!(cycle.claimed, 1, "the other worker claims only the healthy event");
+            assert_eq!(s.db.store.get(healthy).await.unwrap().unwrap().status, Status::Sent);
+            let row = s.db.store.get(spinning).await.unwrap().unwrap();
+            assert_eq!(row.status, Status::Processing, "the spinning call is still running");
+        }
     }
 }
 
@@ -281,6 +317,32 @@ async fn wasi_http_reaches_only_allowed_origins_with_the_right_host_header() {
     let error = denied.last_error.unwrap();
     assert!(error.starts_with(&format!("http {other}: ")) && error.contains("HttpRequestDenied"), "{error}");
     assert!(other_receiver.requests().is_empty(), "nothing reached the origin that is not allowed");
+}
+
+/// The pool keeps connections per authority as written. A plugin spelling its one allowed origin
+/// endlessly (`127.0.0.1:0PORT`, `127.0.0.1:00PORT`, …, all the same origin to the allowlist)
+/// would keep a connection open for each spelling, and so as many sockets as it likes: its
+/// requests go out respelled, on the origin's shared connections, and name it as the allowlist
+/// does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spellings_of_one_origin_share_its_connections() {
+    let receiver = Receiver::start().await;
+    let (ip, port) = (receiver.addr.ip(), receiver.addr.port());
+    let s = setup(&format!("http = [\"http://{}\"]", receiver.addr)).await;
+    for zeros in 1..=20 {
+        let authority = format!("{ip}:{}{port}", "0".repeat(zeros));
+        let row = s
+            .deliver_beside_a_healthy_route(NewEvent::new("s", "http", "{}").with_header("authority", authority))
+            .await;
+        assert_eq!(row.status, Status::Sent, "{zeros} zeros: {:?}", row.last_error);
+    }
+    let requests = receiver.requests();
+    assert_eq!(requests.len(), 20);
+    let addr = receiver.addr.to_string();
+    assert!(requests.iter().all(|r| r.header("host") == Some(addr.as_str())), "each names the origin as allowed");
+    // Twenty requests one after the other: one connection, reused (one more, at most, if a request
+    // set out before the last one's connection was back in the pool).
+    assert!(receiver.connections() <= 2, "{} connections for 20 spellings", receiver.connections());
 }
 
 /// A server's response head is read up to 16 KiB, what a plugin's own header fields may hold:

@@ -82,16 +82,22 @@ impl Jitter {
     }
 }
 
+/// The shortest retry a transport's hint may ask for. A receiver answering `503` with
+/// `Retry-After: 0` would otherwise have its event retried at once, every attempt spent within
+/// milliseconds (and, with `max_attempts = 0`, the relay retrying it in a hot loop).
+pub const MIN_RETRY_AFTER: Duration = Duration::from_secs(1);
+
 impl RetryPolicy {
     /// Decides what follows a transient failure of attempt `failed_attempt` (1-based) for an event
     /// whose limit is `max_attempts` (0 = unlimited). A `hint` from the transport replaces the
-    /// backoff delay, bounded by `retry_after_max`; `unit` is a uniform random number in `[0, 1)`.
+    /// backoff delay: at least [`MIN_RETRY_AFTER`], at most `retry_after_max`; `unit` is a uniform
+    /// random number in `[0, 1)`.
     pub fn decide(&self, failed_attempt: u32, max_attempts: u32, hint: Option<Duration>, unit: f64) -> RetryDecision {
         if max_attempts != 0 && failed_attempt >= max_attempts {
             return RetryDecision::GiveUp;
         }
         let delay = match hint {
-            Some(hint) => hint.min(self.retry_after_max),
+            Some(hint) => hint.max(MIN_RETRY_AFTER).min(self.retry_after_max),
             None => self.jitter.apply(self.backoff.base_delay(failed_attempt), unit),
         };
         RetryDecision::RetryAfter(delay)
@@ -168,6 +174,7 @@ mod tests {
         let hinted = |secs| p.decide(1, 5, Some(Duration::from_secs(secs)), 0.5);
         assert_eq!(hinted(120), RetryDecision::RetryAfter(Duration::from_secs(120)));
         assert_eq!(hinted(10 * H), RetryDecision::RetryAfter(Duration::from_secs(H)), "clamped to retry_after_max");
+        assert_eq!(hinted(0), RetryDecision::RetryAfter(MIN_RETRY_AFTER), "an immediate retry is not granted");
         assert_eq!(
             p.decide(5, 5, Some(Duration::from_secs(1)), 0.5),
             RetryDecision::GiveUp,

@@ -687,7 +687,7 @@ impl Config {
 pub(crate) fn syntax_error(origin: &str, text: &str, e: &toml::de::Error) -> ConfigError {
     match e.span() {
         Some(span) => {
-            let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+            let line = sources::line_at(text, span.start);
             ConfigError::invalid(&format!("{origin}, line {line}"), e.message().to_string())
         }
         None => ConfigError::invalid(origin, e.message().to_string()),

@@ -197,8 +197,14 @@ pub(super) fn line_of(text: &str, path: &str) -> Option<usize> {
             _ => break,
         }
     }
-    let start = span?.start.min(text.len());
-    Some(text[..start].matches('\n').count() + 1)
+    Some(line_at(text, span?.start))
+}
+
+/// The line (1-based) holding byte `offset` of `text`. Counted over bytes, so an offset inside a
+/// multi-byte character, or past the end, cannot make it panic.
+pub(super) fn line_at(text: &str, offset: usize) -> usize {
+    let before = text.as_bytes().get(..offset).unwrap_or(text.as_bytes());
+    before.iter().filter(|&&b| b == b'\n').count() + 1
 }
 
 #[cfg(test)]
@@ -214,6 +220,16 @@ mod tests {
         assert_eq!(line_of("retry.schedule = [\"1s\",\n 2]\n", "retry.schedule[1]"), Some(1));
         assert_eq!(line_of(text, "relay.lease"), None);
         assert_eq!(line_of("not toml [", "relay.lease"), None);
+    }
+
+    #[test]
+    fn line_at_takes_any_offset_without_panicking() {
+        let text = "a = \"é\"\nb = 1\n";
+        assert_eq!(line_at(text, 0), 1);
+        // Inside the two bytes of `é`: slicing the `str` there would panic.
+        assert_eq!(line_at(text, 6), 1);
+        assert_eq!(line_at(text, 10), 2);
+        assert_eq!(line_at(text, usize::MAX), 3);
     }
 
     #[test]

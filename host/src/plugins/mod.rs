@@ -43,7 +43,9 @@ use self::contract::current as bindings;
 pub use bindings::exports::ferry::transport::transport::{Outcome, PluginInfo};
 pub use bindings::ferry::transport::types::Failure;
 
-/// How often the epoch ticker advances; the granularity of plugin timeouts.
+/// How often the epoch ticker advances: the granularity of plugin timeouts, and the longest a
+/// plugin's wasm code runs before it gives the relay's other work a turn (see
+/// `sandbox::set_deadline`).
 pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(10);
 
 /// A plugin call that did not produce one outcome per event. The relay treats it as a transient
@@ -78,11 +80,6 @@ pub enum DeliverError {
     /// mend: they wait a moment, no attempt counted, their route's breaker left alone.
     #[error("{0}")]
     HostShort(String),
-}
-
-/// Epoch ticks covering `timeout`, at least one.
-pub(crate) fn ticks(timeout: Duration) -> u64 {
-    (timeout.as_millis() / EPOCH_TICK.as_millis()).max(1) as u64 + 1
 }
 
 /// The readable part of a wasmtime error, on one line: its causes joined by ": ", without the

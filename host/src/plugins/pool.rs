@@ -12,8 +12,8 @@ use wasmtime::Store as WasmStore;
 use super::contract::Bindings;
 use super::registry::{Plugin, Registry};
 use super::runtime::Runtime;
-use super::sandbox::{HostState, resolve_allowlist};
-use super::{DeliverError, EPOCH_TICK, Outcome, PluginFault, root_cause, ticks};
+use super::sandbox::{HostState, resolve_allowlist, set_deadline};
+use super::{DeliverError, EPOCH_TICK, Outcome, PluginFault, root_cause};
 use crate::config::{PluginLimits, PluginSettings, RouteSettings, Settings};
 use crate::event::ClaimedEvent;
 use crate::metrics::{FaultLabels, PluginLabels};
@@ -324,7 +324,7 @@ impl RouteTransport {
     }
 
     async fn call(&self, mut instance: Instance, events: &[&ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
-        instance.store.set_epoch_deadline(ticks(self.limits.timeout));
+        set_deadline(&mut instance.store, self.limits.timeout);
         let call = instance.bindings.deliver(&mut instance.store, events);
         // The epoch deadline stops wasm code; this timeout also covers a call parked in the host.
         let result = tokio::time::timeout(self.limits.timeout + EPOCH_TICK * 5, call).await;

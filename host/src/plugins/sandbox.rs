@@ -10,11 +10,12 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tokio::sync::Semaphore;
 use wasmtime::component::ResourceTable;
-use wasmtime::{ResourceLimiter, Store as WasmStore};
+use wasmtime::{ResourceLimiter, Store as WasmStore, UpdateDeadline};
 use wasmtime_wasi::sockets::SocketAddrUse;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{
@@ -24,7 +25,6 @@ use wasmtime_wasi_http::{
 use super::bindings::ferry::transport::{logging, types};
 use super::http_pool::{Sender, Ticket};
 use super::runtime::Runtime;
-use super::ticks;
 use crate::config::{PluginLimits, Sandbox, normalize_origin, origin_matches};
 
 /// Core instances one plugin instance may hold. The bundled Python transport (componentize-py)
@@ -127,6 +127,22 @@ pub struct HostState {
     table: ResourceTable,
     pub(super) limiter: Limiter,
     pub(super) plugin: Arc<str>,
+    /// When the running call's wasm code is stopped (see [`set_deadline`]).
+    deadline: Instant,
+}
+
+/// Gives the wasm code of `store` until `timeout` from now. The epoch ticker interrupts it every
+/// [`EPOCH_TICK`](super::EPOCH_TICK): past the deadline the call traps (`Trap::Interrupt`, a
+/// timeout); before it, the call yields to the async executor and goes on at its next poll. The
+/// relay's workers and routes are futures of one task, so a plugin computing in a loop would
+/// otherwise hold all of them, every other route's deliveries included, for its whole timeout;
+/// yielding, it holds them for a tick at most.
+pub(crate) fn set_deadline(store: &mut WasmStore<HostState>, timeout: Duration) {
+    let now = Instant::now();
+    // A timeout past what `Instant` can hold is as good as none: a century will do.
+    let far = Duration::from_secs(100 * 365 * 86_400);
+    store.data_mut().deadline = now.checked_add(timeout).or_else(|| now.checked_add(far)).unwrap_or(now);
+    store.set_epoch_deadline(1);
 }
 
 impl HostState {
@@ -209,6 +225,9 @@ impl WasiHttpHooks for HttpPolicy {
             // well. What stays is bounded by the requests in flight, hence by the resource table.
             self.slots.retain(|_, slots| Arc::strong_count(slots) > 1);
         }
+        let Some(request) = respelled(request, &origin) else {
+            return Box::new(async { Err(HttpError::HttpRequestUriInvalid) });
+        };
         let slots = self.slots.entry(origin).or_insert_with(|| Arc::new(Semaphore::new(connections)));
         // Taken now, while the plugin hands the request over: slots go in the order of requests.
         let ticket = Ticket::take(slots.clone());
@@ -220,6 +239,28 @@ impl WasiHttpHooks for HttpPolicy {
             Ok((response, Box::new(done) as Box<dyn Future<Output = _> + Send>))
         })
     }
+}
+
+/// `request` addressed the way its normalized `origin` (`scheme://host:port`) spells it: host in
+/// lower case, the port without leading zeros and left out when it is the scheme's default. The
+/// pool keeps connections per authority as written, so spellings of one allowed origin
+/// (`host:443`, `host:0443`, `host:00443`, …) would each keep connections of their own, without
+/// end; respelled, they share one origin's. The `host` header wasmtime set from the authority is
+/// respelled with it. `None` when the respelling is not a valid URI.
+fn respelled(mut request: http::Request<WasiBody>, origin: &str) -> Option<http::Request<WasiBody>> {
+    let (scheme, authority) = origin.split_once("://")?;
+    let default_port = if scheme == "http" { ":80" } else { ":443" };
+    let authority = authority.strip_suffix(default_port).unwrap_or(authority);
+    if request.uri().authority().map(|a| a.as_str()) == Some(authority) {
+        return Some(request);
+    }
+    let mut parts = request.uri().clone().into_parts();
+    parts.authority = Some(authority.parse().ok()?);
+    *request.uri_mut() = http::Uri::from_parts(parts).ok()?;
+    if request.headers().contains_key(http::header::HOST) {
+        request.headers_mut().insert(http::header::HOST, http::HeaderValue::from_str(authority).ok()?);
+    }
+    Some(request)
 }
 
 impl types::Host for HostState {}
@@ -322,6 +363,7 @@ impl Runtime {
             table,
             limiter: Limiter::new(limits.memory),
             plugin,
+            deadline: Instant::now(),
         };
         let mut store = WasmStore::new(&self.engine, state);
         store.limiter(|state| &mut state.limiter);
@@ -330,8 +372,11 @@ impl Runtime {
         // stays within it needs. Without it wasmtime allows 128 MiB per call, and one answer whose
         // strings all point at the same bytes is copied once per string.
         store.set_hostcall_fuel(limits.memory);
-        store.set_epoch_deadline(ticks(limits.timeout));
-        store.epoch_deadline_trap();
+        store.epoch_deadline_callback(|store| {
+            let passed = Instant::now() >= store.data().deadline;
+            Ok(if passed { UpdateDeadline::Interrupt } else { UpdateDeadline::Yield(1) })
+        });
+        set_deadline(&mut store, limits.timeout);
         Ok(store)
     }
 }
@@ -390,6 +435,31 @@ mod tests {
         assert!(addrs.contains(&"127.0.0.1:9".parse().unwrap()), "{addrs:?}");
         assert!(addrs.iter().any(|a| a.port() == 10 && a.ip().is_loopback()), "localhost resolves: {addrs:?}");
         assert!(addrs.iter().all(|a| a.port() == 9 || a.port() == 10), "{addrs:?}");
+    }
+
+    #[test]
+    fn requests_go_out_under_their_origins_spelling() {
+        use http_body_util::BodyExt as _;
+        let cases = [
+            ("http://example.com:0080/x?q=1", "http://example.com:80", "example.com"),
+            ("https://Example.COM:00443/", "https://example.com:443", "example.com"),
+            ("http://example.com:08080/", "http://example.com:8080", "example.com:8080"),
+            ("http://[::1]:080/", "http://[::1]:80", "[::1]"),
+            ("https://example.com/", "https://example.com:443", "example.com"),
+        ];
+        for (uri, origin, want) in cases {
+            let body = http_body_util::Empty::new().map_err(|never| match never {}).boxed_unsync();
+            let written = uri.parse::<http::Uri>().unwrap();
+            let request = http::Request::post(uri)
+                .header(http::header::HOST, written.authority().unwrap().as_str())
+                .body(body)
+                .unwrap();
+            let sent = respelled(request, origin).unwrap();
+            assert_eq!(sent.uri().authority().unwrap().as_str(), want, "{uri}");
+            assert_eq!(sent.uri().path_and_query(), written.path_and_query(), "{uri}");
+            assert_eq!(sent.uri().scheme(), written.scheme(), "{uri}");
+            assert_eq!(sent.headers()[http::header::HOST], want, "{uri}");
+        }
     }
 
     /// A plugin granted a wildcard origin can name endless origins; the slots kept for them stay

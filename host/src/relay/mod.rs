@@ -279,10 +279,22 @@ impl Relay {
         }
     }
 
-    /// Stuck-claim recovery and retention; failures are logged, not fatal.
+    /// Stuck-claim recovery, unreadable retry times and retention; failures are logged, not
+    /// fatal.
     pub async fn housekeeping(&self) {
         if let Err(e) = self.recover().await {
             tracing::error!("stuck-claim recovery failed: {e}");
+        }
+        match self.store.reschedule_unreadable(self.clock.now()).await {
+            Ok(ids) => {
+                for id in ids {
+                    tracing::warn!(
+                        event = id,
+                        "next_attempt_at was not a time ferry can compare (edited by hand?); the event is due now"
+                    );
+                }
+            }
+            Err(e) => tracing::error!("rescheduling events with unreadable retry times failed: {e}"),
         }
         if let Err(e) = self.purge().await {
             tracing::error!("purging old SENT events failed: {e}");

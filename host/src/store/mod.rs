@@ -443,6 +443,12 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// Moves PROCESSING events whose lease expired before `now` back to PENDING.
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError>;
 
+    /// Makes due at `now` the PENDING events whose `next_attempt_at` was edited into a time the
+    /// claim cannot compare (text or a blob on SQLite, `infinity` on PostgreSQL): never due, they
+    /// would wait forever, and on an ordered route hold every later event of their key. Returns
+    /// their ids.
+    async fn reschedule_unreadable(&self, now: DateTime<Utc>) -> Result<Vec<i64>, StoreError>;
+
     /// Makes FAILED events PENDING again, due at `now`, with attempts and error reset (the
     /// operator's resend). Returns how many were FAILED and are now PENDING.
     async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;

@@ -522,7 +522,8 @@ const UNCLAIMABLE_SQL: &str = "WITH failed AS (
          SET status = 'FAILED', failure_reason = 'invalid_event', last_error = $3, processed_at = $2,
              last_status_at = $2
          WHERE id = $1 AND status = 'PENDING'
-         RETURNING id, attempts
+         -- A count edited by hand below zero must not stop the event failing.
+         RETURNING id, GREATEST(attempts, 0) AS attempts
      )
      INSERT INTO ferry_attempts (event_id, attempt, started_at, duration_ms, outcome, reason, error, instance)
      SELECT id, attempts, $2, 0, 'failed', 'invalid_event', $3, $4 FROM failed";
@@ -619,6 +620,20 @@ impl Store for PostgresStore {
             .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
             .collect::<Result<_, sqlx::Error>>()
             .map_err(Into::into)
+    }
+
+    async fn reschedule_unreadable(&self, now: DateTime<Utc>) -> Result<Vec<i64>, StoreError> {
+        // `-infinity` is due already; `infinity` is the one time no clock reaches. Found through
+        // the pending index.
+        let ids = sqlx::query_scalar(
+            "UPDATE ferry_events SET next_attempt_at = $1
+             WHERE status = 'PENDING' AND next_attempt_at = 'infinity'
+             RETURNING id",
+        )
+        .bind(now)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(ids)
     }
 
     async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -915,19 +930,20 @@ impl Store for PostgresStore {
         threshold: u32,
         now: DateTime<Utc>,
     ) -> Result<Breaker, StoreError> {
-        // $6: the failures trip (or re-trip) the breaker.
+        // The count is summed as a bigint and kept at the column's largest: a count edited to
+        // the top of `integer` must not make every later failure of its route an error.
         let row = sqlx::query_as(
             "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
              VALUES ($1, $2, CASE WHEN $2 > 0 AND $2 >= $4 THEN $5 END, CASE WHEN $2 > 0 AND $2 >= $4 THEN $3 END, $5)
              ON CONFLICT (route) DO UPDATE SET
-                 consecutive_failures = CASE WHEN $2 = 0 THEN 0 ELSE b.consecutive_failures + $2 END,
+                 consecutive_failures = CASE WHEN $2 = 0 THEN 0 ELSE LEAST(b.consecutive_failures::bigint + $2, 2147483647) END,
                  opened_at = CASE WHEN b.manual THEN b.opened_at
                                   WHEN $2 = 0 THEN NULL
-                                  WHEN b.opened_at IS NOT NULL OR b.consecutive_failures + $2 >= $4 THEN $5
+                                  WHEN b.opened_at IS NOT NULL OR b.consecutive_failures::bigint + $2 >= $4 THEN $5
                              END,
                  reason = CASE WHEN b.manual THEN b.reason
                                WHEN $2 = 0 THEN NULL
-                               WHEN b.opened_at IS NOT NULL OR b.consecutive_failures + $2 >= $4 THEN $3
+                               WHEN b.opened_at IS NOT NULL OR b.consecutive_failures::bigint + $2 >= $4 THEN $3
                           END,
                  probe_until = CASE WHEN b.manual THEN b.probe_until END,
                  updated_at = $5

@@ -742,6 +742,22 @@ impl Store for SqliteStore {
             .map_err(Into::into)
     }
 
+    async fn reschedule_unreadable(&self, now: DateTime<Utc>) -> Result<Vec<i64>, StoreError> {
+        let mut writing = self.writing().await?;
+        // SQLite orders every number before every text and every text before every blob: the
+        // times ferry cannot compare are those from '' on, a range of the pending index.
+        let ids = sqlx::query_scalar(
+            "UPDATE ferry_events SET next_attempt_at = ?1
+             WHERE status = 'PENDING' AND next_attempt_at >= ''
+             RETURNING id",
+        )
+        .bind(ms(now))
+        .fetch_all(&mut *writing)
+        .await?;
+        writing.finish();
+        Ok(ids)
+    }
+
     async fn resend(&self, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError> {
         let done = sqlx::query(
             "UPDATE ferry_events
@@ -1032,7 +1048,7 @@ impl Store for SqliteStore {
             "INSERT INTO ferry_breakers AS b (route, consecutive_failures, opened_at, reason, updated_at)
              VALUES (?1, ?2, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?5 END, CASE WHEN ?2 > 0 AND ?2 >= ?4 THEN ?3 END, ?5)
              ON CONFLICT (route) DO UPDATE SET
-                 consecutive_failures = CASE WHEN ?2 = 0 THEN 0 ELSE b.consecutive_failures + ?2 END,
+                 consecutive_failures = CASE WHEN ?2 = 0 THEN 0 ELSE MIN(b.consecutive_failures + ?2, 2147483647) END,
                  opened_at = CASE WHEN b.manual = 1 THEN b.opened_at
                                   WHEN ?2 = 0 THEN NULL
                                   WHEN b.opened_at IS NOT NULL OR b.consecutive_failures + ?2 >= ?4 THEN ?5

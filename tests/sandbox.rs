@@ -345,6 +345,43 @@ async fn spellings_of_one_origin_share_its_connections() {
     assert!(receiver.connections() <= 2, "{} connections for 20 spellings", receiver.connections());
 }
 
+/// A plugin granted `dns` floods the resolver: ten thousand lookups, each dropped as soon as it is
+/// started. Dropping one does not stop its getaddrinfo, which holds one of the host's blocking
+/// threads until it returns, the threads the host's own lookups and file access use; here those
+/// threads are kept busy meanwhile, as names no server answers would keep them. At most 8 of a
+/// plugin's lookups are waiting or running at once; the rest are refused at once, as by a busy
+/// resolver, and once the threads are free the plugin's lookups are answered again. Without the
+/// grant, no lookup is.
+#[test]
+fn a_plugin_cannot_flood_the_hosts_resolver() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let resolve = |count: &str| {
+            NewEvent::new("s", "resolve", "{}").with_header("name", "localhost").with_header("count", count.to_string())
+        };
+        let s = setup_timed("20s", "dns = true").await;
+        let second = std::time::Duration::from_secs(1);
+        let busy: Vec<_> = (0..4).map(|_| tokio::task::spawn_blocking(move || std::thread::sleep(second))).collect();
+        let reason = s.deliver_beside_a_healthy_route(resolve("10000")).await.last_error.unwrap();
+        // Without the bound every lookup is queued, and none refused.
+        assert!(reason.starts_with("refused 9992 of 10000; then: "), "{reason}");
+        assert!(reason.contains("Ipv4((127, 0, 0, 1))"), "{reason}");
+        for thread in busy {
+            thread.await.unwrap();
+        }
+
+        let s = setup("").await;
+        let reason = s.deliver_beside_a_healthy_route(resolve("0")).await.last_error.unwrap();
+        assert!(reason.starts_with("refused 0 of 0; then: error"), "{reason}");
+        assert!(reason.contains("permanent-resolver-failure"), "{reason}");
+    });
+}
+
 /// A server's response head is read up to 16 KiB, what a plugin's own header fields may hold:
 /// a longer one (here 40 KiB in one header) fails the request, so a plugin cannot keep many such
 /// heads in the host's memory; a head within it is answered as usual.

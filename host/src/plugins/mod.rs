@@ -11,13 +11,15 @@
 //! code cache, epoch ticker, linkers), `sandbox.rs` (what an instance's store carries and
 //! enforces: memory, tables, instances, host resources, files, sockets, HTTP, logging),
 //! `imports.rs` (what the linker shadows or withholds: file-access guards, wasi:http for plugins
-//! without an `http` grant), `http_pool.rs` (pooled connections for wasi:http requests), `tls.rs`
+//! without an `http` grant), `dns.rs` (name lookups, bounded per plugin), `http_pool.rs` (pooled
+//! connections for wasi:http requests), `tls.rs`
 //! (TLS done by the host for wasi:tls and wasi:http: roots, a private CA, client certificates),
 //! `registry.rs` (scan, load, validate and hot-swap plugin files), `shape.rs` (what compiling a
 //! component would expand to, checked before wasmtime compiles it) and `pool.rs` (per-route
 //! instance pools and delivery calls).
 
 mod contract;
+mod dns;
 mod http_pool;
 mod imports;
 mod pool;

@@ -57,6 +57,8 @@ pub struct Runtime {
     /// The TLS client configurations of plugins' wasi:tls connections, made once per plugin and
     /// files, so instances share them (and their session cache).
     pub(super) tls: super::tls::TlsConfigs,
+    /// Each plugin's slots for name lookups (`dns.rs`).
+    pub(super) dns: super::dns::DnsSlots,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -129,6 +131,7 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(anyhow::Error::from)?;
         guard_file_access(&mut linker)?;
+        super::dns::bound_name_lookups(&mut linker)?;
         super::contract::add_to_linker(&mut linker)?;
         // wasi:tls (a draft interface, switched on here): the host does the TLS of a plugin's TCP
         // connection, with the roots and client certificate its sandbox grants.
@@ -164,6 +167,7 @@ impl Runtime {
             load_timeout,
             http: Arc::new(super::http_pool::HttpPool::new()),
             tls: super::tls::TlsConfigs::default(),
+            dns: super::dns::DnsSlots::default(),
         })
     }
 

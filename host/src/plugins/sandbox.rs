@@ -129,6 +129,8 @@ pub struct HostState {
     pub(super) plugin: Arc<str>,
     /// When the running call's wasm code is stopped (see [`set_deadline`]).
     deadline: Instant,
+    /// Whether it may look names up, and its plugin's lookup slots (`dns.rs`).
+    pub(super) dns: super::dns::DnsGrant,
 }
 
 /// Gives the wasm code of `store` until `timeout` from now. The epoch ticker interrupts it every
@@ -146,6 +148,10 @@ pub(crate) fn set_deadline(store: &mut WasmStore<HostState>, timeout: Duration) 
 }
 
 impl HostState {
+    pub(super) fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
+
     /// How many host objects the instance holds and may hold, if it holds more than half of what
     /// it may between calls: a sign that it leaks them (some language runtimes give handles back
     /// only when they collect garbage). Such an instance is replaced, like after `max_calls`,
@@ -349,6 +355,7 @@ impl Runtime {
             let config = self.tls.config(&plugin, sandbox).map_err(|e| anyhow::anyhow!("sandbox.{plugin}.{e}"))?;
             tls = tls.provider(Box::new(super::tls::PluginTls { config }));
         }
+        let dns = self.dns.grant(&plugin, sandbox.dns);
         let state = HostState {
             wasi: wasi.build(),
             http,
@@ -364,6 +371,7 @@ impl Runtime {
             limiter: Limiter::new(limits.memory),
             plugin,
             deadline: Instant::now(),
+            dns,
         };
         let mut store = WasmStore::new(&self.engine, state);
         store.limiter(|state| &mut state.limiter);

@@ -35,6 +35,12 @@
 //! - `defer` → deferred by the `delay-ms` header (default 1000) the first `times` (header,
 //!   default 1) calls for the event in this instance, success afterwards; a deferral counts no
 //!   attempt, so the event's `attempt` cannot tell the calls apart;
+//! - `resolve` → looks up the `name` header `count` times (header, default 1) through
+//!   wasi:sockets, dropping each lookup as soon as it is started, then once more waiting for the
+//!   answer (trying again every 10 ms while the host says its resolver is busy); permanent
+//!   failure whose reason is `refused R of N; then: ANSWER`, R the lookups the host refused at
+//!   once and ANSWER the addresses or the error of the last one (to flood the host's resolver and
+//!   see it hold);
 //! - anything else → success.
 //!
 //! Config:
@@ -188,6 +194,19 @@ fn outcome(event: &Event, kind: &str) -> Outcome {
             Ok(status) => refused(format!("http {}: status {status}", header("authority"))),
             Err(e) => refused(format!("http {}: {e}", header("authority"))),
         },
+        "resolve" => {
+            let count: usize = header("count").parse().unwrap_or(1);
+            let name = header("name");
+            let refused_at_once = (0..count).filter(|_| resolve(&name, false).is_err()).count();
+            let answer = loop {
+                match resolve(&name, true) {
+                    Ok(addrs) => break addrs,
+                    Err(e) if e.contains("temporary-resolver-failure") => std::thread::sleep(Duration::from_millis(10)),
+                    Err(e) => break format!("error {e}"),
+                }
+            };
+            refused(format!("refused {refused_at_once} of {count}; then: {answer}"))
+        }
         "env" => match std::env::var(header("name")) {
             Ok(value) => refused(format!("env {}={value}", header("name"))),
             Err(_) => refused(format!("env {} unset", header("name"))),
@@ -268,6 +287,26 @@ fn hoard_fields(headers: usize, count: usize) -> usize {
         kept.push(fields);
     }
     kept.len()
+}
+
+/// Looks `name` up through wasi:sockets: without `wait`, only starts the lookup (an error is a
+/// refusal at once) and drops it; with it, waits for the addresses, listed with commas.
+fn resolve(name: &str, wait: bool) -> Result<String, String> {
+    use wasi::sockets::{instance_network, ip_name_lookup};
+    let network = instance_network::instance_network();
+    let lookup = ip_name_lookup::resolve_addresses(&network, name).map_err(|e| format!("{e:?}"))?;
+    if !wait {
+        return Ok(String::new());
+    }
+    let mut addrs = Vec::new();
+    loop {
+        match lookup.resolve_next_address() {
+            Ok(Some(addr)) => addrs.push(format!("{addr:?}")),
+            Ok(None) => return Ok(addrs.join(",")),
+            Err(ip_name_lookup::ErrorCode::WouldBlock) => lookup.subscribe().block(),
+            Err(e) => return Err(format!("{e:?}")),
+        }
+    }
 }
 
 /// A plain wasi:http GET of `http://{authority}/`, returning the status code.

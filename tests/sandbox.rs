@@ -365,8 +365,8 @@ fn a_plugin_cannot_flood_the_hosts_resolver() {
             NewEvent::new("s", "resolve", "{}").with_header("name", "localhost").with_header("count", count.to_string())
         };
         let s = setup_timed("20s", "dns = true").await;
-        let second = std::time::Duration::from_secs(1);
-        let busy: Vec<_> = (0..4).map(|_| tokio::task::spawn_blocking(move || std::thread::sleep(second))).collect();
+        let busy_for = std::time::Duration::from_secs(3);
+        let busy: Vec<_> = (0..4).map(|_| tokio::task::spawn_blocking(move || std::thread::sleep(busy_for))).collect();
         let reason = s.deliver_beside_a_healthy_route(resolve("10000")).await.last_error.unwrap();
         // Without the bound every lookup is queued, and none refused.
         assert!(reason.starts_with("refused 9992 of 10000; then: "), "{reason}");

@@ -97,7 +97,7 @@ impl RetryPolicy {
             return RetryDecision::GiveUp;
         }
         let delay = match hint {
-            Some(hint) => hint.max(MIN_RETRY_AFTER).min(self.retry_after_max),
+            Some(hint) => hint.min(self.retry_after_max).max(MIN_RETRY_AFTER),
             None => self.jitter.apply(self.backoff.base_delay(failed_attempt), unit),
         };
         RetryDecision::RetryAfter(delay)
@@ -175,6 +175,12 @@ mod tests {
         assert_eq!(hinted(120), RetryDecision::RetryAfter(Duration::from_secs(120)));
         assert_eq!(hinted(10 * H), RetryDecision::RetryAfter(Duration::from_secs(H)), "clamped to retry_after_max");
         assert_eq!(hinted(0), RetryDecision::RetryAfter(MIN_RETRY_AFTER), "an immediate retry is not granted");
+        let tight = RetryPolicy { retry_after_max: Duration::ZERO, ..p.clone() };
+        assert_eq!(
+            tight.decide(1, 5, Some(Duration::ZERO), 0.5),
+            RetryDecision::RetryAfter(MIN_RETRY_AFTER),
+            "nor by a zero maximum"
+        );
         assert_eq!(
             p.decide(5, 5, Some(Duration::from_secs(1)), 0.5),
             RetryDecision::GiveUp,

@@ -5,6 +5,9 @@
 //! host's own blocking work waits behind them (the HTTP pool's name lookups, the allowlists'
 //! resolution at instance start, file access, plugin loads), for every plugin.
 //!
+//! This covers `wasi:sockets` only: the connections of the wasi:http pool still look their
+//! origins' names up unbounded (a `*.domain` grant lets a plugin name endless origins).
+//!
 //! Here a plugin's instances together have at most [`LOOKUPS_PER_PLUGIN`] lookups running, each
 //! counted until its `getaddrinfo` returns, whether or not the plugin still waits for it. Past
 //! that, `resolve-addresses` fails at once with `temporary-resolver-failure`, what a resolver too
@@ -33,6 +36,9 @@ const WASI_IP_NAME_LOOKUP: &str = "wasi:sockets/ip-name-lookup@0.2.12";
 /// Lookups one plugin's instances may have running at once: a few broker or endpoint names at a
 /// time is what transports resolve; tokio's blocking pool has 512 threads for the whole host.
 pub const LOOKUPS_PER_PLUGIN: usize = 8;
+
+/// The longest name looked up: a DNS name's limit, with room for an IPv6 literal's zone.
+const MAX_NAME: usize = 255;
 
 /// Whether an instance may look names up, and its plugin's lookup slots.
 #[derive(Clone)]
@@ -90,6 +96,10 @@ impl Pollable for Lookup {
 fn start(grant: &DnsGrant, name: &str) -> Result<Lookup, ErrorCode> {
     if !grant.allowed {
         return Err(ErrorCode::PermanentResolverFailure);
+    }
+    // No host name is longer; a longer one is not parsed (the parse runs on the relay's task).
+    if name.len() > MAX_NAME {
+        return Err(ErrorCode::InvalidArgument);
     }
     let domain = match url::Host::parse(name) {
         Ok(url::Host::Domain(domain)) => domain,

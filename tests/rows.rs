@@ -37,6 +37,15 @@ async fn insert(s: &Stepped, event_type: &str) -> i64 {
     s.db.store.insert(&NewEvent::new("s", event_type, "{}"), s.clock.now()).await.unwrap()
 }
 
+/// Inserts an `ok` event on route `s`, then edits its row by hand with `set` (an `UPDATE`'s
+/// assignments); returns its id.
+async fn insert_edited(s: &Stepped, set: &str) -> i64 {
+    let id = insert(s, "ok").await;
+    let edit = format!("UPDATE ferry_events SET {set} WHERE id = {id}");
+    assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
+    id
+}
+
 async fn malformed_rows_fail_alone_and_the_rest_is_delivered(db: TestDb) {
     let s = stepped(db).await;
     let good: Vec<i64> = [insert(&s, "ok").await, insert(&s, "ok").await, insert(&s, "ok").await].into();
@@ -327,10 +336,7 @@ async fn a_processing_row_without_a_lease_is_recovered(db: TestDb) {
     };
     let mut stuck = Vec::new();
     for lease in leases {
-        let id = insert(&s, "ok").await;
-        let edit = format!("UPDATE ferry_events SET status = 'PROCESSING', lease_until = {lease} WHERE id = {id}");
-        assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
-        stuck.push(id);
+        stuck.push(insert_edited(&s, &format!("status = 'PROCESSING', lease_until = {lease}")).await);
     }
     s.ferry.relay.housekeeping().await;
     s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
@@ -351,10 +357,7 @@ async fn a_pending_row_whose_retry_time_cannot_be_compared_is_made_due(db: TestD
     };
     let mut never_due = Vec::new();
     for time in times {
-        let id = insert(&s, "ok").await;
-        let edit = format!("UPDATE ferry_events SET next_attempt_at = {time} WHERE id = {id}");
-        assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
-        never_due.push(id);
+        never_due.push(insert_edited(&s, &format!("next_attempt_at = {time}")).await);
     }
     let fine = insert(&s, "ok").await;
     // As edited, the claim passes them over.

@@ -382,6 +382,70 @@ fn a_plugin_cannot_flood_the_hosts_resolver() {
     });
 }
 
+/// The same flood through wasi:http: a plugin granted a wildcard origin names ten thousand origins,
+/// one request each, dropping each hundred a millisecond after starting them. Each new origin's
+/// connection looks its name up on the host's blocking threads, kept busy here meanwhile. The
+/// lookups of a plugin's connections take the same 8 slots as its own, so at most 8 are queued;
+/// without them all ten thousand would be, and the host's own blocking work, queued after the
+/// flood, would wait for every one of them: 2 500 lookups' time on four threads.
+#[test]
+fn a_plugin_cannot_flood_the_hosts_resolver_through_wasi_http() {
+    use std::time::{Duration, Instant};
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    let outcome = runtime.block_on(async {
+        let domain = "flood.invalid";
+        let s = setup_timed("60s", &format!("http = [\"http://*.{domain}\"]")).await;
+        // What a lookup of a name no one answers takes here, the slowest of three.
+        let mut slowest = Duration::ZERO;
+        for n in 0..3 {
+            let name = format!("probe-{n}.{domain}");
+            let started = Instant::now();
+            tokio::task::spawn_blocking(move || std::net::ToSocketAddrs::to_socket_addrs(&(name.as_str(), 80)).is_ok())
+                .await
+                .unwrap();
+            slowest = slowest.max(started.elapsed());
+        }
+        let releases: Vec<_> = (0..4)
+            .map(|_| {
+                let (release, wait) = std::sync::mpsc::channel::<()>();
+                tokio::task::spawn_blocking(move || wait.recv_timeout(Duration::from_secs(60)));
+                release
+            })
+            .collect();
+        let flood = NewEvent::new("s", "http-flood", "{}").with_header("domain", domain).with_header("count", "10000");
+        let id = s.emit(flood).await;
+        s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+        let row = s.db.store.get(id).await.unwrap().unwrap();
+
+        // Queued now, the host's own blocking work waits for what the flood queued before it.
+        let probe = tokio::task::spawn_blocking(Instant::now);
+        let released = Instant::now();
+        for release in releases {
+            let _ = release.send(());
+        }
+        // With the bound at most 8 lookups, two rounds on four threads, are ahead of it: the limit
+        // leaves a hundred times that, where ten thousand lookups would take 2 500 times as long
+        // as one (as these names do, an answer sometimes comes only after the resolver's retry).
+        let limit = (slowest * 200).clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let Ok(ran) = tokio::time::timeout(limit, probe).await else {
+            return Err(format!("the host's blocking work waited more than {limit:?} behind the plugin's lookups"));
+        };
+        assert!(ran.unwrap() >= released);
+        assert_eq!(row.last_error.as_deref(), Some("started 10000 of 10000"));
+        let row = s.deliver_beside_a_healthy_route(NewEvent::new("s", "fine", "{}")).await;
+        assert_eq!(row.status, Status::Sent);
+        Ok(())
+    });
+    // A failure leaves the flood's lookups queued: they are not waited for.
+    runtime.shutdown_background();
+    outcome.unwrap();
+}
+
 /// A server's response head is read up to 16 KiB, what a plugin's own header fields may hold:
 /// a longer one (here 40 KiB in one header) fails the request, so a plugin cannot keep many such
 /// heads in the host's memory; a head within it is answered as usual.

@@ -5,24 +5,26 @@
 //! host's own blocking work waits behind them (the HTTP pool's name lookups, the allowlists'
 //! resolution at instance start, file access, plugin loads), for every plugin.
 //!
-//! This covers `wasi:sockets` only: the connections of the wasi:http pool still look their
-//! origins' names up unbounded (a `*.domain` grant lets a plugin name endless origins).
-//!
 //! Here a plugin's instances together have at most [`LOOKUPS_PER_PLUGIN`] lookups running, each
 //! counted until its `getaddrinfo` returns, whether or not the plugin still waits for it. Past
 //! that, `resolve-addresses` fails at once with `temporary-resolver-failure`, what a resolver too
 //! busy to answer says, which a transport retries like any other failed connection. IP literals
 //! are answered without a lookup, names are checked (and turned into punycode) as wasmtime-wasi
 //! does, and without a `dns` grant every lookup fails with `permanent-resolver-failure`, as there.
+//!
+//! The same slots bound the lookups of the plugin's wasi:http connections (`http_pool.rs`), where
+//! a `*.domain` grant lets a plugin name endless origins: there a new connection waits for a slot,
+//! within its connect timeout, instead of failing.
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::net::{IpAddr, Ipv6Addr, ToSocketAddrs};
+use std::io;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use wasmtime::component::{Linker, Resource, ResourceType};
 use wasmtime_wasi::p2::bindings::sockets::network::{ErrorCode, IpAddress};
@@ -47,24 +49,43 @@ pub(crate) struct DnsGrant {
     slots: Arc<Semaphore>,
 }
 
-/// The lookup slots of every plugin, by name, shared by its instances (and by the instances of
-/// its next versions: a reload does not hand out fresh slots while the old lookups still run).
+/// The lookup slots of every plugin, by name, shared by its instances and its HTTP connections
+/// (and by those of its next versions: a reload does not hand out fresh slots while the old
+/// lookups still run).
 #[derive(Default)]
 pub(crate) struct DnsSlots(Mutex<HashMap<Arc<str>, Arc<Semaphore>>>);
 
 impl DnsSlots {
-    pub(crate) fn grant(&self, plugin: &Arc<str>, allowed: bool) -> DnsGrant {
+    /// The slots of `plugin`.
+    pub(crate) fn of(&self, plugin: &Arc<str>) -> Arc<Semaphore> {
         let mut slots = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let slots = slots.entry(plugin.clone()).or_insert_with(|| Arc::new(Semaphore::new(LOOKUPS_PER_PLUGIN)));
-        DnsGrant { allowed, slots: slots.clone() }
+        if !slots.contains_key(plugin) {
+            // Forget the plugins gone (removed, or renamed) whose lookups have all returned: only
+            // this map holds their slots then.
+            slots.retain(|_, held| Arc::strong_count(held) > 1);
+        }
+        slots.entry(plugin.clone()).or_insert_with(|| Arc::new(Semaphore::new(LOOKUPS_PER_PLUGIN))).clone()
     }
+
+    pub(crate) fn grant(&self, plugin: &Arc<str>, allowed: bool) -> DnsGrant {
+        DnsGrant { allowed, slots: self.of(plugin) }
+    }
+}
+
+/// Looks `name` up on tokio's blocking pool with `slot`, which is held until getaddrinfo returns:
+/// the thread is busy until then, whoever still waits for the answer.
+pub(crate) fn resolve(slot: OwnedSemaphorePermit, name: String, port: u16) -> JoinHandle<io::Result<Vec<SocketAddr>>> {
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        Ok((name.as_str(), port).to_socket_addrs()?.collect())
+    })
 }
 
 /// One lookup, as the plugin holds it.
 pub struct Lookup(State);
 
 enum State {
-    Running(JoinHandle<Result<Vec<IpAddr>, ErrorCode>>),
+    Running(JoinHandle<io::Result<Vec<SocketAddr>>>),
     Done(Result<std::vec::IntoIter<IpAddr>, ErrorCode>),
 }
 
@@ -79,7 +100,11 @@ impl Lookup {
             let Poll::Ready(joined) = Pin::new(job).poll(cx) else { return Poll::Pending };
             // A lookup that panicked or was cancelled (the runtime shutting down) is a resolver
             // that failed to answer.
-            *self = Lookup::done(joined.unwrap_or(Err(ErrorCode::TemporaryResolverFailure)));
+            *self = Lookup::done(match joined {
+                Ok(Ok(addrs)) => Ok(addrs.iter().map(|addr| addr.ip().to_canonical()).collect()),
+                Ok(Err(_)) => Err(ErrorCode::NameUnresolvable),
+                Err(_) => Err(ErrorCode::TemporaryResolverFailure),
+            });
         }
         Poll::Ready(())
     }
@@ -114,13 +139,7 @@ fn start(grant: &DnsGrant, name: &str) -> Result<Lookup, ErrorCode> {
     let Ok(slot) = grant.slots.clone().try_acquire_owned() else {
         return Err(ErrorCode::TemporaryResolverFailure);
     };
-    let job = tokio::task::spawn_blocking(move || {
-        // Held until getaddrinfo returns: the thread is busy until then, whoever still waits.
-        let _slot = slot;
-        let addrs = (domain.as_str(), 0).to_socket_addrs().map_err(|_| ErrorCode::NameUnresolvable)?;
-        Ok(addrs.map(|addr| addr.ip().to_canonical()).collect())
-    });
-    Ok(Lookup(State::Running(job)))
+    Ok(Lookup(State::Running(resolve(slot, domain, 0))))
 }
 
 /// Shadows wasmtime-wasi's `wasi:sockets/ip-name-lookup` (its resource and all its functions)

@@ -6,6 +6,9 @@
 //!
 //! What stays as it was: the origin allowlist is checked before a request reaches this module
 //! (`sandbox.rs`), names are resolved by the host as before, and the request's timeouts apply.
+//! A new connection's name lookup takes one of the plugin's lookup slots (`dns.rs`), waiting for
+//! one within the connect timeout: a plugin granted `*.domain` can name endless origins, and
+//! would otherwise queue endless `getaddrinfo` calls on the host's blocking threads.
 //! What is new: each instance may have at most `sandbox.NAME.http_connections` requests per origin
 //! waiting for their answer; more wait for a slot. Slots are handed out in the order the plugin
 //! made its requests (a [`Ticket`] is taken when the request is handed over, before its body is
@@ -88,7 +91,14 @@ impl HttpPool {
     /// against the public (webpki) roots and, with `ca`, the certificates in that PEM file. The
     /// error names the file when it cannot be used. Without `private`, a host name that resolves
     /// only to non-public addresses ([`is_public`]) is not connected to.
-    pub(crate) fn sender(&self, plugin: &Arc<str>, ca: Option<&Path>, private: bool) -> Result<Sender, String> {
+    /// `lookups` are the plugin's name lookup slots.
+    pub(crate) fn sender(
+        &self,
+        plugin: &Arc<str>,
+        ca: Option<&Path>,
+        private: bool,
+        lookups: Arc<Semaphore>,
+    ) -> Result<Sender, String> {
         let mut clients = self.clients.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let key = (plugin.clone(), ca.map(Path::to_path_buf), private);
         let client = match clients.get(&key) {
@@ -100,7 +110,7 @@ impl HttpPool {
                     .http1_max_buf_size(MAX_RESPONSE_HEAD)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
-                    .build(Connector { tls: tls_connector(ca)?, private });
+                    .build(Connector { tls: tls_connector(ca)?, private, lookups });
                 clients.insert(key, client.clone());
                 client
             }
@@ -300,6 +310,8 @@ struct Connector {
     tls: tokio_rustls::TlsConnector,
     /// Whether a host name may lead to a non-public address.
     private: bool,
+    /// The plugin's name lookup slots.
+    lookups: Arc<Semaphore>,
 }
 
 impl tower_service::Service<Uri> for Connector {
@@ -312,13 +324,13 @@ impl tower_service::Service<Uri> for Connector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let (tls, private) = (self.tls.clone(), self.private);
+        let (tls, private, lookups) = (self.tls.clone(), self.private, self.lookups.clone());
         Box::pin(async move {
             let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
             let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
             let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
             let open = async {
-                let addresses = addresses(&host, port, private).await?;
+                let addresses = addresses(&host, port, private, lookups).await?;
                 let tcp = TcpStream::connect(addresses.as_slice()).await.map_err(|e| match e.kind() {
                     io::ErrorKind::ConnectionRefused => ConnectError::Refused,
                     _ => ConnectError::Io(e),
@@ -340,16 +352,28 @@ impl tower_service::Service<Uri> for Connector {
 
 /// Where a connection to `host` may go. An IP address is taken as it is: the allowlist named it.
 /// A host name is resolved now, for this connection (so a DNS answer that changes later is
-/// checked again), and its non-public addresses are left out, unless `private` allows them, which
-/// never allows link-local and cloud metadata addresses ([`is_metadata`]). If none is left the
-/// connection is refused, naming the addresses and what would allow them.
-async fn addresses(host: &str, port: u16, private: bool) -> Result<Vec<SocketAddr>, ConnectError> {
+/// checked again) once one of `lookups` is free, and its non-public addresses are left out, unless
+/// `private` allows them, which never allows link-local and cloud metadata addresses
+/// ([`is_metadata`]). If none is left the connection is refused, naming the addresses and what
+/// would allow them.
+async fn addresses(
+    host: &str,
+    port: u16,
+    private: bool,
+    lookups: Arc<Semaphore>,
+) -> Result<Vec<SocketAddr>, ConnectError> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
-    let resolved = tokio::net::lookup_host((host, port)).await.map_err(ConnectError::Io)?;
+    // The slot is taken only here, once the connection is made, and the wait is within the
+    // connect timeout: requests waiting for it hold no thread.
+    let slot = lookups.acquire_owned().await.map_err(|e| ConnectError::Io(io::Error::other(e)))?;
+    let resolved = super::dns::resolve(slot, host.to_string(), port)
+        .await
+        .map_err(|e| ConnectError::Io(io::Error::other(e)))?
+        .map_err(ConnectError::Io)?;
     let (allowed, refused): (Vec<SocketAddr>, Vec<SocketAddr>) =
-        resolved.partition(|a| !is_metadata(a.ip()) && (private || is_public(a.ip())));
+        resolved.into_iter().partition(|a| !is_metadata(a.ip()) && (private || is_public(a.ip())));
     if !allowed.is_empty() {
         return Ok(allowed);
     }
@@ -550,13 +574,14 @@ mod tests {
 
     #[tokio::test]
     async fn host_names_that_lead_to_private_addresses_are_refused_unless_allowed() {
-        let refused = addresses("localhost", 80, false).await.unwrap_err().to_string();
+        let lookups = || Arc::new(Semaphore::new(1));
+        let refused = addresses("localhost", 80, false, lookups()).await.unwrap_err().to_string();
         assert!(
             refused.contains("localhost resolves to non-public addresses only (127.0.0.1")
                 && refused.contains("http_private = true"),
             "{refused}"
         );
-        assert!(addresses("localhost", 80, true).await.unwrap().iter().all(|a| a.ip().is_loopback()));
+        assert!(addresses("localhost", 80, true, lookups()).await.unwrap().iter().all(|a| a.ip().is_loopback()));
         for metadata in [
             "169.254.169.254",
             "169.254.0.1",
@@ -574,7 +599,7 @@ mod tests {
         for other in ["127.0.0.1", "10.0.0.1", "fd00:ec2::253", "8.8.8.8"] {
             assert!(!is_metadata(other.parse().unwrap()), "{other}");
         }
-        let named = addresses("127.0.0.1", 80, false).await.unwrap();
+        let named = addresses("127.0.0.1", 80, false, lookups()).await.unwrap();
         assert_eq!(
             named,
             [SocketAddr::from(([127, 0, 0, 1], 80))],

@@ -344,7 +344,7 @@ impl Runtime {
             true => None,
             false => Some(
                 self.http
-                    .sender(&plugin, sandbox.http_ca.as_deref(), sandbox.http_private)
+                    .sender(&plugin, sandbox.http_ca.as_deref(), sandbox.http_private, self.dns.of(&plugin))
                     .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.http_ca: {e}"))?,
             ),
         };

@@ -41,6 +41,10 @@
 //!   failure whose reason is `refused R of N; then: ANSWER`, R the lookups the host refused at
 //!   once and ANSWER the addresses or the error of the last one (to flood the host's resolver and
 //!   see it hold);
+//! - `http-flood` → starts `count` (header) wasi:http GETs, one to each of `0.DOMAIN`,
+//!   `1.DOMAIN`, … (`domain` header), 100 at a time, giving each hundred a millisecond to start
+//!   connecting before dropping them; permanent failure whose reason is `started S of N`, S the
+//!   requests the host took (to flood the host's resolver through wasi:http's connections);
 //! - anything else → success.
 //!
 //! Config:
@@ -207,6 +211,17 @@ fn outcome(event: &Event, kind: &str) -> Outcome {
             };
             refused(format!("refused {refused_at_once} of {count}; then: {answer}"))
         }
+        "http-flood" => {
+            let count: usize = header("count").parse().unwrap_or(1);
+            let domain = header("domain");
+            let mut started = 0;
+            for wave in (0..count).collect::<Vec<_>>().chunks(100) {
+                let pending: Vec<_> = wave.iter().filter_map(|n| http_start(&format!("{n}.{domain}")).ok()).collect();
+                started += pending.len();
+                wasi::clocks::monotonic_clock::subscribe_duration(1_000_000).block();
+            }
+            refused(format!("started {started} of {count}"))
+        }
         "env" => match std::env::var(header("name")) {
             Ok(value) => refused(format!("env {}={value}", header("name"))),
             Err(_) => refused(format!("env {} unset", header("name"))),
@@ -311,6 +326,15 @@ fn resolve(name: &str, wait: bool) -> Result<String, String> {
 
 /// A plain wasi:http GET of `http://{authority}/`, returning the status code.
 fn http_get(authority: &str) -> Result<u16, String> {
+    let pending = http_start(authority)?;
+    pending.subscribe().block();
+    let response =
+        pending.get().ok_or("no response")?.map_err(|()| "response taken twice")?.map_err(|e| format!("{e:?}"))?;
+    Ok(response.status())
+}
+
+/// Hands a wasi:http GET of `http://{authority}/` to the host.
+fn http_start(authority: &str) -> Result<wasi::http::types::FutureIncomingResponse, String> {
     use wasi::http::outgoing_handler;
     use wasi::http::types::{Fields, Method, OutgoingRequest, Scheme};
     let request = OutgoingRequest::new(Fields::new());
@@ -318,11 +342,7 @@ fn http_get(authority: &str) -> Result<u16, String> {
     request.set_scheme(Some(&Scheme::Http)).map_err(|()| "bad scheme")?;
     request.set_authority(Some(authority)).map_err(|()| format!("bad authority {authority:?}"))?;
     request.set_path_with_query(Some("/")).map_err(|()| "bad path")?;
-    let pending = outgoing_handler::handle(request, None).map_err(|e| format!("{e:?}"))?;
-    pending.subscribe().block();
-    let response =
-        pending.get().ok_or("no response")?.map_err(|()| "response taken twice")?.map_err(|e| format!("{e:?}"))?;
-    Ok(response.status())
+    outgoing_handler::handle(request, None).map_err(|e| format!("{e:?}"))
 }
 
 export!(Scripted);

@@ -12,14 +12,15 @@
 //! are answered without a lookup, names are checked (and turned into punycode) as wasmtime-wasi
 //! does, and without a `dns` grant every lookup fails with `permanent-resolver-failure`, as there.
 //!
-//! The same slots bound the lookups of the plugin's wasi:http connections (`http_pool.rs`), where
-//! a `*.domain` grant lets a plugin name endless origins: there a new connection waits for a slot,
-//! within its connect timeout, instead of failing.
+//! The same slots bound the lookups of the plugin's wasi:http connections, granted `dns` or not
+//! (`http_pool.rs`), where a `*.domain` grant lets a plugin name endless origins: there a new
+//! connection waits for a slot, within the 10 s a connection may take to open, instead of
+//! failing, and connections to one host share one lookup.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, Ipv6Addr, ToSocketAddrs};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -72,12 +73,18 @@ impl DnsSlots {
     }
 }
 
-/// Looks `name` up on tokio's blocking pool with `slot`, which is held until getaddrinfo returns:
-/// the thread is busy until then, whoever still waits for the answer.
-pub(crate) fn resolve(slot: OwnedSemaphorePermit, name: String, port: u16) -> JoinHandle<io::Result<Vec<SocketAddr>>> {
+/// Looks `name` up on tokio's blocking pool with `slot`, which is held until getaddrinfo returns
+/// (the thread is busy until then, whoever still waits for the answer), and hands the answer to
+/// `then` there.
+pub(crate) fn resolve<T: Send + 'static>(
+    slot: OwnedSemaphorePermit,
+    name: String,
+    then: impl FnOnce(io::Result<Vec<IpAddr>>) -> T + Send + 'static,
+) -> JoinHandle<T> {
     tokio::task::spawn_blocking(move || {
-        let _slot = slot;
-        Ok((name.as_str(), port).to_socket_addrs()?.collect())
+        let answer = (name.as_str(), 0).to_socket_addrs().map(|addrs| addrs.map(|a| a.ip()).collect());
+        drop(slot);
+        then(answer)
     })
 }
 
@@ -85,7 +92,7 @@ pub(crate) fn resolve(slot: OwnedSemaphorePermit, name: String, port: u16) -> Jo
 pub struct Lookup(State);
 
 enum State {
-    Running(JoinHandle<io::Result<Vec<SocketAddr>>>),
+    Running(JoinHandle<io::Result<Vec<IpAddr>>>),
     Done(Result<std::vec::IntoIter<IpAddr>, ErrorCode>),
 }
 
@@ -101,7 +108,7 @@ impl Lookup {
             // A lookup that panicked or was cancelled (the runtime shutting down) is a resolver
             // that failed to answer.
             *self = Lookup::done(match joined {
-                Ok(Ok(addrs)) => Ok(addrs.iter().map(|addr| addr.ip().to_canonical()).collect()),
+                Ok(Ok(addrs)) => Ok(addrs.iter().map(|ip| ip.to_canonical()).collect()),
                 Ok(Err(_)) => Err(ErrorCode::NameUnresolvable),
                 Err(_) => Err(ErrorCode::TemporaryResolverFailure),
             });
@@ -139,7 +146,7 @@ fn start(grant: &DnsGrant, name: &str) -> Result<Lookup, ErrorCode> {
     let Ok(slot) = grant.slots.clone().try_acquire_owned() else {
         return Err(ErrorCode::TemporaryResolverFailure);
     };
-    Ok(Lookup(State::Running(resolve(slot, domain, 0))))
+    Ok(Lookup(State::Running(resolve(slot, domain, |answer| answer))))
 }
 
 /// Shadows wasmtime-wasi's `wasi:sockets/ip-name-lookup` (its resource and all its functions)

@@ -5,11 +5,13 @@
 //! calls and instances, speaks HTTP/2 when a TLS server offers it (ALPN), and resumes TLS sessions.
 //!
 //! What stays as it was: the origin allowlist is checked before a request reaches this module
-//! (`sandbox.rs`), names are resolved by the host as before, and the request's timeouts apply.
-//! A new connection's name lookup takes one of the plugin's lookup slots (`dns.rs`), waiting for
-//! one within the connect timeout: a plugin granted `*.domain` can name endless origins, and
-//! would otherwise queue endless `getaddrinfo` calls on the host's blocking threads.
-//! What is new: each instance may have at most `sandbox.NAME.http_connections` requests per origin
+//! (`sandbox.rs`), names are resolved by the host, and the request's timeouts apply.
+//! What is new: a new connection's name lookup takes one of the plugin's lookup slots (`dns.rs`),
+//! waiting for one within the 10 s a connection may take to open, and the connections to one host
+//! share one lookup ([`Lookups`]): a plugin granted `*.domain` can name endless origins, and would
+//! otherwise queue endless `getaddrinfo` calls on the host's blocking threads, while a host whose
+//! name the resolver never answers holds one slot, not all of them. And each instance may have at
+//! most `sandbox.NAME.http_connections` requests per origin
 //! waiting for their answer; more wait for a slot. Slots are handed out in the order the plugin
 //! made its requests (a [`Ticket`] is taken when the request is handed over, before its body is
 //! written), and given back when the answer's head arrives: a plugin that writes its bodies and
@@ -23,7 +25,7 @@ use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -36,7 +38,7 @@ use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore, watch};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 
 /// How long an idle connection is kept for the next request.
@@ -110,7 +112,7 @@ impl HttpPool {
                     .http1_max_buf_size(MAX_RESPONSE_HEAD)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
-                    .build(Connector { tls: tls_connector(ca)?, private, lookups });
+                    .build(Connector { tls: tls_connector(ca)?, private, lookups: Arc::new(Lookups::new(lookups)) });
                 clients.insert(key, client.clone());
                 client
             }
@@ -310,8 +312,66 @@ struct Connector {
     tls: tokio_rustls::TlsConnector,
     /// Whether a host name may lead to a non-public address.
     private: bool,
-    /// The plugin's name lookup slots.
-    lookups: Arc<Semaphore>,
+    /// The name lookups of its connections.
+    lookups: Arc<Lookups>,
+}
+
+/// A host's addresses, or why it has none, as every connection waiting for them gets it.
+type Answer = Result<Vec<IpAddr>, (io::ErrorKind, String)>;
+
+/// The name lookups of one client's connections: at most one running per host, which every new
+/// connection to that host waits for, each in one of the plugin's lookup slots (`dns.rs`). A host
+/// whose lookup runs until the resolver gives up so costs one slot, whatever the number of
+/// connections (or endpoints) waiting for it. A lookup is listed only while it runs: what waits
+/// for a slot is the connection itself, which its request's end drops.
+struct Lookups {
+    slots: Arc<Semaphore>,
+    running: Arc<Mutex<HashMap<String, watch::Receiver<Option<Answer>>>>>,
+}
+
+impl Lookups {
+    fn new(slots: Arc<Semaphore>) -> Lookups {
+        Lookups { slots, running: Arc::default() }
+    }
+
+    fn running(
+        running: &Mutex<HashMap<String, watch::Receiver<Option<Answer>>>>,
+    ) -> MutexGuard<'_, HashMap<String, watch::Receiver<Option<Answer>>>> {
+        running.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The addresses of `host`, from the lookup running for it or from a new one.
+    async fn resolve(&self, host: &str) -> io::Result<Vec<IpAddr>> {
+        let joined = Lookups::running(&self.running).get(host).cloned();
+        let mut answer = match joined {
+            Some(answer) => answer,
+            None => {
+                let slot = self.slots.clone().acquire_owned().await.map_err(io::Error::other)?;
+                let mut running = Lookups::running(&self.running);
+                match running.get(host) {
+                    // Started while this one waited for its slot, which goes back unused.
+                    Some(answer) => answer.clone(),
+                    None => {
+                        let (done, answer) = watch::channel(None);
+                        running.insert(host.to_string(), answer.clone());
+                        let (name, listed) = (host.to_string(), self.running.clone());
+                        drop(super::dns::resolve(slot, host.to_string(), move |addresses| {
+                            Lookups::running(&listed).remove(&name);
+                            done.send_replace(Some(addresses.map_err(|e| (e.kind(), e.to_string()))));
+                        }));
+                        answer
+                    }
+                }
+            }
+        };
+        let answered = answer.wait_for(Option::is_some).await;
+        match answered.as_deref() {
+            Ok(Some(Ok(addresses))) => Ok(addresses.clone()),
+            Ok(Some(Err((kind, why)))) => Err(io::Error::new(*kind, why.clone())),
+            // The lookup panicked: nothing was sent.
+            Ok(None) | Err(_) => Err(io::Error::other("the name lookup failed")),
+        }
+    }
 }
 
 impl tower_service::Service<Uri> for Connector {
@@ -330,7 +390,7 @@ impl tower_service::Service<Uri> for Connector {
             let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
             let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
             let open = async {
-                let addresses = addresses(&host, port, private, lookups).await?;
+                let addresses = addresses(&host, port, private, &lookups).await?;
                 let tcp = TcpStream::connect(addresses.as_slice()).await.map_err(|e| match e.kind() {
                     io::ErrorKind::ConnectionRefused => ConnectError::Refused,
                     _ => ConnectError::Io(e),
@@ -352,28 +412,17 @@ impl tower_service::Service<Uri> for Connector {
 
 /// Where a connection to `host` may go. An IP address is taken as it is: the allowlist named it.
 /// A host name is resolved now, for this connection (so a DNS answer that changes later is
-/// checked again) once one of `lookups` is free, and its non-public addresses are left out, unless
-/// `private` allows them, which never allows link-local and cloud metadata addresses
-/// ([`is_metadata`]). If none is left the connection is refused, naming the addresses and what
-/// would allow them.
-async fn addresses(
-    host: &str,
-    port: u16,
-    private: bool,
-    lookups: Arc<Semaphore>,
-) -> Result<Vec<SocketAddr>, ConnectError> {
+/// checked again) by `lookups`, and its non-public addresses are left out, unless `private` allows
+/// them, which never allows link-local and cloud metadata addresses ([`is_metadata`]). If none is
+/// left the connection is refused, naming the addresses and what would allow them.
+async fn addresses(host: &str, port: u16, private: bool, lookups: &Lookups) -> Result<Vec<SocketAddr>, ConnectError> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
-    // The slot is taken only here, once the connection is made, and the wait is within the
-    // connect timeout: requests waiting for it hold no thread.
-    let slot = lookups.acquire_owned().await.map_err(|e| ConnectError::Io(io::Error::other(e)))?;
-    let resolved = super::dns::resolve(slot, host.to_string(), port)
-        .await
-        .map_err(|e| ConnectError::Io(io::Error::other(e)))?
-        .map_err(ConnectError::Io)?;
+    let resolved = lookups.resolve(host).await.map_err(ConnectError::Io)?;
+    let resolved = resolved.into_iter().map(|ip| SocketAddr::new(ip, port));
     let (allowed, refused): (Vec<SocketAddr>, Vec<SocketAddr>) =
-        resolved.into_iter().partition(|a| !is_metadata(a.ip()) && (private || is_public(a.ip())));
+        resolved.partition(|a| !is_metadata(a.ip()) && (private || is_public(a.ip())));
     if !allowed.is_empty() {
         return Ok(allowed);
     }
@@ -572,16 +621,53 @@ mod tests {
         }
     }
 
+    /// Connections to one host wait for one lookup, in one slot: here 20 of them while the
+    /// blocking thread is busy, so the lookup cannot return before all have joined it.
+    #[test]
+    fn connections_to_one_host_share_one_lookup() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let slots = Arc::new(Semaphore::new(crate::plugins::dns::LOOKUPS_PER_PLUGIN));
+            let lookups = Arc::new(Lookups::new(slots.clone()));
+            let (release, wait) = std::sync::mpsc::channel::<()>();
+            let busy = tokio::task::spawn_blocking(move || wait.recv_timeout(Duration::from_secs(10)));
+            let connections: Vec<_> = (0..20)
+                .map(|_| {
+                    let lookups = lookups.clone();
+                    tokio::spawn(async move { lookups.resolve("localhost").await.map_err(|e| e.to_string()) })
+                })
+                .collect();
+            while Lookups::running(&lookups.running).is_empty() {
+                tokio::task::yield_now().await;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert_eq!(slots.available_permits(), crate::plugins::dns::LOOKUPS_PER_PLUGIN - 1, "one slot taken");
+            release.send(()).unwrap();
+            busy.await.unwrap().unwrap();
+            for connection in connections {
+                let addresses = connection.await.unwrap().unwrap();
+                assert!(addresses.iter().any(IpAddr::is_loopback), "{addresses:?}");
+            }
+            assert!(Lookups::running(&lookups.running).is_empty(), "the lookup is listed only while it runs");
+            assert_eq!(slots.available_permits(), crate::plugins::dns::LOOKUPS_PER_PLUGIN);
+        });
+    }
+
     #[tokio::test]
     async fn host_names_that_lead_to_private_addresses_are_refused_unless_allowed() {
-        let lookups = || Arc::new(Semaphore::new(1));
-        let refused = addresses("localhost", 80, false, lookups()).await.unwrap_err().to_string();
+        let lookups = Lookups::new(Arc::new(Semaphore::new(1)));
+        let refused = addresses("localhost", 80, false, &lookups).await.unwrap_err().to_string();
         assert!(
             refused.contains("localhost resolves to non-public addresses only (127.0.0.1")
                 && refused.contains("http_private = true"),
             "{refused}"
         );
-        assert!(addresses("localhost", 80, true, lookups()).await.unwrap().iter().all(|a| a.ip().is_loopback()));
+        assert!(addresses("localhost", 80, true, &lookups).await.unwrap().iter().all(|a| a.ip().is_loopback()));
         for metadata in [
             "169.254.169.254",
             "169.254.0.1",
@@ -599,7 +685,7 @@ mod tests {
         for other in ["127.0.0.1", "10.0.0.1", "fd00:ec2::253", "8.8.8.8"] {
             assert!(!is_metadata(other.parse().unwrap()), "{other}");
         }
-        let named = addresses("127.0.0.1", 80, false, lookups()).await.unwrap();
+        let named = addresses("127.0.0.1", 80, false, &lookups).await.unwrap();
         assert_eq!(
             named,
             [SocketAddr::from(([127, 0, 0, 1], 80))],

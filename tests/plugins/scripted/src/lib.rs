@@ -43,8 +43,10 @@
 //!   see it hold);
 //! - `http-flood` → starts `count` (header) wasi:http GETs, one to each of `0.DOMAIN`,
 //!   `1.DOMAIN`, … (`domain` header), 100 at a time, giving each hundred a millisecond to start
-//!   connecting before dropping them; permanent failure whose reason is `started S of N`, S the
-//!   requests the host took (to flood the host's resolver through wasi:http's connections);
+//!   connecting before dropping them, then starts a wasi:sockets lookup of `localhost`;
+//!   permanent failure whose reason is `started S of N; own lookup: L`, S the requests the host
+//!   took and L `started` or the lookup's error (to flood the host's resolver through wasi:http's
+//!   connections, and see whether they hold the plugin's lookup slots);
 //! - anything else → success.
 //!
 //! Config:
@@ -220,7 +222,8 @@ fn outcome(event: &Event, kind: &str) -> Outcome {
                 started += pending.len();
                 wasi::clocks::monotonic_clock::subscribe_duration(1_000_000).block();
             }
-            refused(format!("started {started} of {count}"))
+            let own = resolve("localhost", false).map_or_else(|e| e, |_| "started".to_string());
+            refused(format!("started {started} of {count}; own lookup: {own}"))
         }
         "env" => match std::env::var(header("name")) {
             Ok(value) => refused(format!("env {}={value}", header("name"))),

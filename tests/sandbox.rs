@@ -104,6 +104,21 @@ async fn traps_loops_and_memory_hogs_become_transient_failures() {
     }
 }
 
+/// Random bytes are made in the host's memory first: a plugin may ask for no more than its memory
+/// limit in one call. Without that cap wasmtime makes up to 64 MiB, here twice the limit, before
+/// the instance runs out of memory receiving them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_cannot_make_the_host_hold_more_random_bytes_than_its_memory() {
+    let s = setup("memory = \"16MiB\"").await;
+    let random = |bytes: u64| NewEvent::new("s", "random", "{}").with_header("bytes", bytes.to_string());
+    let row = s.deliver_beside_a_healthy_route(random(32 << 20)).await;
+    assert_eq!((row.status, row.attempts), (Status::Pending, 1));
+    let error = row.last_error.unwrap();
+    assert!(error.contains("requested len 33554432 exceeds limit 16777216"), "{error}");
+    let row = s.deliver_beside_a_healthy_route(random(1 << 20)).await;
+    assert_eq!(row.status, Status::Sent, "{:?}", row.last_error);
+}
+
 /// The relay's workers are futures of one task. A plugin computing in a loop, far inside its
 /// timeout, holds only its own call: the loop gives the task back at every epoch tick, so another
 /// worker claims and delivers another route's event meanwhile. Without that, the loop would hold

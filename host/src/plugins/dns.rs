@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::{IpAddr, Ipv6Addr, ToSocketAddrs};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, ToSocketAddrs};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -79,10 +79,10 @@ impl DnsSlots {
 pub(crate) fn resolve<T: Send + 'static>(
     slot: OwnedSemaphorePermit,
     name: String,
-    then: impl FnOnce(io::Result<Vec<IpAddr>>) -> T + Send + 'static,
+    then: impl FnOnce(io::Result<Vec<SocketAddr>>) -> T + Send + 'static,
 ) -> JoinHandle<T> {
     tokio::task::spawn_blocking(move || {
-        let answer = (name.as_str(), 0).to_socket_addrs().map(|addrs| addrs.map(|a| a.ip()).collect());
+        let answer = (name.as_str(), 0).to_socket_addrs().map(Iterator::collect);
         drop(slot);
         then(answer)
     })
@@ -92,7 +92,7 @@ pub(crate) fn resolve<T: Send + 'static>(
 pub struct Lookup(State);
 
 enum State {
-    Running(JoinHandle<io::Result<Vec<IpAddr>>>),
+    Running(JoinHandle<io::Result<Vec<SocketAddr>>>),
     Done(Result<std::vec::IntoIter<IpAddr>, ErrorCode>),
 }
 
@@ -108,7 +108,7 @@ impl Lookup {
             // A lookup that panicked or was cancelled (the runtime shutting down) is a resolver
             // that failed to answer.
             *self = Lookup::done(match joined {
-                Ok(Ok(addrs)) => Ok(addrs.iter().map(|ip| ip.to_canonical()).collect()),
+                Ok(Ok(addrs)) => Ok(addrs.iter().map(|addr| addr.ip().to_canonical()).collect()),
                 Ok(Err(_)) => Err(ErrorCode::NameUnresolvable),
                 Err(_) => Err(ErrorCode::TemporaryResolverFailure),
             });

@@ -316,17 +316,57 @@ struct Connector {
     lookups: Arc<Lookups>,
 }
 
-/// A host's addresses, or why it has none, as every connection waiting for them gets it.
-type Answer = Result<Vec<IpAddr>, (io::ErrorKind, String)>;
+/// A host's addresses (port 0), or why it has none, as every connection waiting for them gets it.
+type Answer = Result<Vec<SocketAddr>, (io::ErrorKind, String)>;
 
-/// The name lookups of one client's connections: at most one running per host, which every new
-/// connection to that host waits for, each in one of the plugin's lookup slots (`dns.rs`). A host
-/// whose lookup runs until the resolver gives up so costs one slot, whatever the number of
-/// connections (or endpoints) waiting for it. A lookup is listed only while it runs: what waits
-/// for a slot is the connection itself, which its request's end drops.
+/// The lookups listed, by host: what their connections wait on for the answer.
+type Running = Arc<Mutex<HashMap<String, watch::Receiver<Option<Answer>>>>>;
+
+fn listed(running: &Running) -> MutexGuard<'_, HashMap<String, watch::Receiver<Option<Answer>>>> {
+    running.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The name lookups of one client's connections (one per plugin, CA file and `http_private`): at
+/// most one listed per host, which every new connection to that host waits for, and each running
+/// in one of the plugin's lookup slots (`dns.rs`). A host whose lookup runs until the resolver
+/// gives up so costs one slot, whatever the number of connections (or endpoints) waiting for it.
+/// A lookup is listed from when a connection first asks for the host until it returns, or until
+/// that connection gives up while it still waits for a slot: its request's end drops it, and so
+/// does the pool's 10 s bound on opening a connection (hyper-util runs a connection it no longer
+/// needs to its end, within that bound). Then the connections waiting on it ask again.
 struct Lookups {
     slots: Arc<Semaphore>,
-    running: Arc<Mutex<HashMap<String, watch::Receiver<Option<Answer>>>>>,
+    running: Running,
+}
+
+/// The lookup of one host, held by the connection that listed it until it has a slot, then by
+/// the blocking job that runs it. Dropped without answering (its connection gave up, or the
+/// runtime shut down before the job ran), it is unlisted and its waiters learn it has gone.
+struct Leader {
+    host: String,
+    running: Running,
+    answers: watch::Receiver<Option<Answer>>,
+    done: watch::Sender<Option<Answer>>,
+}
+
+impl Leader {
+    fn answer(self, answer: Answer) {
+        self.unlist();
+        self.done.send_replace(Some(answer));
+    }
+
+    fn unlist(&self) {
+        let mut running = listed(&self.running);
+        if running.get(&self.host).is_some_and(|listed| listed.same_channel(&self.answers)) {
+            running.remove(&self.host);
+        }
+    }
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        self.unlist();
+    }
 }
 
 impl Lookups {
@@ -334,42 +374,39 @@ impl Lookups {
         Lookups { slots, running: Arc::default() }
     }
 
-    fn running(
-        running: &Mutex<HashMap<String, watch::Receiver<Option<Answer>>>>,
-    ) -> MutexGuard<'_, HashMap<String, watch::Receiver<Option<Answer>>>> {
-        running.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// The addresses of `host`, from the lookup running for it or from a new one.
-    async fn resolve(&self, host: &str) -> io::Result<Vec<IpAddr>> {
-        let joined = Lookups::running(&self.running).get(host).cloned();
-        let mut answer = match joined {
-            Some(answer) => answer,
-            None => {
-                let slot = self.slots.clone().acquire_owned().await.map_err(io::Error::other)?;
-                let mut running = Lookups::running(&self.running);
+    /// The addresses of `host` (port 0), from the lookup listed for it or from a new one.
+    async fn resolve(&self, host: &str) -> io::Result<Vec<SocketAddr>> {
+        loop {
+            let (mut answers, leader) = {
+                let mut running = listed(&self.running);
                 match running.get(host) {
-                    // Started while this one waited for its slot, which goes back unused.
-                    Some(answer) => answer.clone(),
+                    Some(answers) => (answers.clone(), None),
                     None => {
-                        let (done, answer) = watch::channel(None);
-                        running.insert(host.to_string(), answer.clone());
-                        let (name, listed) = (host.to_string(), self.running.clone());
-                        drop(super::dns::resolve(slot, host.to_string(), move |addresses| {
-                            Lookups::running(&listed).remove(&name);
-                            done.send_replace(Some(addresses.map_err(|e| (e.kind(), e.to_string()))));
-                        }));
-                        answer
+                        let (done, answers) = watch::channel(None);
+                        running.insert(host.to_string(), answers.clone());
+                        let running = self.running.clone();
+                        let leader = Leader { host: host.to_string(), running, answers: answers.clone(), done };
+                        (answers, Some(leader))
                     }
                 }
+            };
+            let leads = leader.is_some();
+            if let Some(leader) = leader {
+                let slot = self.slots.clone().acquire_owned().await.map_err(io::Error::other)?;
+                let answer = move |addresses: io::Result<Vec<SocketAddr>>| {
+                    leader.answer(addresses.map_err(|e| (e.kind(), e.to_string())));
+                };
+                drop(super::dns::resolve(slot, host.to_string(), answer));
             }
-        };
-        let answered = answer.wait_for(Option::is_some).await;
-        match answered.as_deref() {
-            Ok(Some(Ok(addresses))) => Ok(addresses.clone()),
-            Ok(Some(Err((kind, why)))) => Err(io::Error::new(*kind, why.clone())),
-            // The lookup panicked: nothing was sent.
-            Ok(None) | Err(_) => Err(io::Error::other("the name lookup failed")),
+            let answered = answers.wait_for(Option::is_some).await;
+            match answered.as_deref() {
+                Ok(Some(Ok(addresses))) => return Ok(addresses.clone()),
+                Ok(Some(Err((kind, why)))) => return Err(io::Error::new(*kind, why.clone())),
+                // This connection's own lookup was never run (the runtime is shutting down).
+                _ if leads => return Err(io::Error::other("the name lookup could not be run")),
+                // The connection that listed it gave up: ask again.
+                _ => continue,
+            }
         }
     }
 }
@@ -420,7 +457,10 @@ async fn addresses(host: &str, port: u16, private: bool, lookups: &Lookups) -> R
         return Ok(vec![SocketAddr::new(ip, port)]);
     }
     let resolved = lookups.resolve(host).await.map_err(ConnectError::Io)?;
-    let resolved = resolved.into_iter().map(|ip| SocketAddr::new(ip, port));
+    let resolved = resolved.into_iter().map(|mut address| {
+        address.set_port(port);
+        address
+    });
     let (allowed, refused): (Vec<SocketAddr>, Vec<SocketAddr>) =
         resolved.partition(|a| !is_metadata(a.ip()) && (private || is_public(a.ip())));
     if !allowed.is_empty() {
@@ -642,7 +682,7 @@ mod tests {
                     tokio::spawn(async move { lookups.resolve("localhost").await.map_err(|e| e.to_string()) })
                 })
                 .collect();
-            while Lookups::running(&lookups.running).is_empty() {
+            while listed(&lookups.running).is_empty() {
                 tokio::task::yield_now().await;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -651,11 +691,40 @@ mod tests {
             busy.await.unwrap().unwrap();
             for connection in connections {
                 let addresses = connection.await.unwrap().unwrap();
-                assert!(addresses.iter().any(IpAddr::is_loopback), "{addresses:?}");
+                assert!(addresses.iter().any(|a| a.ip().is_loopback()), "{addresses:?}");
             }
-            assert!(Lookups::running(&lookups.running).is_empty(), "the lookup is listed only while it runs");
+            assert!(listed(&lookups.running).is_empty(), "the lookup is listed only while it runs");
             assert_eq!(slots.available_permits(), crate::plugins::dns::LOOKUPS_PER_PLUGIN);
         });
+    }
+
+    /// With every slot taken, connections to one host wait on the lookup the first one listed;
+    /// when that one gives up, the others ask again, and one of them runs it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lookup_whose_connection_gave_up_is_asked_again() {
+        let slots = Arc::new(Semaphore::new(2));
+        let taken = slots.clone().acquire_many_owned(2).await.unwrap();
+        let lookups = Arc::new(Lookups::new(slots.clone()));
+        let connect = || {
+            let lookups = lookups.clone();
+            tokio::spawn(async move { lookups.resolve("localhost").await.map_err(|e| e.to_string()) })
+        };
+        let first = connect();
+        while listed(&lookups.running).is_empty() {
+            tokio::task::yield_now().await;
+        }
+        let others: Vec<_> = (0..19).map(|_| connect()).collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(listed(&lookups.running).len(), 1, "one lookup listed for the host");
+        first.abort();
+        assert!(first.await.unwrap_err().is_cancelled());
+        drop(taken);
+        for other in others {
+            let addresses = other.await.unwrap().unwrap();
+            assert!(addresses.iter().any(|a| a.ip().is_loopback()), "{addresses:?}");
+        }
+        assert!(listed(&lookups.running).is_empty());
+        assert_eq!(slots.available_permits(), 2);
     }
 
     #[tokio::test]

@@ -320,6 +320,10 @@ impl Runtime {
                 .with_context(|| format!("granting {} to plugin {plugin} as {guest}", host.display()))?;
         }
         wasi.allow_ip_name_lookup(sandbox.dns);
+        // Random bytes are made in ferry's memory before they are copied into the instance's:
+        // without a cap of its own, wasmtime makes up to 64 MiB per call, whatever the instance
+        // may hold. The call fails as a fault of the plugin past its memory limit.
+        wasi.max_random_size(u64::try_from(limits.memory).unwrap_or(u64::MAX));
         // Every socket use goes through this check, even with an empty allowlist, so that each
         // refusal is logged with the plugin's name.
         let allowed: Arc<HashSet<SocketAddr>> = Arc::new(tcp.iter().copied().collect());

@@ -47,6 +47,7 @@
 //!   permanent failure whose reason is `started S of N; own lookup: L`, S the requests the host
 //!   took and L `started` or the lookup's error (to flood the host's resolver through wasi:http's
 //!   connections, and see whether they hold the plugin's lookup slots);
+//! - `random` → asks the host for `bytes` (header) random bytes: success if it gets them;
 //! - anything else → success.
 //!
 //! Config:
@@ -224,6 +225,15 @@ fn outcome(event: &Event, kind: &str) -> Outcome {
             }
             let own = resolve("localhost", false).map_or_else(|e| e, |_| "started".to_string());
             refused(format!("started {started} of {count}; own lookup: {own}"))
+        }
+        "random" => {
+            let bytes: u64 = header("bytes").parse().unwrap_or(1);
+            let got = wasi::random::random::get_random_bytes(bytes);
+            if got.len() as u64 == bytes {
+                Outcome::Success
+            } else {
+                refused(format!("got {} random bytes", got.len()))
+            }
         }
         "env" => match std::env::var(header("name")) {
             Ok(value) => refused(format!("env {}={value}", header("name"))),

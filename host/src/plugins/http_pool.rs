@@ -70,6 +70,8 @@ const DRAIN_TIME: Duration = Duration::from_secs(1);
 /// The process's HTTP clients for plugins, one per plugin (and extra CA file).
 pub(crate) struct HttpPool {
     clients: Mutex<HashMap<ClientKey, Client<Connector, WasiBody>>>,
+    /// The name lookups of each plugin's connections, whichever client makes them.
+    lookups: Mutex<HashMap<Arc<str>, Arc<Lookups>>>,
     drains: Arc<Semaphore>,
 }
 
@@ -85,7 +87,7 @@ impl std::fmt::Debug for HttpPool {
 
 impl HttpPool {
     pub(crate) fn new() -> HttpPool {
-        HttpPool { clients: Mutex::default(), drains: Arc::new(Semaphore::new(MAX_DRAINS)) }
+        HttpPool { clients: Mutex::default(), lookups: Mutex::default(), drains: Arc::new(Semaphore::new(MAX_DRAINS)) }
     }
 
     /// What sends `plugin`'s requests: its own client, so one plugin's connections (and, on
@@ -112,12 +114,20 @@ impl HttpPool {
                     .http1_max_buf_size(MAX_RESPONSE_HEAD)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
-                    .build(Connector { tls: tls_connector(ca)?, private, lookups: Arc::new(Lookups::new(lookups)) });
+                    .build(Connector { tls: tls_connector(ca)?, private, lookups: self.lookups_of(plugin, lookups) });
                 clients.insert(key, client.clone());
                 client
             }
         };
         Ok(Sender { client, drains: self.drains.clone() })
+    }
+}
+
+impl HttpPool {
+    /// The lookups of `plugin`'s connections, in `slots` when they are new.
+    fn lookups_of(&self, plugin: &Arc<str>, slots: Arc<Semaphore>) -> Arc<Lookups> {
+        let mut lookups = self.lookups.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        lookups.entry(plugin.clone()).or_insert_with(|| Arc::new(Lookups::new(slots))).clone()
     }
 }
 
@@ -326,14 +336,15 @@ fn listed(running: &Running) -> MutexGuard<'_, HashMap<String, watch::Receiver<O
     running.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The name lookups of one client's connections (one per plugin, CA file and `http_private`): at
-/// most one listed per host, which every new connection to that host waits for, and each running
-/// in one of the plugin's lookup slots (`dns.rs`). A host whose lookup runs until the resolver
-/// gives up so costs one slot, whatever the number of connections (or endpoints) waiting for it.
-/// A lookup is listed from when a connection first asks for the host until it returns, or until
-/// that connection gives up while it still waits for a slot: its request's end drops it, and so
-/// does the pool's 10 s bound on opening a connection (hyper-util runs a connection it no longer
-/// needs to its end, within that bound). Then the connections waiting on it ask again.
+/// The name lookups of one plugin's connections, made by all its clients (one per CA file and
+/// `http_private`: a name's addresses do not depend on them). At most one is listed per host,
+/// which every new connection to that host waits for, and each runs in one of the plugin's lookup
+/// slots (`dns.rs`). A host whose lookup runs until the resolver gives up so costs one slot,
+/// whatever the number of connections (or endpoints) waiting for it. A lookup is listed from when
+/// a connection first asks for the host until it returns, or until that connection gives up while
+/// it still waits for a slot: its request's end drops it, and so does the pool's 10 s bound on
+/// opening a connection (hyper-util runs a connection it no longer needs to its end, within that
+/// bound). Then the connections waiting on it ask again.
 struct Lookups {
     slots: Arc<Semaphore>,
     running: Running,
@@ -696,6 +707,22 @@ mod tests {
             assert!(listed(&lookups.running).is_empty(), "the lookup is listed only while it runs");
             assert_eq!(slots.available_permits(), crate::plugins::dns::LOOKUPS_PER_PLUGIN);
         });
+    }
+
+    /// A plugin's clients (here with and without `http_private`) share its lookups; another
+    /// plugin's are its own.
+    #[tokio::test]
+    async fn a_plugins_clients_share_its_lookups() {
+        let pool = HttpPool::new();
+        let slots = || Arc::new(Semaphore::new(1));
+        let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
+        pool.sender(&a, None, false, slots()).unwrap();
+        pool.sender(&a, None, true, slots()).unwrap();
+        pool.sender(&b, None, false, slots()).unwrap();
+        assert_eq!(pool.clients.lock().unwrap().len(), 3);
+        let lookups = pool.lookups.lock().unwrap();
+        assert_eq!(lookups.len(), 2, "one per plugin");
+        assert!(!Arc::ptr_eq(&lookups[&a], &lookups[&b]));
     }
 
     /// With every slot taken, connections to one host wait on the lookup the first one listed;

@@ -95,13 +95,13 @@ impl HttpPool {
     /// against the public (webpki) roots and, with `ca`, the certificates in that PEM file. The
     /// error names the file when it cannot be used. Without `private`, a host name that resolves
     /// only to non-public addresses ([`is_public`]) is not connected to.
-    /// `lookups` are the plugin's name lookup slots.
+    /// `lookup_slots` are the plugin's name lookup slots (`dns.rs`).
     pub(crate) fn sender(
         &self,
         plugin: &Arc<str>,
         ca: Option<&Path>,
         private: bool,
-        lookups: Arc<Semaphore>,
+        lookup_slots: Arc<Semaphore>,
     ) -> Result<Sender, String> {
         let mut clients = self.clients.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let key = (plugin.clone(), ca.map(Path::to_path_buf), private);
@@ -114,16 +114,18 @@ impl HttpPool {
                     .http1_max_buf_size(MAX_RESPONSE_HEAD)
                     .pool_timer(TokioTimer::new())
                     .timer(TokioTimer::new())
-                    .build(Connector { tls: tls_connector(ca)?, private, lookups: self.lookups_of(plugin, lookups) });
+                    .build(Connector {
+                        tls: tls_connector(ca)?,
+                        private,
+                        lookups: self.lookups_of(plugin, lookup_slots),
+                    });
                 clients.insert(key, client.clone());
                 client
             }
         };
         Ok(Sender { client, drains: self.drains.clone() })
     }
-}
 
-impl HttpPool {
     /// The lookups of `plugin`'s connections, in `slots` when they are new.
     fn lookups_of(&self, plugin: &Arc<str>, slots: Arc<Semaphore>) -> Arc<Lookups> {
         let mut lookups = self.lookups.lock().unwrap_or_else(|poisoned| poisoned.into_inner());

@@ -324,26 +324,38 @@ async fn a_breaker_count_edited_to_its_top_still_counts(db: TestDb) {
     assert_eq!((b.consecutive_failures, b.opened_at.is_some()), (i32::MAX as u32, true), "{b:?}");
 }
 
-/// A row left PROCESSING by hand without a lease ferry can read (none; text on SQLite, an
-/// infinite time on PostgreSQL) is
-/// recovered by housekeeping like an expired claim and then delivered, rather than held forever
-/// (and on an ordered route, every later event of its key with it).
+/// A row left PROCESSING by hand, or inserted so by an application, without a lease a ferry took
+/// (none; text on SQLite, an infinite time on PostgreSQL; one ending past the longest lease ferry
+/// takes, such as the year 9999) is counted as stuck, recovered by housekeeping like an expired
+/// claim and then delivered, rather than held for as long as it says (and on an ordered route,
+/// every later event of its key with it). A lease a ferry could have taken is left to run.
 async fn a_processing_row_without_a_lease_is_recovered(db: TestDb) {
     let s = stepped(db).await;
-    let leases: &[&str] = match s.db.backend {
-        Backend::Sqlite => &["NULL", "'tomorrow'"],
-        Backend::Postgres => &["NULL", "'infinity'"],
+    let now = s.clock.now();
+    let at = |t: chrono::DateTime<chrono::Utc>| match s.db.backend {
+        Backend::Sqlite => t.timestamp_millis().to_string(),
+        Backend::Postgres => format!("'{}'", t.to_rfc3339()),
+    };
+    let far = at(ferry::store::lease_ceiling(now) + chrono::Duration::minutes(1));
+    let leases = match s.db.backend {
+        Backend::Sqlite => vec!["NULL".to_string(), "'tomorrow'".into(), "253402300800000".into(), "1e300".into(), far],
+        Backend::Postgres => vec!["NULL".to_string(), "'infinity'".into(), "'9999-01-01'".into(), far],
     };
     let mut stuck = Vec::new();
-    for lease in leases {
+    for lease in &leases {
         stuck.push(insert_edited(&s, &format!("status = 'PROCESSING', lease_until = {lease}")).await);
     }
+    let taken = at(now + chrono::Duration::from_std(ferry::store::MAX_LEASE).unwrap());
+    let held = insert_edited(&s, &format!("status = 'PROCESSING', lease_until = {taken}")).await;
+    assert_eq!(s.db.store.stats(now, None, false).await.unwrap().stuck, stuck.len() as u64, "{leases:?}");
     s.ferry.relay.housekeeping().await;
     s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
-    for id in stuck {
+    for (id, lease) in stuck.into_iter().zip(&leases) {
         let row = s.db.store.get(id).await.unwrap().unwrap();
-        assert_eq!(row.status, Status::Sent, "event {id}: {:?}", row.last_error);
+        assert_eq!(row.status, Status::Sent, "event {id}, lease {lease}: {:?}", row.last_error);
     }
+    let row = s.db.store.get(held).await.unwrap().unwrap();
+    assert_eq!(row.status, Status::Processing, "a lease as long as ferry takes runs on");
 }
 
 /// A PENDING row whose `next_attempt_at` was edited into something the claim cannot compare with

@@ -535,12 +535,25 @@ pub struct LiveEndpoint {
     /// `route/id`.
     pub delivery_route: String,
     pub event_types: EventTypes,
-    /// Whether it is handed events and its deliveries are made; false also for an endpoint
-    /// whose row cannot be used, whose deliveries wait until it is fixed or deleted.
+    /// Whether its deliveries are made; false also for an endpoint whose row cannot be used,
+    /// whose deliveries wait until it is fixed or deleted.
     pub enabled: bool,
+    /// Its row cannot be read, so which events it takes is not known: it is handed every event
+    /// of its route, and the copies wait. Once the row is fixed, those it takes are delivered
+    /// and the others dropped (see [`LiveEndpoint::takes`]); nothing emitted meanwhile is lost.
+    pub unreadable: bool,
     /// The config of its plugin instances (its secrets among them); `Err`: why it cannot be
     /// delivered to (a row that cannot be used, a URL the route's origins no longer allow).
     pub config: Result<Arc<[(String, String)]>, String>,
+}
+
+impl LiveEndpoint {
+    /// Whether a copy of an `event_type` event is delivered to this endpoint: its types are
+    /// checked again at delivery, as they may have changed while the copy waited, or not been
+    /// known when it was made (the row could not be read).
+    pub fn takes(&self, event_type: &str) -> bool {
+        self.event_types.matches(event_type)
+    }
 }
 
 impl std::fmt::Debug for LiveEndpoint {
@@ -579,6 +592,7 @@ impl EndpointTable {
                     // Checked by `decode`.
                     event_types: EventTypes::new(&endpoint.body.event_types).unwrap_or_default(),
                     enabled: endpoint.body.enabled,
+                    unreadable: false,
                     config: check_url(&endpoint.route, &endpoint.body.url, &endpoints.origins)
                         .map(|()| Arc::from(endpoint.plugin_config(&template.plugin_config, now))),
                 },
@@ -588,8 +602,10 @@ impl EndpointTable {
                     LiveEndpoint {
                         id: row.id.clone(),
                         delivery_route,
+                        // Every type, as no other is known.
                         event_types: EventTypes::default(),
                         enabled: false,
+                        unreadable: true,
                         config: Err(why),
                     }
                 }
@@ -610,17 +626,19 @@ impl EndpointTable {
         self.by_delivery.get(delivery_route)
     }
 
-    /// The delivery routes of `route`'s enabled endpoints that receive `event_type`.
+    /// The delivery routes of `route`'s endpoints that receive `event_type`: its enabled ones
+    /// that take the type, and those whose row cannot be read (held until it is fixed).
     pub fn routes_for<'a>(&'a self, route: &str, event_type: &'a str) -> impl Iterator<Item = &'a str> + 'a {
         self.by_route
             .get(route)
             .into_iter()
             .flatten()
-            .filter(move |e| e.enabled && e.event_types.matches(event_type))
+            .filter(move |e| (e.enabled || e.unreadable) && e.event_types.matches(event_type))
             .map(|e| e.delivery_route.as_str())
     }
 
-    /// The delivery routes of disabled endpoints: their deliveries wait until they are enabled.
+    /// The delivery routes of disabled endpoints, and of those whose row cannot be read: their
+    /// deliveries wait until they are enabled or fixed.
     pub fn disabled(&self) -> impl Iterator<Item = &str> {
         self.by_delivery.values().filter(|e| !e.enabled).map(|e| e.delivery_route.as_str())
     }
@@ -753,8 +771,10 @@ mod tests {
         assert_eq!(table.disabled().collect::<Vec<_>>(), [format!("hooks/{broken}")]);
         let mut to: Vec<&str> = table.routes_for("hooks", "a.b").collect();
         to.sort_unstable();
-        assert_eq!(to, [format!("hooks/{ok}"), format!("hooks/{moved}")]);
-        assert_eq!(table.routes_for("hooks", "b.a").count(), 0);
+        assert_eq!(to, [format!("hooks/{ok}"), format!("hooks/{moved}"), format!("hooks/{broken}")]);
+        // Which types the broken one takes is not known: it is handed every one, to hold.
+        assert_eq!(table.routes_for("hooks", "b.a").collect::<Vec<_>>(), [format!("hooks/{broken}")]);
+        assert!(live(ok).takes("a.b") && !live(ok).takes("b.a") && live(broken).takes("b.a"));
     }
 
     #[test]

@@ -370,11 +370,16 @@ impl Ops {
                 None => {
                     why.push(format!("endpoint {id} was deleted: when it is due, it fails with reason no_transport"))
                 }
-                Some(stored) => {
-                    if crate::endpoints::Endpoint::decode(&stored).is_ok_and(|e| !e.body.enabled) {
-                        why.push(format!("endpoint {id} is disabled: it waits until `ferry endpoints enable {id}`"));
+                Some(stored) => match crate::endpoints::Endpoint::decode(&stored) {
+                    Ok(endpoint) if !endpoint.body.enabled => {
+                        why.push(format!("endpoint {id} is disabled: it waits until `ferry endpoints enable {id}`"))
                     }
-                }
+                    Ok(_) => {}
+                    Err(unusable) => why.push(format!(
+                        "{unusable}: it waits until the row is fixed (then it is delivered if the endpoint takes \
+                         its type, or dropped) or deleted"
+                    )),
+                },
             }
         }
         let cooldown = self.settings().breaker_cooldown();

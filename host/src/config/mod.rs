@@ -534,6 +534,12 @@ impl Config {
                 self.plugins.max_file_size.0
             ));
         }
+        if self.relay.lease.0 > crate::store::MAX_LEASE {
+            return Err(format!(
+                "relay.lease ({}) must be at most 24h: ferry recovers claims whose lease ends further ahead as written by something else",
+                self.relay.lease
+            ));
+        }
         if !(1..=64).contains(&self.relay.workers) {
             return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));
         }

@@ -111,6 +111,8 @@ fn errors_name_the_file_and_key() {
     assert!(e.contains("soon"), "{e}");
     let e = err("[relay]\nlease = \"10s\"");
     assert!(e.contains("relay.lease"), "{e}");
+    let e = err("[relay]\nlease = \"25h\"");
+    assert!(e.contains("relay.lease (90000s) must be at most 24h"), "{e}");
     let e = err("[route.a]\nplugin = \"log\"\nretry = { max_attempts = 0 }");
     assert!(e.contains("max_attempts"), "{e}");
     let e = err("[route.a]\nplugin = \"log\"\nretry = { jitter_percent = 150 }");

@@ -475,6 +475,7 @@ impl Relay {
             self.hand_back(&token, &back).await;
             events = rest;
         }
+        let events = self.drop_untaken(&token, &endpoints, events).await;
         if events.is_empty() {
             return Ok(handed_on);
         }
@@ -544,6 +545,43 @@ impl Relay {
 
     /// Gives `events` back unattempted for a later cycle. Should that fail, they come back when
     /// their lease ends instead (the attempt counted), and the rest of the batch goes on.
+    /// `events` without the copies for an endpoint that does not take their type (any more: its
+    /// types changed while they waited; or they were made while its row could not be read, when
+    /// it was handed every type), which are deleted, as if never made. Delivered, they would reach
+    /// a receiver that did not ask for them; failed, they would hold back its later events of their
+    /// key and go to the route's dead letter. Should the delete fail, they are handed back.
+    async fn drop_untaken(
+        &self,
+        token: &str,
+        endpoints: &EndpointTable,
+        events: Vec<ClaimedEvent>,
+    ) -> Vec<ClaimedEvent> {
+        let untaken = |e: &ClaimedEvent| {
+            e.defect.is_none() && endpoints.get(&e.route).is_some_and(|endpoint| !endpoint.takes(&e.event_type))
+        };
+        if endpoints.is_empty() || !events.iter().any(untaken) {
+            return events;
+        }
+        let (untaken, events): (Vec<ClaimedEvent>, Vec<ClaimedEvent>) = events.into_iter().partition(untaken);
+        let ids: Vec<i64> = untaken.iter().map(|e| e.id).collect();
+        match self.store.drop_copies(token, &ids).await {
+            Ok(dropped) => {
+                let mut by_route: BTreeMap<&str, usize> = BTreeMap::new();
+                for event in untaken.iter().filter(|e| dropped.binary_search(&e.id).is_ok()) {
+                    *by_route.entry(&event.route).or_default() += 1;
+                }
+                for (route, copies) in by_route {
+                    tracing::info!(route, copies, "copies dropped: the endpoint does not take their event types");
+                }
+            }
+            Err(error) => {
+                tracing::warn!("dropping copies an endpoint does not take failed; handed back: {error}");
+                self.hand_back(token, &untaken).await;
+            }
+        }
+        events
+    }
+
     async fn hand_back(&self, token: &str, events: &[ClaimedEvent]) {
         if events.is_empty() {
             return;
@@ -770,7 +808,9 @@ impl Relay {
         let mut logged = self.unusable_endpoints.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if *logged != unusable {
             for why in &unusable {
-                tracing::error!("{why}; the endpoint gets no deliveries until it is fixed or deleted");
+                tracing::error!(
+                    "{why}; its deliveries, of every event of its route, wait until it is fixed or deleted"
+                );
             }
             *logged = unusable;
         }

@@ -362,6 +362,17 @@ pub async fn bulk(
     }
 }
 
+/// Longest claim lease ferry takes: `relay.lease` may not be longer.
+pub const MAX_LEASE: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// How far a lease may end past `now` and still be one a ferry took: twice [`MAX_LEASE`], so the
+/// clock of the instance that took it may run up to a day ahead of this one's. One ending later
+/// was written by something else (an application's INSERT, a hand edit): left alone, it would
+/// hold its event, and on an ordered route every later event of its key, for as long as it says.
+pub fn lease_ceiling(now: DateTime<Utc>) -> DateTime<Utc> {
+    crate::clock::later(now, MAX_LEASE * 2)
+}
+
 /// An event whose lease expired and that was handed back to PENDING.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recovered {
@@ -436,11 +447,17 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     /// claimed again elsewhere) are left alone. Returns how many rows were updated.
     async fn complete(&self, token: &str, now: DateTime<Utc>, items: &[Completion]) -> Result<u64, StoreError>;
 
+    /// Deletes the events `ids` of claim `token` (those it still holds), with their history:
+    /// copies for a webhook endpoint that does not take their type, as if never made. Returns the
+    /// ids deleted.
+    async fn drop_copies(&self, token: &str, ids: &[i64]) -> Result<Vec<i64>, StoreError>;
+
     /// Hands events of claim `token` back to PENDING without counting the attempt (used at shutdown
     /// for a batch whose delivery did not finish within the grace period).
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
 
-    /// Moves PROCESSING events whose lease expired before `now` back to PENDING.
+    /// Moves PROCESSING events whose lease expired before `now` back to PENDING, and those whose
+    /// lease no ferry could have taken (none, one it cannot read, one past [`lease_ceiling`]).
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError>;
 
     /// Makes due at `now` the PENDING events whose `next_attempt_at` was edited into a time the

@@ -21,7 +21,7 @@ use super::{
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
     ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
     SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_events, complete_batch, copies, copy_dead_letters,
-    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, refund, stats_from,
+    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, lease_ceiling, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -597,13 +597,28 @@ impl Store for PostgresStore {
         Ok(done.rows_affected())
     }
 
+    async fn drop_copies(&self, token: &str, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
+        let mut tx = self.pool.begin().await?;
+        let done: Vec<i64> = sqlx::query_scalar(
+            "DELETE FROM ferry_events WHERE id = ANY($1) AND claim_token = $2 AND status = 'PROCESSING' RETURNING id",
+        )
+        .bind(ids)
+        .bind(token)
+        .fetch_all(&mut *tx)
+        .await?;
+        delete_history(&mut tx, &done).await?;
+        tx.commit().await?;
+        Ok(ids_in_order(done))
+    }
+
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
         let rows = sqlx::query(
             "WITH expired AS (
                  SELECT id, claimed_by FROM ferry_events
-                 -- A row left PROCESSING without a lease ferry can read (by hand: none, or an
-                 -- infinite time) would otherwise be held forever.
-                 WHERE status = 'PROCESSING' AND (lease_until < $1 OR lease_until IS NULL OR NOT isfinite(lease_until))
+                 -- A row left PROCESSING without a lease a ferry took (none, an infinite time,
+                 -- one past the ceiling) would otherwise be held for as long as it says.
+                 WHERE status = 'PROCESSING'
+                   AND (lease_until < $1 OR lease_until > $2 OR lease_until IS NULL OR NOT isfinite(lease_until))
                  FOR UPDATE SKIP LOCKED
              )
              UPDATE ferry_events e
@@ -614,6 +629,7 @@ impl Store for PostgresStore {
              RETURNING e.id, expired.claimed_by",
         )
         .bind(now)
+        .bind(lease_ceiling(now))
         .fetch_all(&self.pool)
         .await?;
         rows.iter()
@@ -773,7 +789,7 @@ impl Store for PostgresStore {
     ) -> Result<Stats, StoreError> {
         let counts_sql = if count_sent { ROUTE_COUNTS_SQL } else { UNFINISHED_COUNTS_SQL };
         let counts = sqlx::query(counts_sql).fetch_all(&self.pool).await?;
-        let watch = sqlx::query(WATCH_SQL).bind(now).fetch_one(&self.pool).await?;
+        let watch = sqlx::query(WATCH_SQL).bind(now).bind(lease_ceiling(now)).fetch_one(&self.pool).await?;
         let latency = match latency_since {
             Some(since) => Some((
                 since,

@@ -23,7 +23,7 @@ use super::{
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
     ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
     SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_events, complete_batch, copies, copy_dead_letters,
-    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, refund, stats_from,
+    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, lease_ceiling, refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -719,6 +719,22 @@ impl Store for SqliteStore {
         Ok(done.rows_affected())
     }
 
+    async fn drop_copies(&self, token: &str, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
+        let mut writing = self.writing().await?;
+        // The history goes with them: the writing connection keeps foreign keys on.
+        let done = sqlx::query_scalar(
+            "DELETE FROM ferry_events
+             WHERE claim_token = ?1 AND status = 'PROCESSING' AND id IN (SELECT value FROM json_each(?2))
+             RETURNING id",
+        )
+        .bind(token)
+        .bind(json!(ids).to_string())
+        .fetch_all(&mut *writing)
+        .await?;
+        writing.finish();
+        Ok(ids_in_order(done))
+    }
+
     async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
         let mut writing = self.writing().await?;
         let rows = sqlx::query(
@@ -727,12 +743,13 @@ impl Store for SqliteStore {
                  lease_until = NULL,
                  last_error = 'claim lease expired while PROCESSING (claimed by ' || COALESCE(claimed_by, '?') || ')'
              WHERE status = 'PROCESSING'
-               -- A row left PROCESSING without a lease ferry can read (by hand: NULL, text)
-               -- would otherwise be held forever.
-               AND (lease_until < ?1 OR typeof(lease_until) NOT IN ('integer', 'real'))
+               -- A row left PROCESSING without a lease a ferry took (NULL, text, one past the
+               -- ceiling) would otherwise be held for as long as it says.
+               AND (lease_until < ?1 OR lease_until > ?2 OR typeof(lease_until) NOT IN ('integer', 'real'))
              RETURNING id, claimed_by",
         )
         .bind(ms(now))
+        .bind(ms(lease_ceiling(now)))
         .fetch_all(&mut *writing)
         .await?;
         writing.finish();
@@ -893,7 +910,7 @@ impl Store for SqliteStore {
     ) -> Result<Stats, StoreError> {
         let counts_sql = if count_sent { ROUTE_COUNTS_SQL } else { UNFINISHED_COUNTS_SQL };
         let counts = sqlx::query(counts_sql).fetch_all(&self.pool).await?;
-        let watch = sqlx::query(WATCH_SQL).bind(ms(now)).fetch_one(&self.pool).await?;
+        let watch = sqlx::query(WATCH_SQL).bind(ms(now)).bind(ms(lease_ceiling(now))).fetch_one(&self.pool).await?;
         let latency = match latency_since {
             Some(since) => Some((
                 since,

@@ -87,13 +87,13 @@ fn latency(since: DateTime<Utc>, rows: &[(DateTime<Utc>, DateTime<Utc>, DateTime
 
 /// The figures of [`Stats`] besides the counts and latency. Each sub-query names one status, so
 /// it reads only that status's partial index and rows, never the retained SENT ones. The same
-/// text serves both backends; only the time type of the parameter differs.
+/// text serves both backends; only the time type of the parameters differs.
 pub const WATCH_SQL: &str = "SELECT
         (SELECT MIN(created_at) FROM ferry_events WHERE status = 'PENDING') AS oldest_pending,
         (SELECT MIN(next_attempt_at) FROM ferry_events WHERE status = 'PENDING' AND next_attempt_at <= $1)
             AS oldest_due,
         (SELECT COUNT(*) FROM ferry_events
-         WHERE status = 'PROCESSING' AND (lease_until < $1 OR lease_until IS NULL)) AS stuck,
+         WHERE status = 'PROCESSING' AND (lease_until < $1 OR lease_until > $2 OR lease_until IS NULL)) AS stuck,
         (SELECT COUNT(*) FROM ferry_events
          WHERE status = 'PENDING' AND max_attempts > 0 AND attempts >= max_attempts - 1) AS last_attempt";
 

@@ -418,6 +418,12 @@ async fn an_endpoint_row_that_cannot_be_read_costs_that_endpoint_only_and_loses_
     assert_eq!(received(&receiver, "/good"), ["order.created", "order.paid"], "the other endpoint got nothing twice");
 }
 
+crate::both_backends!(
+    endpoints_are_managed_at_run_time,
+    each_endpoint_keeps_the_order_of_a_key,
+    an_endpoint_row_that_cannot_be_read_costs_that_endpoint_only_and_loses_it_nothing
+);
+
 /// Two instances share the outbox. One hands events on to an endpoint created a moment ago; the
 /// other, whose endpoint table was read before that, claims the deliveries: it reads the
 /// endpoints again and delivers, rather than failing them as if the endpoint were gone, except a

@@ -543,8 +543,6 @@ impl Relay {
         Ok(stats)
     }
 
-    /// Gives `events` back unattempted for a later cycle. Should that fail, they come back when
-    /// their lease ends instead (the attempt counted), and the rest of the batch goes on.
     /// `events` without the copies for an endpoint that does not take their type (any more: its
     /// types changed while they waited; or they were made while its row could not be read, when
     /// it was handed every type), which are deleted, as if never made. Delivered, they would reach
@@ -582,6 +580,8 @@ impl Relay {
         events
     }
 
+    /// Gives `events` back unattempted for a later cycle. Should that fail, they come back when
+    /// their lease ends instead (the attempt counted), and the rest of the batch goes on.
     async fn hand_back(&self, token: &str, events: &[ClaimedEvent]) {
         if events.is_empty() {
             return;

@@ -204,8 +204,9 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{url}: {error}");
     }
 
-    // A row edited by hand into something ferry cannot use costs that endpoint only: it is
-    // handed nothing, shown as a conflict naming why, and can be deleted.
+    // A row edited by hand into something ferry cannot use costs that endpoint only: what it
+    // is handed waits for it, it is shown as a conflict naming why, and it can be deleted, which
+    // ends what waited FAILED, kept, like any deleted endpoint's.
     let garbage = ferry::store::StoredEndpoint {
         id: "ep_00000000000000000bad".into(),
         route: "hooks".into(),
@@ -227,9 +228,28 @@ async fn endpoints_are_managed_at_run_time(db: TestDb) {
     assert_eq!((to_a.header("x-tenant"), to_a.header("authorization")), (Some("acme"), Some("Bearer s3cr3t")));
     assert!(signed_by(&receiver, "/a", &[&a_secret]));
     let (_, event) = hooks.get(&format!("/v1/events/{}", first[0])).await;
-    assert_eq!((event["status"].as_str(), event["deliveries"].as_array().map(Vec::len)), (Some("SENT"), Some(2)));
+    let garbage_route = format!("hooks/{}", garbage.id);
+    let statuses = |event: &Value| -> Vec<(String, String)> {
+        let deliveries = event["deliveries"].as_array().unwrap().iter();
+        let mut statuses: Vec<_> = deliveries
+            .map(|d| (d["route"].as_str().unwrap().to_string(), d["status"].as_str().unwrap().to_string()))
+            .collect();
+        statuses.sort();
+        statuses
+    };
+    let mut expected = vec![
+        (format!("hooks/{a_id}"), "SENT".to_string()),
+        (format!("hooks/{b_id}"), "SENT".to_string()),
+        (garbage_route.clone(), "PENDING".to_string()),
+    ];
+    expected.sort();
+    assert_eq!((event["status"].as_str(), statuses(&event)), (Some("SENT"), expected.clone()), "{event}");
     let (status, _) = hooks.call(Method::DELETE, &format!("/v1/endpoints/{}", garbage.id), None).await;
     assert_eq!(status, StatusCode::OK, "an unusable row can be deleted");
+    hooks.emit_and_deliver(&[]).await;
+    let (_, event) = hooks.get(&format!("/v1/events/{}", first[0])).await;
+    expected.iter_mut().filter(|(route, _)| *route == garbage_route).for_each(|(_, status)| *status = "FAILED".into());
+    assert_eq!(statuses(&event), expected, "{event}");
 
     // Disabled, an endpoint is handed no new events, and what was handed to it before waits;
     // enabled again, it gets what waited.

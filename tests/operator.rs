@@ -558,9 +558,15 @@ async fn a_scrape_reads_no_sent_rows(db: TestDb) {
             let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
             sqlx::query("SET enable_seqscan = off").execute(&mut conn).await.unwrap();
             sqlx::query("SET enable_indexonlyscan = off").execute(&mut conn).await.unwrap();
-            sqlx::query(&format!("PREPARE watch(timestamptz) AS {WATCH_SQL}")).execute(&mut conn).await.unwrap();
+            sqlx::query(&format!("PREPARE watch(timestamptz, timestamptz) AS {WATCH_SQL}"))
+                .execute(&mut conn)
+                .await
+                .unwrap();
             let mut plans = Vec::new();
-            for statement in ["EXPLAIN EXECUTE watch(now())".to_string(), format!("EXPLAIN {UNFINISHED_COUNTS_SQL}")] {
+            for statement in [
+                "EXPLAIN EXECUTE watch(now(), now() + interval '48 hours')".to_string(),
+                format!("EXPLAIN {UNFINISHED_COUNTS_SQL}"),
+            ] {
                 let rows: Vec<(String,)> = sqlx::query_as(&statement).fetch_all(&mut conn).await.unwrap();
                 plans.push(rows.into_iter().map(|(line,)| line).collect::<Vec<_>>().join("\n"));
             }
@@ -572,6 +578,7 @@ async fn a_scrape_reads_no_sent_rows(db: TestDb) {
             for statement in [WATCH_SQL, UNFINISHED_COUNTS_SQL] {
                 let rows: Vec<(i64, i64, i64, String)> = sqlx::query_as(&format!("EXPLAIN QUERY PLAN {statement}"))
                     .bind("2026-01-01T00:00:00Z")
+                    .bind("2026-01-03T00:00:00Z")
                     .fetch_all(pool)
                     .await
                     .unwrap();

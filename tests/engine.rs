@@ -251,6 +251,75 @@ async fn shutdown_hands_unfinished_claims_back(db: TestDb) {
     );
 }
 
+/// A route whose calls are slow holds up no other route: once a batch's deliveries have run a
+/// second, the worker records the events of the routes that are done and goes on claiming, and
+/// the slow route's deliveries go on beside it, as many at once as the route has instances; past
+/// that the route waits on this instance (its events PENDING, no attempt spent) instead of
+/// taking workers. Before, every batch waited for its slowest route: here, the other route's
+/// events would have waited the whole 30 s of the slow call.
+async fn a_slow_route_holds_up_no_other_route(db: TestDb) {
+    let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
+    let config = db.config(&format!(
+        "[relay]\n{FAST}\nshutdown_grace = \"500ms\"\n[plugins]\ndir = {plugins:?}\ntimeout = \"60s\"\ninstances = 2\n\
+         [route.s]\nplugin = \"scripted\"\n[route.slow]\nplugin = \"scripted\"\nconfig = {{ delay_ms = \"30000\" }}\n"
+    ));
+    let running = Running::start(&config).await;
+    let status = |id: i64| {
+        let store = db.store.clone();
+        async move {
+            let row = store.get(id).await.unwrap().unwrap();
+            (row.status, row.attempts)
+        }
+    };
+    let aside = running.registry.metrics().deliveries_aside.clone();
+    let mut slow = Vec::new();
+    for round in 0..3 {
+        if round == 2 {
+            // Each slow delivery goes on beside the workers once its cycle has waited a second.
+            eventually(Duration::from_secs(10), "both slow deliveries aside", || async {
+                (aside.get() == 2).then_some(())
+            })
+            .await;
+        }
+        // One batch: the slow route's event first, then ten of the other route's.
+        slow.push(db.store.insert(&NewEvent::new("slow", "ok", "{}"), SystemClock.now()).await.unwrap());
+        let mut fast = Vec::new();
+        for i in 0..10 {
+            fast.push(db.store.insert(&NewEvent::new("s", "ok", format!("{i}")), SystemClock.now()).await.unwrap());
+        }
+        running.wake();
+        eventually(Duration::from_secs(10), &format!("round {round}: the other route's events SENT"), || async {
+            for &id in &fast {
+                if status(id).await.0 != Status::Sent {
+                    return None;
+                }
+            }
+            Some(())
+        })
+        .await;
+        let expected = match round {
+            // Its two instances each deliver one of the slow route's events, still running ...
+            0 | 1 => (Status::Processing, 1),
+            // ... and its third waits for one of them, not claimed.
+            _ => (Status::Pending, 0),
+        };
+        assert_eq!(status(slow[round]).await, expected, "round {round}");
+    }
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(status(slow[2]).await, (Status::Pending, 0), "not claimed while two calls of its route run");
+    }
+    // Stopping, the deliveries still running get the grace period, then their events are
+    // handed back, no attempt counted.
+    let asked = Instant::now();
+    running.stop().await;
+    assert_eq!(aside.get(), 0, "none left aside");
+    assert!(asked.elapsed() < Duration::from_secs(5), "shutdown waited {:?}", asked.elapsed());
+    for id in slow {
+        assert_eq!(status(id).await, (Status::Pending, 0), "event {id} handed back");
+    }
+}
+
 /// `ferry serve` as a child process, for the crash test.
 fn spawn_serve(config: &Path, log: &Path) -> Child {
     Command::new(crate::common::ferry_bin())
@@ -348,5 +417,6 @@ async fn kill_9_mid_batch_loses_nothing(db: TestDb) {
 crate::both_backends!(
     one_wake_up_sets_every_worker_to_a_backlog,
     shutdown_hands_unfinished_claims_back,
+    a_slow_route_holds_up_no_other_route,
     kill_9_mid_batch_loses_nothing
 );

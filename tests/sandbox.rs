@@ -556,11 +556,12 @@ async fn a_wait_for_an_instance_that_shutdown_cuts_short_is_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() {
-    // One instance, busy with a call of 10 s, when ferry is asked to stop with 300 ms of grace;
-    // the other worker's claim is held up (the test holds SQLite's write lock) until the grace
-    // has ended. The batch it then gets is handed back unopened: with a grace period of its own
-    // from when its claim came back, it would take the instance the first batch gives back and
-    // call the plugin after ferry's grace was over.
+    // One of the route's two instances busy with a call of 10 s (carried on beside the workers
+    // after its first second), when ferry is asked to stop with 300 ms of grace; the workers'
+    // claims are held up (the test holds SQLite's write lock) until the grace has ended. The batch
+    // one of them then gets is handed back unopened: with a grace period of its own from when its
+    // claim came back, it would take the idle instance and call the plugin after ferry's grace
+    // was over.
     //
     // In about one run in twenty the lock catches the idle worker before its claim, at a step
     // not yet pinned down; it then sees the stop and claims nothing, which is right but not this
@@ -573,10 +574,11 @@ async fn a_batch_claimed_after_the_grace_period_is_handed_back_without_a_call() 
     panic!("in three runs the lock never held up the idle worker's claim itself");
 }
 
-/// One run of the test above; false when the idle worker made no claim while the lock was held.
+/// One run of the test above; false when no worker made a claim while the lock was held.
 async fn grace_period_run() -> bool {
     let db = TestDb::new(Backend::Sqlite).await;
-    let mut config = two_workers_one_route(&db, 1, "10000", std::time::Duration::from_millis(300));
+    // Two instances: with one, the route would be left out of the claims while its one call runs.
+    let mut config = two_workers_one_route(&db, 2, "10000", std::time::Duration::from_millis(300));
     // Recovery only at start: the idle worker's next write after the lock is taken is its claim.
     config.relay.recover_every = 1_000_000;
     let first = db.store.insert(&NewEvent::new("s", "count", "{}"), ferry::clock::SystemClock.now()).await.unwrap();
@@ -592,7 +594,7 @@ async fn grace_period_run() -> bool {
 
     let mut lock = db.sqlite.as_ref().unwrap().pool().acquire().await.unwrap();
     sqlx::query("BEGIN IMMEDIATE").execute(&mut *lock).await.unwrap();
-    // Due a minute ago: the idle worker's claim may have read its clock before the lock was
+    // Due a minute ago: a worker's claim may have read its clock before the lock was
     // taken, and an event due at the insert's own time would not yet be due to that claim.
     let second: i64 = sqlx::query_scalar(
         "INSERT INTO ferry_events (route, event_type, payload, next_attempt_at)
@@ -602,8 +604,9 @@ async fn grace_period_run() -> bool {
     .fetch_one(&mut *lock)
     .await
     .unwrap();
-    // The idle worker polls every 20 ms at most, so it soon waits for the lock; from then on it
-    // completes no claim until the lock is let go.
+    // The idle workers (the first is free again once its call has gone aside) poll every 20 ms
+    // at most, so they soon wait for the lock; from then on neither completes a claim until the
+    // lock is let go.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let claims_held = claims.count();
     let stopping = tokio::spawn(running.stop());
@@ -623,8 +626,9 @@ async fn grace_period_run() -> bool {
     if claims.count() == claims_held {
         return false;
     }
-    assert_eq!(claims.count(), claims_held + 1, "the idle worker's held claim is the only one after the stop");
-    assert_eq!(batches.count(), 2, "the idle worker's claim, held up by the lock, came back with an event");
+    let late = claims.count() - claims_held;
+    assert!((1..=2).contains(&late), "only the claims the lock held end after the stop, one per worker: {late}");
+    assert_eq!(batches.count(), 2, "a claim held up by the lock came back with an event");
     true
 }
 

@@ -161,6 +161,8 @@ pub struct Metrics {
     breaker_state: Family<RouteOnly, Gauge>,
     /// Relay workers waiting for work now.
     pub idle_workers: Gauge,
+    /// Route deliveries still running after their cycle moved on (`relay::aside`).
+    pub deliveries_aside: Gauge,
     /// The last hour minute by minute, for the dashboard.
     pub activity: crate::activity::Activity,
 }
@@ -284,6 +286,12 @@ impl Metrics {
             "Relay workers waiting for work now; 0 for long under load means every worker is busy",
             idle_workers.clone(),
         );
+        let deliveries_aside = Gauge::default();
+        registry.register(
+            "ferry_relay_deliveries_aside",
+            "Route deliveries still running after their batch's cycle moved on: a slow route's calls",
+            deliveries_aside.clone(),
+        );
         Self {
             registry,
             delivered,
@@ -309,6 +317,7 @@ impl Metrics {
             last_attempt,
             breaker_state,
             idle_workers,
+            deliveries_aside,
             activity: Default::default(),
         }
     }

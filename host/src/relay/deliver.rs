@@ -10,6 +10,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use rand::Rng;
 
+use futures::stream::FuturesUnordered;
+
+use super::aside::{Batch, RouteDelivery};
 use super::{CycleStats, Relay, Routes};
 use crate::backoff::RetryDecision;
 use crate::endpoints::EndpointTable;
@@ -119,69 +122,83 @@ impl Relay {
         }
     }
 
-    /// Delivers a claimed batch route by route (routes concurrently), returning one completion
-    /// per event. An endpoint's deliveries go to its route's endpoint template with the
-    /// endpoint's config. No plugin instance or call is started past `cutoff`.
-    pub(super) async fn deliver_all(
-        &self,
-        routes: &Routes,
-        endpoints: &EndpointTable,
-        events: &[ClaimedEvent],
-        cutoff: &Cutoff,
-    ) -> Vec<Completion> {
-        let mut by_route: BTreeMap<&str, Vec<&ClaimedEvent>> = BTreeMap::new();
-        let mut completions = Vec::with_capacity(events.len());
-        for event in events {
+    /// Starts delivering a claimed batch route by route: the completions of events that fail
+    /// without a call (a row that could not be decoded), and one delivery per route, to run
+    /// concurrently, each returning one completion per event of its route. An endpoint's
+    /// deliveries go to its route's endpoint template with the endpoint's config. No plugin
+    /// instance or call is started past `cutoff`. The deliveries own what they need of `batch`,
+    /// so those still running when the cycle moves on can be carried on beside it.
+    pub(super) fn deliver_all<'a>(
+        &'a self,
+        batch: &Arc<Batch>,
+        cutoff: &'a Cutoff,
+    ) -> (Vec<Completion>, FuturesUnordered<RouteDelivery<'a>>) {
+        let mut by_route: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        let mut completions = Vec::new();
+        for (i, event) in batch.events.iter().enumerate() {
             if let Some(defect) = &event.defect {
                 let call = self.call_log(&event.route, self.clock.now(), Duration::ZERO, None, None);
-                completions.push(self.fail(routes, event, &call, FailureReason::InvalidEvent, reason(defect)));
+                completions.push(self.fail(&batch.routes, event, &call, FailureReason::InvalidEvent, reason(defect)));
             } else {
-                by_route.entry(&event.route).or_default().push(event);
+                by_route.entry(&event.route).or_default().push(i);
             }
         }
         let lease_ends = std::time::Instant::now() + self.lease;
-        let deliveries = by_route.into_iter().map(|(route, batch)| async move {
-            let endpoint = || {
-                let template = routes.settings.endpoints_of(route)?;
-                Some((routes.transport(&template.template)?, endpoints.get(route)))
-            };
-            let why = match (routes.transport(route), endpoint()) {
-                (Some(transport), _) => {
-                    return self.deliver_isolating(routes, transport, None, batch, lease_ends, cutoff).await;
-                }
-                // Claimed under an older table: its deliveries wait (no attempt counted), and the
-                // next claims hold them.
-                (None, Some((_, Some(endpoint)))) if !endpoint.enabled => {
-                    let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
-                    let at = crate::clock::truncate_ms(crate::clock::later(self.clock.now(), MIN_DEFERRAL));
-                    let why = match &endpoint.config {
-                        Ok(_) => format!("endpoint {} is disabled", endpoint.id),
-                        Err(why) => reason(why),
-                    };
-                    let wait = |event: &&ClaimedEvent| {
-                        let disposition = Disposition::Deferred { at, error: why.clone() };
-                        self.complete(routes, event, &call, disposition)
-                    };
-                    return batch.iter().map(wait).collect();
-                }
-                (None, Some((transport, Some(endpoint)))) => match &endpoint.config {
-                    Ok(config) => {
-                        return self
-                            .deliver_isolating(routes, transport, Some(config), batch, lease_ends, cutoff)
-                            .await;
-                    }
-                    Err(why) => format!("endpoint {} cannot be delivered to: {why}", endpoint.id),
-                },
-                (None, Some((_, None))) => format!("route {route:?} names no endpoint: it was deleted"),
-                (None, None) => format!("no route {route:?} is configured"),
-            };
-            let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
-            self.judge(routes, &batch, &call, Err(DeliverError::NoTransport(why)))
+        let deliveries = by_route.into_values().map(|positions| {
+            let batch = batch.clone();
+            let delivery: RouteDelivery<'a> = Box::pin(async move {
+                let events: Vec<&ClaimedEvent> = positions.iter().map(|&i| &batch.events[i]).collect();
+                self.deliver_route(&batch.routes, &batch.endpoints, events, lease_ends, cutoff).await
+            });
+            delivery
         });
-        for done in futures::future::join_all(deliveries).await {
-            completions.extend(done);
-        }
-        completions
+        (completions, deliveries.collect())
+    }
+
+    /// Delivers `batch`, the events of one route, to the route's transport, or to its endpoint's.
+    async fn deliver_route(
+        &self,
+        routes: &Routes,
+        endpoints: &EndpointTable,
+        batch: Vec<&ClaimedEvent>,
+        lease_ends: std::time::Instant,
+        cutoff: &Cutoff,
+    ) -> Vec<Completion> {
+        let route = batch[0].route.as_str();
+        let endpoint = || {
+            let template = routes.settings.endpoints_of(route)?;
+            Some((routes.transport(&template.template)?, endpoints.get(route)))
+        };
+        let why = match (routes.transport(route), endpoint()) {
+            (Some(transport), _) => {
+                return self.deliver_isolating(routes, transport, None, batch, lease_ends, cutoff).await;
+            }
+            // Claimed under an older table: its deliveries wait (no attempt counted), and the
+            // next claims hold them.
+            (None, Some((_, Some(endpoint)))) if !endpoint.enabled => {
+                let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
+                let at = crate::clock::truncate_ms(crate::clock::later(self.clock.now(), MIN_DEFERRAL));
+                let why = match &endpoint.config {
+                    Ok(_) => format!("endpoint {} is disabled", endpoint.id),
+                    Err(why) => reason(why),
+                };
+                let wait = |event: &&ClaimedEvent| {
+                    let disposition = Disposition::Deferred { at, error: why.clone() };
+                    self.complete(routes, event, &call, disposition)
+                };
+                return batch.iter().map(wait).collect();
+            }
+            (None, Some((transport, Some(endpoint)))) => match &endpoint.config {
+                Ok(config) => {
+                    return self.deliver_isolating(routes, transport, Some(config), batch, lease_ends, cutoff).await;
+                }
+                Err(why) => format!("endpoint {} cannot be delivered to: {why}", endpoint.id),
+            },
+            (None, Some((_, None))) => format!("route {route:?} names no endpoint: it was deleted"),
+            (None, None) => format!("no route {route:?} is configured"),
+        };
+        let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
+        self.judge(routes, &batch, &call, Err(DeliverError::NoTransport(why)))
     }
 
     /// Delivers one route's `batch`. When a call fails as a whole (the plugin trapped, timed out,

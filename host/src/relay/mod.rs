@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use rand::Rng;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use self::aside::{Batch, Driven, Lane, STEP_ASIDE_AFTER, SteppedAside, carry_on, unfinished_routes};
 use self::tally::{EventsById, Runs};
-use self::trace::BatchTimes;
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
 use crate::config::Settings;
@@ -23,6 +23,7 @@ use crate::live::Live;
 use crate::metrics::{FailedLabels, Metrics, RouteLabels, RouteOnly};
 use crate::telemetry::{Attr, Tracer};
 
+mod aside;
 mod deliver;
 mod health;
 mod tally;
@@ -127,6 +128,10 @@ pub struct Relay {
     endpoints: tokio::sync::Mutex<Option<EndpointCache>>,
     /// The endpoint rows that could not be used, as last logged (logged again when they change).
     unusable_endpoints: std::sync::Mutex<Vec<String>>,
+    /// Routes with deliveries carried on past their cycle ([`STEP_ASIDE_AFTER`]), and how many.
+    /// A route with as many as it has plugin instances is not claimed from by this instance
+    /// until one ends.
+    stepped_aside: std::sync::Mutex<HashMap<String, usize>>,
 }
 
 /// The endpoint table as read at `read_at` for `settings`.
@@ -181,6 +186,7 @@ impl Relay {
             waits: std::sync::Mutex::default(),
             endpoints: tokio::sync::Mutex::default(),
             unusable_endpoints: std::sync::Mutex::default(),
+            stepped_aside: std::sync::Mutex::default(),
         }
     }
 
@@ -229,16 +235,23 @@ impl Relay {
             shutdown.cancelled().await;
             grace_end.fix(self.shutdown_grace);
         };
-        let workers =
-            futures::future::join_all((0..self.workers).map(|worker| self.work(worker, &shutdown, &grace_end)));
-        futures::future::join(stop, workers).await;
+        // Deliveries the workers step aside from run here, beside them, until they end; after
+        // the workers stop, until the grace period ends.
+        let (lane, stragglers) = mpsc::unbounded_channel();
+        let (shutdown, grace_end) = (&shutdown, &grace_end);
+        let workers = async move {
+            let lane = lane;
+            futures::future::join_all((0..self.workers).map(|worker| self.work(worker, shutdown, grace_end, &lane)))
+                .await;
+        };
+        futures::future::join3(stop, workers, carry_on(stragglers)).await;
         tracing::info!(instance = %self.instance, "relay stopped");
     }
 
     /// One worker: claims as long as there is work, and waits (polling with a growing interval,
     /// or for a wake-up) when there is none. Worker 0 also does the housekeeping. Database errors
     /// are logged and retried; they never end the loop.
-    async fn work(&self, worker: u32, shutdown: &CancellationToken, grace_end: &Cutoff) {
+    async fn work<'a>(&'a self, worker: u32, shutdown: &'a CancellationToken, grace_end: &'a Cutoff, lane: &Lane<'a>) {
         let mut cycle: u64 = 0;
         let mut idle_pause = self.poll_interval;
         let mut error_pause = self.poll_interval;
@@ -248,7 +261,7 @@ impl Relay {
                 self.housekeeping().await;
             }
             cycle += 1;
-            let result = self.cycle_within(shutdown, grace_end).await;
+            let result = self.cycle_within(shutdown, grace_end, Some(lane)).await;
             self.health.busy(worker, false);
             let pause = match result {
                 Ok(stats) if stats.claimed > 0 => {
@@ -365,16 +378,23 @@ impl Relay {
         Ok(recovered.len())
     }
 
-    /// One claim → deliver → record round. If `shutdown` fires during delivery, in-flight calls
-    /// get the grace period, after which unfinished events are handed back; once it has fired,
-    /// nothing more is claimed (with a token already cancelled, nothing at all).
+    /// One claim → deliver → record round, waiting for every delivery of the batch (the workers
+    /// of [`Relay::run`] wait [`STEP_ASIDE_AFTER`] at most). If `shutdown` fires during delivery,
+    /// in-flight calls get the grace period, after which unfinished events are handed back; once
+    /// it has fired, nothing more is claimed (with a token already cancelled, nothing at all).
     pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleStats, StoreError> {
-        self.cycle_within(shutdown, &Cutoff::default()).await
+        self.cycle_within(shutdown, &Cutoff::default(), None).await
     }
 
     /// [`Relay::cycle`], as one of the workers that share `grace_end` (fixed at the stop; by the
-    /// first to see it, when it is not).
-    async fn cycle_within(&self, shutdown: &CancellationToken, grace_end: &Cutoff) -> Result<CycleStats, StoreError> {
+    /// first to see it, when it is not). With a `lane`, deliveries still running after
+    /// [`STEP_ASIDE_AFTER`] are handed to it, and the cycle records the others and returns.
+    async fn cycle_within<'a>(
+        &'a self,
+        shutdown: &'a CancellationToken,
+        grace_end: &'a Cutoff,
+        lane: Option<&Lane<'a>>,
+    ) -> Result<CycleStats, StoreError> {
         let now = self.clock.now();
         let token = new_token();
         let routes = self.routes.get();
@@ -387,8 +407,10 @@ impl Relay {
             self.store.record_breaker(&breaker.route, 0, "", self.breaker_threshold, now).await?;
             tracing::info!(route = %breaker.route, "circuit breaker closed: the route hands its events on to destinations");
         }
-        // Routes whose receiver asked this instance to wait: neither claimed from nor probed.
-        let waiting = self.waiting_routes(now);
+        // Routes whose receiver asked this instance to wait, and routes whose deliveries run past
+        // their cycle: neither claimed from nor probed.
+        let mut waiting = self.waiting_routes(now);
+        waiting.extend(self.stepped_aside_routes(&routes));
         let mut endpoints = self.endpoint_table(&routes, false).await?;
         // With them, disabled endpoints: their deliveries wait until they are enabled again.
         let held: Vec<String> = waiting.into_iter().chain(endpoints.disabled().map(String::from)).collect();
@@ -481,66 +503,48 @@ impl Relay {
         }
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
-        let delivery = self.deliver_all(&routes, &endpoints, &events, grace_end);
-        tokio::pin!(delivery);
-        // The stop and then the grace's end are looked at before the delivery is polled; the
-        // delivery itself starts no instance and no call past the end (`Cutoff`), and a batch
-        // whose claim came back after it is handed back unopened.
-        let completions = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => {
-                let end = grace_end.fix(self.shutdown_grace);
-                let finished = tokio::select! {
-                    biased;
-                    () = tokio::time::sleep_until(end) => None,
-                    done = &mut delivery => Some(done),
-                };
-                match finished {
-                    Some(done) => done,
-                    None => {
-                        // The unfinished delivery is dropped only once its events are released:
-                        // dropped first, it would free its plugin instances at once, and another
-                        // worker's call waiting for one could start after the grace period.
-                        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-                        let released = self.store.release(&token, &ids, self.clock.now()).await?;
-                        tracing::warn!(released, "shutdown grace period over; unfinished events handed back");
-                        return Ok(CycleStats { claimed: events.len(), ..CycleStats::default() });
-                    }
+        let claimed = events.len() + handed_on.claimed;
+        let claim = (claim_started, claim_ended);
+        let batch = Arc::new(Batch { token, routes, endpoints, events, breakers, probed, started: now, claim });
+        let (mut completions, mut running) = self.deliver_all(&batch, grace_end);
+        let step_aside = lane.map(|_| tokio::time::Instant::now() + STEP_ASIDE_AFTER);
+        let driven = self.drive(&mut running, &mut completions, shutdown, grace_end, step_aside).await;
+        let unfinished = unfinished_routes(&batch, &completions);
+        match driven {
+            Driven::Done => {}
+            Driven::GraceOver => {
+                // The unfinished deliveries are dropped only once their events are released:
+                // dropped first, they would free their plugin instances at once, and another
+                // worker's call waiting for one could start after the grace period.
+                self.give_up(&batch, &unfinished, &completions).await?;
+                drop(running);
+            }
+            Driven::StepAside => {
+                let aside = SteppedAside::mark(self, unfinished.clone());
+                tracing::debug!(
+                    routes = ?aside.routes,
+                    "deliveries still running after {STEP_ASIDE_AFTER:?} go on beside the workers, which claim \
+                     again; a route with as many of them as it has instances is left out of the claims"
+                );
+                let straggler = self.straggle(batch.clone(), running, aside, shutdown.clone(), grace_end);
+                if let Some(Err(mpsc::error::SendError(straggler))) = lane.map(|lane| lane.send(straggler)) {
+                    straggler.await;
                 }
             }
-            done = &mut delivery => done,
-        };
-        let totals = Outcomes::of(&completions);
-        let done_at = self.clock.now();
-        let recording = std::time::Instant::now();
-        let recorded = self.record_outcomes(&token, done_at, &completions).await?;
-        self.metrics.record_duration.observe(recording.elapsed().as_secs_f64());
-        let stats = CycleStats {
-            claimed: events.len() + handed_on.claimed,
-            sent: totals.sent,
-            retried: totals.retried + handed_on.retried,
-            deferred: totals.deferred,
-            failed: totals.failed + handed_on.failed,
-            fenced_off: recorded.fenced_off(completions.len()) + handed_on.fenced_off,
-        };
-        if let Some(tracer) = &self.tracer {
-            let times =
-                BatchTimes { started: now, claim: (claim_started, claim_ended), record: (done_at, self.clock.now()) };
-            self.trace(tracer, &events, &completions, &times, &totals, stats.fenced_off);
         }
-        // Routes not configured here are counted and logged together (see `metrics::UNCONFIGURED`).
-        let label = |route| route_label(&routes, &endpoints, route);
-        self.count(&events, &completions, &totals, done_at, &label);
-        self.wait_where_deferred(&completions);
-        self.log_failed(&completions, done_at, &label);
-        self.record_breakers(&events, &completions, &breakers, &probed).await?;
-        if stats.fenced_off > 0 {
-            tracing::warn!(
-                fenced_off = stats.fenced_off,
-                "outcomes discarded: their claims expired and were recovered before delivery finished"
-            );
-        }
-        Ok(stats)
+        let probed: Vec<String> = batch.probed.iter().filter(|r| !unfinished.contains(*r)).cloned().collect();
+        let settled = match completions.is_empty() {
+            true => CycleStats::default(),
+            false => self.settle(&batch, &completions, &probed).await?,
+        };
+        Ok(CycleStats {
+            claimed,
+            sent: settled.sent,
+            retried: settled.retried + handed_on.retried,
+            deferred: settled.deferred,
+            failed: settled.failed + handed_on.failed,
+            fenced_off: settled.fenced_off + handed_on.fenced_off,
+        })
     }
 
     /// `events` without the copies for an endpoint that does not take their type (any more: its

@@ -1,0 +1,268 @@
+//! A claimed batch's deliveries after the claim: waiting for them, stepping aside from those
+//! still running after [`STEP_ASIDE_AFTER`] so a slow route holds up no other and no worker,
+//! giving them up at the end of shutdown's grace period, and recording their outcomes.
+
+use std::collections::{BTreeSet, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::StreamExt as _;
+use futures::stream::FuturesUnordered;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::trace::BatchTimes;
+use super::{CycleStats, Outcomes, Relay, Routes, route_label};
+use crate::endpoints::EndpointTable;
+use crate::event::{ClaimedEvent, Completion};
+use crate::plugins::Cutoff;
+use crate::store::{Breaker, StoreError};
+
+/// How long a cycle waits for its batch's deliveries before it records those that ended and
+/// carries the others on beside the workers. A route whose calls are slow (a receiver taking
+/// seconds to answer, a plugin running to its timeout) then holds neither the outcomes of the
+/// other routes' events of its batch nor the worker: the worker claims again at once, and the
+/// other routes keep flowing. The slow route keeps as many deliveries running as it has plugin
+/// instances, and is left out of the claims while it has that many carried on.
+pub(super) const STEP_ASIDE_AFTER: Duration = Duration::from_secs(1);
+
+/// One route's delivery of its events of a batch: one completion per event.
+pub(super) type RouteDelivery<'a> = Pin<Box<dyn Future<Output = Vec<Completion>> + Send + 'a>>;
+
+/// The deliveries of a batch still running when its cycle moved on, and their recording.
+type Straggler<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+/// Where workers hand the deliveries they step aside from ([`Relay::run`] runs them).
+pub(super) type Lane<'a> = mpsc::UnboundedSender<Straggler<'a>>;
+
+/// A claimed batch, as its deliveries and the recording of their outcomes need it; shared with
+/// the deliveries carried on past the cycle.
+pub(super) struct Batch {
+    pub(super) token: String,
+    pub(super) routes: Arc<Routes>,
+    pub(super) endpoints: Arc<EndpointTable>,
+    pub(super) events: Vec<ClaimedEvent>,
+    /// The breakers as read before the claim, and the routes probed by it.
+    pub(super) breakers: Vec<Breaker>,
+    pub(super) probed: Vec<String>,
+    /// When the cycle started, and when its claim started and ended (for the trace).
+    pub(super) started: DateTime<Utc>,
+    pub(super) claim: (DateTime<Utc>, DateTime<Utc>),
+}
+
+/// How waiting for a batch's deliveries ended.
+pub(super) enum Driven {
+    /// Every delivery ended.
+    Done,
+    /// Shutdown's grace period ended first: the deliveries still running are to be given up.
+    GraceOver,
+    /// [`STEP_ASIDE_AFTER`] passed first: the deliveries still running are to be carried on.
+    StepAside,
+}
+
+/// Marks routes as stepped aside for as long as it lives.
+pub(super) struct SteppedAside<'a> {
+    relay: &'a Relay,
+    pub(super) routes: BTreeSet<String>,
+}
+
+impl<'a> SteppedAside<'a> {
+    pub(super) fn mark(relay: &'a Relay, routes: BTreeSet<String>) -> Self {
+        let mut aside = relay.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for route in &routes {
+            *aside.entry(route.clone()).or_default() += 1;
+        }
+        relay.metrics.deliveries_aside.inc_by(routes.len() as i64);
+        SteppedAside { relay, routes }
+    }
+}
+
+impl Drop for SteppedAside<'_> {
+    fn drop(&mut self) {
+        let mut aside = self.relay.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for route in &self.routes {
+            if let Some(count) = aside.get_mut(route) {
+                *count -= 1;
+                if *count == 0 {
+                    aside.remove(route);
+                }
+            }
+        }
+        self.relay.metrics.deliveries_aside.dec_by(self.routes.len() as i64);
+    }
+}
+
+impl Relay {
+    /// Waits for `running`, adding what each delivery returns to `completions`, until all have
+    /// ended, or until `step_aside` passes, or, once `shutdown` fires, until the grace period
+    /// ends. The stop and then the grace's end are looked at before the deliveries are polled;
+    /// the deliveries themselves start no instance and no call past the end (`Cutoff`).
+    pub(super) async fn drive(
+        &self,
+        running: &mut FuturesUnordered<RouteDelivery<'_>>,
+        completions: &mut Vec<Completion>,
+        shutdown: &CancellationToken,
+        grace_end: &Cutoff,
+        step_aside: Option<tokio::time::Instant>,
+    ) -> Driven {
+        let aside = async {
+            match step_aside {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(aside);
+        while !running.is_empty() {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => {
+                    let end = tokio::time::sleep_until(grace_end.fix(self.shutdown_grace));
+                    tokio::pin!(end);
+                    while !running.is_empty() {
+                        tokio::select! {
+                            biased;
+                            () = &mut end => return Driven::GraceOver,
+                            Some(done) = running.next() => completions.extend(done),
+                        }
+                    }
+                    return Driven::Done;
+                }
+                Some(done) = running.next() => completions.extend(done),
+                () = &mut aside => return Driven::StepAside,
+            }
+        }
+        Driven::Done
+    }
+
+    /// Hands back the events of `unfinished` routes of `batch` that have no completion yet, at
+    /// the end of shutdown's grace period.
+    pub(super) async fn give_up(
+        &self,
+        batch: &Batch,
+        unfinished: &BTreeSet<String>,
+        completions: &[Completion],
+    ) -> Result<(), StoreError> {
+        let done: HashSet<i64> = completions.iter().map(|c| c.id).collect();
+        let ids: Vec<i64> = batch
+            .events
+            .iter()
+            .filter(|e| unfinished.contains(&e.route) && !done.contains(&e.id))
+            .map(|e| e.id)
+            .collect();
+        let released = self.store.release(&batch.token, &ids, self.clock.now()).await?;
+        tracing::warn!(released, "shutdown grace period over; unfinished events handed back");
+        Ok(())
+    }
+
+    /// The deliveries of `batch` still `running` after its cycle moved on, run to their end (or
+    /// to the end of shutdown's grace period), and their outcomes recorded. Their routes stay
+    /// stepped aside until then (`aside`).
+    pub(super) fn straggle<'a>(
+        &'a self,
+        batch: Arc<Batch>,
+        mut running: FuturesUnordered<RouteDelivery<'a>>,
+        aside: SteppedAside<'a>,
+        shutdown: CancellationToken,
+        grace_end: &'a Cutoff,
+    ) -> Straggler<'a> {
+        Box::pin(async move {
+            let mut completions = Vec::new();
+            let driven = self.drive(&mut running, &mut completions, &shutdown, grace_end, None).await;
+            if let Driven::GraceOver = driven
+                && let Err(error) = self.give_up(&batch, &aside.routes, &completions).await
+            {
+                tracing::warn!("handing events back failed; they come back when their lease ends: {error}");
+            }
+            drop(running);
+            let probed: Vec<String> = batch.probed.iter().filter(|r| aside.routes.contains(*r)).cloned().collect();
+            if !completions.is_empty()
+                && let Err(error) = self.settle(&batch, &completions, &probed).await
+            {
+                tracing::error!(
+                    "recording the outcomes of deliveries that ran past their cycle failed; their events come back \
+                     when their lease ends: {error}"
+                );
+            }
+            drop(aside);
+        })
+    }
+
+    /// Records `completions` of `batch` and accounts for them: metrics, the trace, the log,
+    /// deferrals and the breakers (of the routes that delivered and of `probed`).
+    pub(super) async fn settle(
+        &self,
+        batch: &Batch,
+        completions: &[Completion],
+        probed: &[String],
+    ) -> Result<CycleStats, StoreError> {
+        let totals = Outcomes::of(completions);
+        let done_at = self.clock.now();
+        let recording = std::time::Instant::now();
+        let recorded = self.record_outcomes(&batch.token, done_at, completions).await?;
+        self.metrics.record_duration.observe(recording.elapsed().as_secs_f64());
+        let stats = CycleStats {
+            claimed: 0,
+            sent: totals.sent,
+            retried: totals.retried,
+            deferred: totals.deferred,
+            failed: totals.failed,
+            fenced_off: recorded.fenced_off(completions.len()),
+        };
+        if let Some(tracer) = &self.tracer {
+            let times = BatchTimes { started: batch.started, claim: batch.claim, record: (done_at, self.clock.now()) };
+            self.trace(tracer, &batch.events, completions, &times, &totals, stats.fenced_off);
+        }
+        // Routes not configured here are counted and logged together (see `metrics::UNCONFIGURED`).
+        let label = |route| route_label(&batch.routes, &batch.endpoints, route);
+        self.count(&batch.events, completions, &totals, done_at, &label);
+        self.wait_where_deferred(completions);
+        self.log_failed(completions, done_at, &label);
+        self.record_breakers(&batch.events, completions, &batch.breakers, probed).await?;
+        if stats.fenced_off > 0 {
+            tracing::warn!(
+                fenced_off = stats.fenced_off,
+                "outcomes discarded: their claims expired and were recovered before delivery finished"
+            );
+        }
+        Ok(stats)
+    }
+
+    /// Routes with as many deliveries carried on past their cycle as they have plugin instances.
+    pub(super) fn stepped_aside_routes(&self, routes: &Routes) -> Vec<String> {
+        let aside = self.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let instances = |route: &str| {
+            let template = routes.settings.endpoints_of(route).map(|endpoints| endpoints.template.as_str());
+            let transport = routes.transport(route).or_else(|| template.and_then(|t| routes.transport(t)));
+            transport.map_or(1, |t| t.instance_limit())
+        };
+        aside.iter().filter(|(route, running)| **running >= instances(route)).map(|(route, _)| route.clone()).collect()
+    }
+}
+
+/// The routes of `batch` some of whose events have no completion yet.
+pub(super) fn unfinished_routes(batch: &Batch, completions: &[Completion]) -> BTreeSet<String> {
+    if completions.len() >= batch.events.len() {
+        return BTreeSet::new();
+    }
+    let done: HashSet<i64> = completions.iter().map(|c| c.id).collect();
+    batch.events.iter().filter(|e| !done.contains(&e.id)).map(|e| e.route.clone()).collect()
+}
+
+/// Runs the deliveries workers step aside from, as they are handed over, until every sender is
+/// gone and all of them have ended.
+pub(super) async fn carry_on(mut handed: mpsc::UnboundedReceiver<Straggler<'_>>) {
+    let mut running = FuturesUnordered::new();
+    loop {
+        tokio::select! {
+            next = handed.recv() => match next {
+                Some(straggler) => running.push(straggler),
+                None => break,
+            },
+            Some(()) = running.next() => {}
+        }
+    }
+    while running.next().await.is_some() {}
+}

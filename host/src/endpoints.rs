@@ -637,6 +637,11 @@ impl EndpointTable {
             .map(|e| e.delivery_route.as_str())
     }
 
+    /// The delivery routes of every endpoint of `route`.
+    pub fn delivery_routes(&self, route: &str) -> impl Iterator<Item = &str> {
+        self.by_route.get(route).into_iter().flatten().map(|e| e.delivery_route.as_str())
+    }
+
     /// The delivery routes of disabled endpoints, and of those whose row cannot be read: their
     /// deliveries wait until they are enabled or fixed.
     pub fn disabled(&self) -> impl Iterator<Item = &str> {

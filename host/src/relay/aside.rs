@@ -30,7 +30,18 @@ use crate::store::{Breaker, StoreError};
 pub(super) const STEP_ASIDE_AFTER: Duration = Duration::from_secs(1);
 
 /// One route's delivery of its events of a batch: one completion per event.
-pub(super) type RouteDelivery<'a> = Pin<Box<dyn Future<Output = Vec<Completion>> + Send + 'a>>;
+pub(super) struct RouteDelivery<'a> {
+    pub(super) route: String,
+    pub(super) delivery: Pin<Box<dyn Future<Output = Vec<Completion>> + Send + 'a>>,
+}
+
+impl Future for RouteDelivery<'_> {
+    type Output = Vec<Completion>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Vec<Completion>> {
+        self.delivery.as_mut().poll(cx)
+    }
+}
 
 /// The deliveries of a batch still running when its cycle moved on, and their recording.
 type Straggler<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
@@ -63,36 +74,40 @@ pub(super) enum Driven {
     StepAside,
 }
 
-/// Marks routes as stepped aside for as long as it lives.
-pub(super) struct SteppedAside<'a> {
+/// Counts one delivery set aside against its transport for as long as it lives.
+struct SteppedAside<'a> {
     relay: &'a Relay,
-    pub(super) routes: BTreeSet<String>,
+    /// The route whose transport makes the delivery's calls ([`transport_route`]).
+    transport: String,
 }
 
 impl<'a> SteppedAside<'a> {
-    pub(super) fn mark(relay: &'a Relay, routes: BTreeSet<String>) -> Self {
+    fn mark(relay: &'a Relay, transport: String) -> Self {
         let mut aside = relay.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for route in &routes {
-            *aside.entry(route.clone()).or_default() += 1;
-        }
-        relay.metrics.deliveries_aside.inc_by(routes.len() as i64);
-        SteppedAside { relay, routes }
+        *aside.entry(transport.clone()).or_default() += 1;
+        relay.metrics.deliveries_aside.inc();
+        SteppedAside { relay, transport }
     }
 }
 
 impl Drop for SteppedAside<'_> {
     fn drop(&mut self) {
         let mut aside = self.relay.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        for route in &self.routes {
-            if let Some(count) = aside.get_mut(route) {
-                *count -= 1;
-                if *count == 0 {
-                    aside.remove(route);
-                }
+        if let Some(count) = aside.get_mut(&self.transport) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                aside.remove(&self.transport);
             }
         }
-        self.relay.metrics.deliveries_aside.dec_by(self.routes.len() as i64);
+        self.relay.metrics.deliveries_aside.dec();
     }
+}
+
+/// The route whose transport delivers the events of `route`: the route itself, or for a webhook
+/// endpoint's deliveries (`ROUTE/ep_…`) its route's endpoint template, whose instances every
+/// endpoint of the route shares.
+fn transport_route<'a>(routes: &'a Routes, route: &'a str) -> &'a str {
+    routes.settings.endpoints_of(route).map_or(route, |endpoints| endpoints.template.as_str())
 }
 
 impl Relay {
@@ -138,13 +153,9 @@ impl Relay {
     }
 
     /// Hands back the events of `unfinished` routes of `batch` that have no completion yet, at
-    /// the end of shutdown's grace period.
-    pub(super) async fn give_up(
-        &self,
-        batch: &Batch,
-        unfinished: &BTreeSet<String>,
-        completions: &[Completion],
-    ) -> Result<(), StoreError> {
+    /// the end of shutdown's grace period. Should that fail, they come back when their lease
+    /// ends instead (the attempt counted).
+    pub(super) async fn give_up(&self, batch: &Batch, unfinished: &BTreeSet<String>, completions: &[Completion]) {
         let done: HashSet<i64> = completions.iter().map(|c| c.id).collect();
         let ids: Vec<i64> = batch
             .events
@@ -152,32 +163,38 @@ impl Relay {
             .filter(|e| unfinished.contains(&e.route) && !done.contains(&e.id))
             .map(|e| e.id)
             .collect();
-        let released = self.store.release(&batch.token, &ids, self.clock.now()).await?;
-        tracing::warn!(released, "shutdown grace period over; unfinished events handed back");
-        Ok(())
+        match self.store.release(&batch.token, &ids, self.clock.now()).await {
+            Ok(released) => tracing::warn!(released, "shutdown grace period over; unfinished events handed back"),
+            Err(error) => tracing::warn!(
+                events = ids.len(),
+                "shutdown grace period over; handing unfinished events back failed, they come back when their \
+                 lease ends: {error}"
+            ),
+        }
     }
 
-    /// The deliveries of `batch` still `running` after its cycle moved on, run to their end (or
-    /// to the end of shutdown's grace period), and their outcomes recorded. Their routes stay
-    /// stepped aside until then (`aside`).
+    /// A route's `delivery` of `batch`, still running after its cycle moved on, run to its end
+    /// (or to the end of shutdown's grace period) and its outcomes recorded. It counts against
+    /// its transport from now until then ([`Relay::stepped_aside_routes`]); once it ends, a worker
+    /// is woken, as the transport may be claimed for again.
     pub(super) fn straggle<'a>(
         &'a self,
         batch: Arc<Batch>,
-        mut running: FuturesUnordered<RouteDelivery<'a>>,
-        aside: SteppedAside<'a>,
+        delivery: RouteDelivery<'a>,
         shutdown: CancellationToken,
         grace_end: &'a Cutoff,
     ) -> Straggler<'a> {
+        let aside = SteppedAside::mark(self, transport_route(&batch.routes, &delivery.route).to_string());
         Box::pin(async move {
+            let route = BTreeSet::from([delivery.route.clone()]);
+            let mut running = FuturesUnordered::from_iter([delivery]);
             let mut completions = Vec::new();
             let driven = self.drive(&mut running, &mut completions, &shutdown, grace_end, None).await;
-            if let Driven::GraceOver = driven
-                && let Err(error) = self.give_up(&batch, &aside.routes, &completions).await
-            {
-                tracing::warn!("handing events back failed; they come back when their lease ends: {error}");
+            if let Driven::GraceOver = driven {
+                self.give_up(&batch, &route, &completions).await;
             }
             drop(running);
-            let probed: Vec<String> = batch.probed.iter().filter(|r| aside.routes.contains(*r)).cloned().collect();
+            let probed: Vec<String> = batch.probed.iter().filter(|r| route.contains(*r)).cloned().collect();
             if !completions.is_empty()
                 && let Err(error) = self.settle(&batch, &completions, &probed).await
             {
@@ -187,6 +204,7 @@ impl Relay {
                 );
             }
             drop(aside);
+            self.wake.notify_one();
         })
     }
 
@@ -230,15 +248,25 @@ impl Relay {
         Ok(stats)
     }
 
-    /// Routes with as many deliveries carried on past their cycle as they have plugin instances.
-    pub(super) fn stepped_aside_routes(&self, routes: &Routes) -> Vec<String> {
+    /// The routes not to claim from now: those whose transport has as many deliveries carried
+    /// on past their cycle as it has plugin instances, and, where that transport is a route's
+    /// endpoint template, every endpoint of that route in `endpoints`.
+    pub(super) fn stepped_aside_routes(&self, routes: &Routes, endpoints: &EndpointTable) -> Vec<String> {
         let aside = self.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let instances = |route: &str| {
-            let template = routes.settings.endpoints_of(route).map(|endpoints| endpoints.template.as_str());
-            let transport = routes.transport(route).or_else(|| template.and_then(|t| routes.transport(t)));
-            transport.map_or(1, |t| t.instance_limit())
-        };
-        aside.iter().filter(|(route, running)| **running >= instances(route)).map(|(route, _)| route.clone()).collect()
+        let mut held = Vec::new();
+        for (transport, running) in aside.iter() {
+            let limit = routes.transport(transport).map_or(1, |t| t.instance_limit());
+            if *running < limit {
+                continue;
+            }
+            held.push(transport.clone());
+            for (route, fan_out) in &routes.settings.fan_outs {
+                if fan_out.endpoints.as_ref().is_some_and(|e| e.template == *transport) {
+                    held.extend(endpoints.delivery_routes(route).map(String::from));
+                }
+            }
+        }
+        held
     }
 }
 

@@ -144,13 +144,15 @@ impl Relay {
             }
         }
         let lease_ends = std::time::Instant::now() + self.lease;
-        let deliveries = by_route.into_values().map(|positions| {
+        let deliveries = by_route.into_iter().map(|(route, positions)| {
             let batch = batch.clone();
-            let delivery: RouteDelivery<'a> = Box::pin(async move {
-                let events: Vec<&ClaimedEvent> = positions.iter().map(|&i| &batch.events[i]).collect();
-                self.deliver_route(&batch.routes, &batch.endpoints, events, lease_ends, cutoff).await
-            });
-            delivery
+            RouteDelivery {
+                route: route.to_string(),
+                delivery: Box::pin(async move {
+                    let events: Vec<&ClaimedEvent> = positions.iter().map(|&i| &batch.events[i]).collect();
+                    self.deliver_route(&batch.routes, &batch.endpoints, events, lease_ends, cutoff).await
+                }),
+            }
         });
         (completions, deliveries.collect())
     }

@@ -12,7 +12,7 @@ use rand::Rng;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use self::aside::{Batch, Driven, Lane, STEP_ASIDE_AFTER, SteppedAside, carry_on, unfinished_routes};
+use self::aside::{Batch, Driven, Lane, STEP_ASIDE_AFTER, carry_on, unfinished_routes};
 use self::tally::{EventsById, Runs};
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
@@ -407,13 +407,16 @@ impl Relay {
             self.store.record_breaker(&breaker.route, 0, "", self.breaker_threshold, now).await?;
             tracing::info!(route = %breaker.route, "circuit breaker closed: the route hands its events on to destinations");
         }
-        // Routes whose receiver asked this instance to wait, and routes whose deliveries run past
-        // their cycle: neither claimed from nor probed.
-        let mut waiting = self.waiting_routes(now);
-        waiting.extend(self.stepped_aside_routes(&routes));
+        // Routes whose receiver asked this instance to wait: neither claimed from nor probed.
+        let waiting = self.waiting_routes(now);
         let mut endpoints = self.endpoint_table(&routes, false).await?;
-        // With them, disabled endpoints: their deliveries wait until they are enabled again.
-        let held: Vec<String> = waiting.into_iter().chain(endpoints.disabled().map(String::from)).collect();
+        // With them, disabled endpoints (their deliveries wait until they are enabled again), and
+        // routes whose transport has as many deliveries running past their cycle as instances.
+        let held: Vec<String> = waiting
+            .into_iter()
+            .chain(endpoints.disabled().map(String::from))
+            .chain(self.stepped_aside_routes(&routes, &endpoints))
+            .collect();
         let (mut ordered_routes, mut blocking_routes) = (routes.ordered_routes.clone(), routes.blocking_routes.clone());
         if !endpoints.is_empty() {
             let (ordered, blocking) = endpoints.ordered(&routes.settings);
@@ -516,19 +519,21 @@ impl Relay {
                 // The unfinished deliveries are dropped only once their events are released:
                 // dropped first, they would free their plugin instances at once, and another
                 // worker's call waiting for one could start after the grace period.
-                self.give_up(&batch, &unfinished, &completions).await?;
+                self.give_up(&batch, &unfinished, &completions).await;
                 drop(running);
             }
             Driven::StepAside => {
-                let aside = SteppedAside::mark(self, unfinished.clone());
                 tracing::debug!(
-                    routes = ?aside.routes,
+                    routes = ?unfinished,
                     "deliveries still running after {STEP_ASIDE_AFTER:?} go on beside the workers, which claim \
-                     again; a route with as many of them as it has instances is left out of the claims"
+                     again; a transport with as many of them as it has instances is left out of the claims"
                 );
-                let straggler = self.straggle(batch.clone(), running, aside, shutdown.clone(), grace_end);
-                if let Some(Err(mpsc::error::SendError(straggler))) = lane.map(|lane| lane.send(straggler)) {
-                    straggler.await;
+                // Each on its own, so each is recorded as soon as it ends.
+                for delivery in running {
+                    let straggler = self.straggle(batch.clone(), delivery, shutdown.clone(), grace_end);
+                    if let Some(Err(mpsc::error::SendError(straggler))) = lane.map(|lane| lane.send(straggler)) {
+                        straggler.await;
+                    }
                 }
             }
         }

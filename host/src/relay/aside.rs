@@ -2,7 +2,7 @@
 //! still running after [`STEP_ASIDE_AFTER`] so a slow route holds up no other and no worker,
 //! giving them up at the end of shutdown's grace period, and recording their outcomes.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -152,17 +152,13 @@ impl Relay {
         Driven::Done
     }
 
-    /// Hands back the events of `unfinished` routes of `batch` that have no completion yet, at
-    /// the end of shutdown's grace period. Should that fail, they come back when their lease
-    /// ends instead (the attempt counted).
-    pub(super) async fn give_up(&self, batch: &Batch, unfinished: &BTreeSet<String>, completions: &[Completion]) {
-        let done: HashSet<i64> = completions.iter().map(|c| c.id).collect();
-        let ids: Vec<i64> = batch
-            .events
-            .iter()
-            .filter(|e| unfinished.contains(&e.route) && !done.contains(&e.id))
-            .map(|e| e.id)
-            .collect();
+    /// Hands back the events of `batch` that the deliveries of `unfinished` routes hold, at the
+    /// end of shutdown's grace period: all of their routes' events but the rows that could not be
+    /// decoded, which failed without a delivery. Should that fail, they come back when their
+    /// lease ends instead (the attempt counted).
+    pub(super) async fn give_up(&self, batch: &Batch, unfinished: &BTreeSet<String>) {
+        let held = |e: &&ClaimedEvent| e.defect.is_none() && unfinished.contains(&e.route);
+        let ids: Vec<i64> = batch.events.iter().filter(held).map(|e| e.id).collect();
         match self.store.release(&batch.token, &ids, self.clock.now()).await {
             Ok(released) => tracing::warn!(released, "shutdown grace period over; unfinished events handed back"),
             Err(error) => tracing::warn!(
@@ -191,7 +187,7 @@ impl Relay {
             let mut completions = Vec::new();
             let driven = self.drive(&mut running, &mut completions, &shutdown, grace_end, None).await;
             if let Driven::GraceOver = driven {
-                self.give_up(&batch, &route, &completions).await;
+                self.give_up(&batch, &route).await;
             }
             drop(running);
             let probed: Vec<String> = batch.probed.iter().filter(|r| route.contains(*r)).cloned().collect();
@@ -268,15 +264,6 @@ impl Relay {
         }
         held
     }
-}
-
-/// The routes of `batch` some of whose events have no completion yet.
-pub(super) fn unfinished_routes(batch: &Batch, completions: &[Completion]) -> BTreeSet<String> {
-    if completions.len() >= batch.events.len() {
-        return BTreeSet::new();
-    }
-    let done: HashSet<i64> = completions.iter().map(|c| c.id).collect();
-    batch.events.iter().filter(|e| !done.contains(&e.id)).map(|e| e.route.clone()).collect()
 }
 
 /// Runs the deliveries workers step aside from, as they are handed over, until every sender is

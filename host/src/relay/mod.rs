@@ -3,7 +3,7 @@
 //! Claim short, deliver outside, record fenced: the claim commits before any plugin runs, and
 //! the outcome write only touches rows still held by this claim's token.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +12,7 @@ use rand::Rng;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use self::aside::{Batch, Driven, Lane, STEP_ASIDE_AFTER, carry_on, unfinished_routes};
+use self::aside::{Batch, Driven, Lane, STEP_ASIDE_AFTER, carry_on};
 use self::tally::{EventsById, Runs};
 use crate::breaker::{Tally, Verdict, verdict};
 use crate::clock::Clock;
@@ -128,9 +128,9 @@ pub struct Relay {
     endpoints: tokio::sync::Mutex<Option<EndpointCache>>,
     /// The endpoint rows that could not be used, as last logged (logged again when they change).
     unusable_endpoints: std::sync::Mutex<Vec<String>>,
-    /// Routes with deliveries carried on past their cycle ([`STEP_ASIDE_AFTER`]), and how many.
-    /// A route with as many as it has plugin instances is not claimed from by this instance
-    /// until one ends.
+    /// Deliveries carried on past their cycle ([`STEP_ASIDE_AFTER`]), by the route whose transport
+    /// makes their calls. A transport with as many as it has plugin instances is not claimed for
+    /// by this instance until one ends.
     stepped_aside: std::sync::Mutex<HashMap<String, usize>>,
 }
 
@@ -512,14 +512,14 @@ impl Relay {
         let (mut completions, mut running) = self.deliver_all(&batch, grace_end);
         let step_aside = lane.map(|_| tokio::time::Instant::now() + STEP_ASIDE_AFTER);
         let driven = self.drive(&mut running, &mut completions, shutdown, grace_end, step_aside).await;
-        let unfinished = unfinished_routes(&batch, &completions);
+        let unfinished: BTreeSet<String> = running.iter().map(|d| d.route.clone()).collect();
         match driven {
             Driven::Done => {}
             Driven::GraceOver => {
                 // The unfinished deliveries are dropped only once their events are released:
                 // dropped first, they would free their plugin instances at once, and another
                 // worker's call waiting for one could start after the grace period.
-                self.give_up(&batch, &unfinished, &completions).await;
+                self.give_up(&batch, &unfinished).await;
                 drop(running);
             }
             Driven::StepAside => {

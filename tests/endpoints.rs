@@ -475,6 +475,70 @@ async fn an_endpoint_made_a_moment_ago_is_delivered_by_every_instance() {
     assert_eq!(event["deliveries"][0]["status"], "SENT", "{event}");
 }
 
+/// An endpoint whose receiver never answers holds up no other endpoint of its route: its calls
+/// take at most half of the template's instances (one of two here), its further deliveries wait
+/// for those, and once it has that many carried on past their cycle it is left out of the claims
+/// while the other endpoints go on. Before, its deliveries took each instance in turn, and the
+/// other endpoint's events waited out the hung calls (30 s each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_that_never_answers_holds_up_no_other_endpoint() {
+    let receiver = Receiver::start().await;
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
+    let origin = format!("http://{}", receiver.addr);
+    let config = db.config(&format!(
+        r#"
+        [relay]
+        batch_size = 50
+        poll_interval = "10ms"
+        idle_poll_max = "50ms"
+        shutdown_grace = "500ms"
+        [plugins]
+        dir = {plugins:?}
+        timeout = "60s"
+        [sandbox.http]
+        http = ["{origin}"]
+        instances = 2
+        [route.hooks.endpoints]
+        origins = ["{origin}"]
+        config = {{ timeout_ms = "50000", concurrency = "1" }}
+        "#
+    ));
+    let ferry = ferry::service::Ferry::start(&config, Arc::new(ferry::clock::SystemClock)).await.expect("starts");
+    let ops = Ops::new(ferry.settings.get(), ferry.store.clone(), ferry.clock.clone(), FrontEnd::Api);
+    for path in ["/hang", "/ok"] {
+        let input = ferry::endpoints::EndpointInput { url: Some(receiver.url(path)), ..Default::default() };
+        ops.create_endpoint("hooks", input).await.expect("endpoint created");
+    }
+    let waker = ferry.relay.waker();
+    let shutdown = CancellationToken::new();
+    let relay = {
+        let token = shutdown.clone();
+        tokio::spawn(async move { ferry.relay.run(token).await })
+    };
+    for round in 1..=4 {
+        for _ in 0..5 {
+            let event = NewEvent::new("hooks", "a.b", r#"{"type":"a.b"}"#);
+            db.store.insert(&event, ferry::clock::SystemClock.now()).await.unwrap();
+        }
+        waker.notify_one();
+        eventually(
+            Duration::from_secs(10),
+            &format!("round {round}: the answering endpoint has its events"),
+            || async { (received(&receiver, "/ok").len() == 5 * round).then_some(()) },
+        )
+        .await;
+        // Long enough for this round's deliveries to the hung endpoint to be carried on.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+    }
+    assert_eq!(received(&receiver, "/hang"), ["a.b"], "one call at a time to the endpoint that hangs");
+    shutdown.cancel();
+    relay.await.unwrap();
+    // The hung endpoint's deliveries are handed back at the stop, kept for later.
+    assert_eq!(crate::common::count(&db.store, Status::Failed).await, 0);
+    assert_eq!(crate::common::count(&db.store, Status::Processing).await, 0);
+}
+
 /// One route with 1,000 endpoints, each with its own filter, and 10,000 events: every endpoint
 /// receives exactly the events it subscribes to, none twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

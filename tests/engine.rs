@@ -251,6 +251,32 @@ async fn shutdown_hands_unfinished_claims_back(db: TestDb) {
     );
 }
 
+/// A circuit breaker's half-open probe still running when shutdown's grace period ends is given
+/// back with its event, so the next ferry to run probes the route at once. Kept, it would hold
+/// the route (no other instance probes it) until the claim's lease ran out, five minutes here.
+async fn a_probe_cut_short_by_the_stop_is_given_back(db: TestDb) {
+    let slow = "[route.slow]\nplugin = \"scripted\"\nconfig = { delay_ms = \"5000\" }\n\
+                [breaker]\nthreshold = 3\ncooldown = \"1s\"";
+    let relay = format!("{FAST}\nshutdown_grace = \"200ms\"\nlease = \"5m\"");
+    let config = db.config(&instance_config(&db, 0, &relay, slow).replace("timeout = \"1s\"", "timeout = \"10s\""));
+    // Opened by three failures a minute ago, so cooled down: the route's next delivery is a probe.
+    let opened = SystemClock.now() - chrono::Duration::minutes(1);
+    db.store.record_breaker("slow", 3, "the receiver is down", 3, opened).await.unwrap();
+    let id = db.store.insert(&NewEvent::new("slow", "ok", "{}"), SystemClock.now()).await.unwrap();
+    let breaker = || async { db.store.breakers().await.unwrap().into_iter().find(|b| b.route == "slow").unwrap() };
+    let running = Running::start(&config).await;
+    eventually(Duration::from_secs(10), "the probe taken and its event claimed", || async {
+        let claimed = db.store.get(id).await.unwrap().unwrap().status == Status::Processing;
+        (claimed && breaker().await.probe_until.is_some()).then_some(())
+    })
+    .await;
+    running.stop().await;
+    let row = db.store.get(id).await.unwrap().unwrap();
+    assert_eq!((row.status, row.attempts), (Status::Pending, 0), "the probe's event handed back");
+    let b = breaker().await;
+    assert!(b.is_open() && b.probe_until.is_none(), "still open, its probe given back: {b:?}");
+}
+
 /// A route whose calls are slow holds up no other route: once a batch's deliveries have run a
 /// second, the worker records the events of the routes that are done and goes on claiming, and
 /// the slow route's deliveries go on beside it, as many at once as the route has instances; past
@@ -417,6 +443,7 @@ async fn kill_9_mid_batch_loses_nothing(db: TestDb) {
 crate::both_backends!(
     one_wake_up_sets_every_worker_to_a_backlog,
     shutdown_hands_unfinished_claims_back,
+    a_probe_cut_short_by_the_stop_is_given_back,
     a_slow_route_holds_up_no_other_route,
     kill_9_mid_batch_loses_nothing
 );

@@ -632,6 +632,51 @@ async fn grace_period_run() -> bool {
     true
 }
 
+/// A call that waited for an instance until too little of its claim's lease was left for it is
+/// not begun: its event waits a moment, no attempt counted, and is delivered by a later claim.
+/// Begun, the call could still run when the lease ended and recovery handed the event to another
+/// instance of ferry, which would deliver it a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_that_waited_for_an_instance_past_its_lease_is_not_begun() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    // One instance and calls of 2.5 s, a timeout of 3 s and a lease of 4 s: the second worker's
+    // batch has its instance 2.5 s into its claim, when a call could end 1.5 s past the lease.
+    let mut config = two_workers_one_route(&db, 1, "2500", std::time::Duration::from_secs(10));
+    config.plugins.timeout = ferry::config::Dur(std::time::Duration::from_secs(3));
+    config.relay.lease = ferry::config::Dur(std::time::Duration::from_secs(4));
+    let mut inserted = Vec::new();
+    for _ in 0..2 {
+        let event = NewEvent::new("s", "count", "{}");
+        inserted.push(db.store.insert(&event, ferry::clock::SystemClock.now()).await.unwrap());
+    }
+    let running = crate::common::Running::start(&config).await;
+    crate::common::eventually(std::time::Duration::from_secs(30), "both events answered", || async {
+        (crate::common::count(&db.store, Status::Failed).await == 2).then_some(())
+    })
+    .await;
+    running.stop().await;
+    let mut histories = Vec::new();
+    for id in inserted {
+        let event = db.store.get(id).await.unwrap().unwrap();
+        let attempts = db.store.attempts(id).await.unwrap();
+        histories.push((event, attempts));
+    }
+    // Each worker claimed one event; the one whose worker waited for the instance has a deferral
+    // first, saying why, and was then delivered in the instance's second call.
+    histories.sort_by_key(|(_, attempts)| attempts.len());
+    let [(first, once), (second, twice)] = &histories[..] else { unreachable!() };
+    assert_eq!(once.len(), 1, "the first event was delivered at once: {once:?}");
+    assert_eq!((first.attempts, first.last_error.as_deref()), (1, Some("call 1")));
+    assert_eq!(twice.len(), 2, "the second event was deferred, then delivered: {twice:?}");
+    let (deferral, delivery) = (&twice[0], &twice[1]);
+    assert_eq!(deferral.outcome, ferry::event::AttemptOutcome::Deferred, "{deferral:?}");
+    let why = deferral.error.as_deref().unwrap_or_default();
+    assert!(why.contains("waiting for one of plugin scripted's 1 instances") && why.contains("relay.lease"), "{why}");
+    assert_eq!(deferral.plugin_hash, None, "no version answered: the call was not begun");
+    assert_eq!(delivery.outcome, ferry::event::AttemptOutcome::Failed);
+    assert_eq!((second.attempts, second.last_error.as_deref()), (1, Some("call 2")), "the deferral cost no attempt");
+}
+
 /// Ferry with two workers claiming one event at a time, a shutdown grace period of `grace`, and
 /// route `s` on the scripted plugin with `instances` instances, answering after `delay_ms`.
 fn two_workers_one_route(

@@ -35,6 +35,11 @@ async fn collector() -> (u16, Arc<Mutex<Vec<Value>>>) {
 }
 
 fn config(db: &TestDb, endpoint: &str) -> std::path::PathBuf {
+    config_with(db, endpoint, "")
+}
+
+/// [`config`] with `routes` (TOML) besides route `s`.
+fn config_with(db: &TestDb, endpoint: &str, routes: &str) -> std::path::PathBuf {
     let plugins = plugins_dir(db.dir.path(), &["ferry_test_scripted"]);
     let path = db.dir.path().join("ferry.toml");
     let text = format!(
@@ -50,6 +55,7 @@ fn config(db: &TestDb, endpoint: &str) -> std::path::PathBuf {
         dir = {plugins:?}
         [route.s]
         plugin = "scripted"
+        {routes}
         "#,
         db.url
     );
@@ -143,6 +149,62 @@ async fn serve_exports_a_trace_per_batch_over_otlp() {
     assert_eq!(links.len(), 1, "{links:?}");
     assert_eq!(links[0]["traceId"], "4bf92f3577b34da6a3ce929d0e0e4736");
     assert_eq!(links[0]["spanId"], "00f067aa0ba902b7");
+}
+
+/// A batch whose slow route's delivery goes on past its cycle (see the relay's step-aside) is
+/// still one trace: one claim, each part's call and write of outcomes, and the root, sent last,
+/// counting both parts and ending with the later write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_recorded_in_two_parts_is_one_trace() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let (port, posts) = collector().await;
+    let slow = "[route.slow]\nplugin = \"scripted\"\nconfig = { delay_ms = \"2000\" }";
+    let config = config_with(&db, &format!("http://127.0.0.1:{port}"), slow);
+    // Written before ferry starts, so one batch holds both.
+    let now = SystemClock.now();
+    let ids = [
+        db.store.insert(&NewEvent::new("s", "ok", "{}"), now).await.unwrap(),
+        db.store.insert(&NewEvent::new("slow", "ok", "{}"), now).await.unwrap(),
+    ];
+    let log = db.dir.path().join("serve.log");
+    let mut serve = Reaped(spawn_serve(&config, &log));
+    eventually(Duration::from_secs(60), "both events delivered", || async {
+        for id in ids {
+            if db.store.get(id).await.unwrap().unwrap().status != Status::Sent {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    assert!(std::process::Command::new("kill").args(["-TERM", &serve.0.id().to_string()]).status().unwrap().success());
+    assert!(serve.0.wait().unwrap().success(), "{}", std::fs::read_to_string(&log).unwrap());
+
+    let spans = spans(&posts);
+    let named = |name: &str| spans.iter().filter(|(_, s)| s["name"] == name).map(|(_, s)| s).collect::<Vec<_>>();
+    let batches = named("ferry.batch");
+    assert_eq!(batches.len(), 1, "one batch, one trace: {spans:#?}");
+    let batch = batches[0];
+    assert_eq!(
+        (attribute(batch, "ferry.claimed"), attribute(batch, "ferry.sent")),
+        (Some(&"2".into()), Some(&"2".into()))
+    );
+    let nanos = |v: &Value| v.as_str().unwrap().parse::<u128>().unwrap();
+    for (name, parts) in [("ferry.claim", 1), ("ferry.deliver", 2), ("ferry.record", 2)] {
+        let children = named(name);
+        assert_eq!(children.len(), parts, "{name}: {spans:#?}");
+        for child in children {
+            assert_eq!((&child["traceId"], &child["parentSpanId"]), (&batch["traceId"], &batch["spanId"]), "{name}");
+            assert!(
+                nanos(&child["endTimeUnixNano"]) <= nanos(&batch["endTimeUnixNano"]),
+                "{name} ends within the batch"
+            );
+        }
+    }
+    let written: Vec<_> = named("ferry.record").iter().map(|r| attribute(r, "ferry.written").cloned()).collect();
+    assert_eq!(written, [Some("1".into()), Some("1".into())], "the fast route's part, then the slow one's");
+    let span = *spans.iter().map(|(_, s)| s).collect::<Vec<_>>().last().unwrap();
+    assert_eq!(span["name"], "ferry.batch", "the root goes last, once both parts are written");
 }
 
 /// Runs `ferry serve` exporting to `endpoint`, emits 20 events over a second and waits for them

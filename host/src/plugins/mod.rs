@@ -35,7 +35,7 @@ use std::time::Duration;
 pub use self::contract::{Contract, OLDER_WIT_VERSIONS, WIT_VERSION};
 pub use self::http_pool::DEFAULT_CONNECTIONS as DEFAULT_HTTP_CONNECTIONS;
 pub(crate) use self::http_pool::is_public;
-pub use self::pool::{Cutoff, Delivery, PluginConfig, RouteTransport, route_transports};
+pub use self::pool::{Cutoff, Delivery, PluginConfig, RouteTransport, Window, route_transports};
 pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, is_plugin_file, wasm_files};
 pub use self::runtime::Runtime;
 pub use self::sandbox::HostState;
@@ -82,6 +82,11 @@ pub enum DeliverError {
     /// mend: they wait a moment, no attempt counted, their route's breaker left alone.
     #[error("{0}")]
     HostShort(String),
+    /// The call was not begun: it had waited for an instance so long that, begun, it could have
+    /// run past the claim's lease (see [`Window`]). Like `HostShort`: the events wait a moment,
+    /// no attempt counted, their route's breaker left alone.
+    #[error("{0}")]
+    LeaseShort(String),
 }
 
 /// The readable part of a wasmtime error, on one line: its causes joined by ": ", without the

@@ -164,6 +164,10 @@ pub struct RouteTransport {
     grants: Arc<PluginSettings>,
     limits: PluginLimits,
     slots: tokio::sync::Semaphore,
+    /// For the calls made with a config of their own (an endpoint's), by config: at most
+    /// [`RouteTransport::config_limit`] of them at once. An entry lives while calls hold or wait
+    /// for it.
+    per_config: Mutex<HashMap<PluginConfig, Arc<tokio::sync::Semaphore>>>,
     idle: Mutex<Vec<Instance>>,
     /// The plugin's series of `ferry_plugin_call_duration_seconds`,
     /// `ferry_plugin_instance_wait_seconds` and `ferry_plugin_instance_start_seconds`, looked up
@@ -195,6 +199,7 @@ impl RouteTransport {
             grants,
             limits,
             registry,
+            per_config: Mutex::new(HashMap::new()),
             idle: Mutex::new(Vec::new()),
             call_duration,
             instance_wait,
@@ -213,6 +218,27 @@ impl RouteTransport {
     /// The most instances this transport holds at once.
     pub fn instance_limit(&self) -> usize {
         self.limits.instances
+    }
+
+    /// The most calls made with one config of their own (an endpoint's) at once: half the
+    /// instances, rounded up. The calls of an endpoint whose receiver hangs thus leave the other
+    /// half to the route's other endpoints, and its further calls wait for its own, not in the
+    /// line for all of them. (With one instance, there is no half to leave.)
+    pub fn config_limit(&self) -> usize {
+        self.limits.instances.div_ceil(2)
+    }
+
+    /// Waits for one of the calls `config` may make at once ([`RouteTransport::config_limit`]).
+    async fn config_slot(&self, config: &PluginConfig) -> ConfigSlot<'_> {
+        let semaphore = {
+            let mut per_config = self.per_config.lock().unwrap_or_else(|e| e.into_inner());
+            let limit = self.config_limit();
+            per_config.entry(config.clone()).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(limit))).clone()
+        };
+        // Made before the wait, so a wait cut short (the delivery dropped) still cleans up.
+        let mut slot = ConfigSlot { transport: self, config: config.clone(), semaphore, permit: None };
+        slot.permit = Some(slot.semaphore.clone().acquire_owned().await.expect("the semaphore is never closed"));
+        slot
     }
 
     /// Drops the idle instances (calls in flight keep theirs): for a transport being replaced,
@@ -279,21 +305,45 @@ impl RouteTransport {
 
     /// Hands `events` to the plugin: one outcome per event, in order, and which version answered.
     /// `config`: an instance made with this config (an endpoint's) rather than the route's.
-    /// Once `cutoff` has passed, neither an instance start nor the call begins: the delivery then
-    /// never finishes, and the relay, which fixed the cutoff, drops it after giving its events back.
+    /// `window`: the relay's bounds on when the call may begin (see [`Window`]). Once its cutoff
+    /// has passed, neither an instance start nor the call begins: the delivery then never
+    /// finishes, and the relay, which fixed the cutoff, drops it after giving its events back.
     pub async fn deliver(
         &self,
         events: &[&ClaimedEvent],
         config: Option<&PluginConfig>,
-        cutoff: Option<&Cutoff>,
+        window: Option<&Window<'_>>,
     ) -> Delivery {
+        let asked = std::time::Instant::now();
+        let cutoff = window.map(|w| w.cutoff);
         let waiting = Stopwatch::start(&self.instance_wait);
+        let _own = match config {
+            Some(config) => Some(self.config_slot(config).await),
+            None => None,
+        };
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
         drop(waiting);
         let (plugin_hash, result) = match self.instance(config, cutoff).await {
             Ok(instance) => {
                 if Cutoff::passed(cutoff) {
                     return std::future::pending().await;
+                }
+                // Begun now, the call could still be running when the claim's lease ends, and
+                // another instance of ferry may by then have claimed and delivered the events.
+                if let Some(window) = window
+                    && std::time::Instant::now() + self.longest_call() > window.lease_ends
+                {
+                    self.keep(instance);
+                    let why = format!(
+                        "not delivered: after {:.1?} waiting for one of plugin {}'s {} instances, a call begun \
+                         then could have run past the claim's lease (relay.lease); tried again in a moment, no \
+                         attempt counted",
+                        asked.elapsed(),
+                        self.route.plugin,
+                        self.limits.instances,
+                    );
+                    tracing::warn!(route = %self.route.name, events = events.len(), "{why}");
+                    return Delivery { plugin_hash: None, result: Err(DeliverError::LeaseShort(why)) };
                 }
                 let plugin_hash = Some(instance.hash.clone());
                 let _timed = Stopwatch::start(&self.call_duration);
@@ -323,23 +373,33 @@ impl RouteTransport {
         Delivery { plugin_hash, result }
     }
 
+    /// The longest a call may take: its timeout, and the moment the host may take to notice.
+    fn longest_call(&self) -> std::time::Duration {
+        self.limits.timeout + EPOCH_TICK * 5
+    }
+
+    /// Keeps `instance` for a later call.
+    fn keep(&self, instance: Instance) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        // Instances made with many configs (a route's endpoints) keep the latest few.
+        if idle.len() >= self.limits.instances {
+            idle.remove(0);
+        }
+        idle.push(instance);
+    }
+
     async fn call(&self, mut instance: Instance, events: &[&ClaimedEvent]) -> Result<Vec<Outcome>, DeliverError> {
         set_deadline(&mut instance.store, self.limits.timeout);
         let call = instance.bindings.deliver(&mut instance.store, events);
         // The epoch deadline stops wasm code; this timeout also covers a call parked in the host.
-        let result = tokio::time::timeout(self.limits.timeout + EPOCH_TICK * 5, call).await;
+        let result = tokio::time::timeout(self.longest_call(), call).await;
         let fault = match result {
             Ok(Ok(outcomes)) if outcomes.len() == events.len() => {
                 instance.calls += 1;
                 if let Some((held, most)) = instance.store.data_mut().hoarding() {
                     tracing::info!(plugin = %self.route.plugin, route = %self.route.name, "instance replaced: it holds {held} of the {most} host objects it may");
                 } else if instance.calls < self.limits.max_calls {
-                    let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
-                    // Instances made with many configs (a route's endpoints) keep the latest few.
-                    if idle.len() >= self.limits.instances {
-                        idle.remove(0);
-                    }
-                    idle.push(instance);
+                    self.keep(instance);
                 }
                 return Ok(outcomes);
             }
@@ -355,6 +415,36 @@ impl RouteTransport {
         tracing::warn!(plugin = %self.route.plugin, route = %self.route.name, "{fault}; instance discarded");
         Err(fault.into())
     }
+}
+
+/// One of the calls a config may make at once, held or waited for; the config's entry goes when
+/// the last of its calls does.
+struct ConfigSlot<'a> {
+    transport: &'a RouteTransport,
+    config: PluginConfig,
+    semaphore: Arc<tokio::sync::Semaphore>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Drop for ConfigSlot<'_> {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        let mut per_config = self.transport.per_config.lock().unwrap_or_else(|e| e.into_inner());
+        // Held by the table and this slot only: no other call holds or waits for it.
+        if Arc::strong_count(&self.semaphore) == 2 {
+            per_config.remove(&self.config);
+        }
+    }
+}
+
+/// When the relay lets a delivery's call begin.
+#[derive(Debug, Clone, Copy)]
+pub struct Window<'a> {
+    /// Shutdown's: past it, nothing begins.
+    pub cutoff: &'a Cutoff,
+    /// When the claim on the events ends. A call that could run past it (it waited for an
+    /// instance nearly that long) is not begun: [`DeliverError::LeaseShort`].
+    pub lease_ends: std::time::Instant,
 }
 
 /// A moment, fixed once, from which no plugin instance is started and no call begins: the end of

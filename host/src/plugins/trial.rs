@@ -257,7 +257,9 @@ pub async fn run(config: &Config, setup: &TrialSetup, events: &[ClaimedEvent]) -
             Err(e) => {
                 let reason = match &e {
                     DeliverError::Fault(fault) => fault.to_string(),
-                    DeliverError::NoTransport(why) | DeliverError::HostShort(why) => why.clone(),
+                    DeliverError::NoTransport(why) | DeliverError::HostShort(why) | DeliverError::LeaseShort(why) => {
+                        why.clone()
+                    }
                 };
                 let failed = batch.iter().map(|e| failure(e, "transient", reason.clone(), None)).collect();
                 (Some(reason), failed)

@@ -2,19 +2,18 @@
 //! still running after [`STEP_ASIDE_AFTER`] so a slow route holds up no other and no worker,
 //! giving them up at the end of shutdown's grace period, and recording their outcomes.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::trace::BatchTimes;
+use super::trace::BatchTrace;
 use super::{CycleStats, Outcomes, Relay, Routes, route_label};
 use crate::endpoints::EndpointTable;
 use crate::event::{ClaimedEvent, Completion};
@@ -59,9 +58,10 @@ pub(super) struct Batch {
     /// The breakers as read before the claim, and the routes probed by it.
     pub(super) breakers: Vec<Breaker>,
     pub(super) probed: Vec<String>,
-    /// When the cycle started, and when its claim started and ended (for the trace).
-    pub(super) started: DateTime<Utc>,
-    pub(super) claim: (DateTime<Utc>, DateTime<Utc>),
+    /// When the claim's lease ends, by the monotonic clock (no call begins that could outlast it).
+    pub(super) lease_ends: std::time::Instant,
+    /// The batch's trace, when traces are sent; its root span goes when the batch is dropped.
+    pub(super) trace: Option<BatchTrace>,
 }
 
 /// How waiting for a batch's deliveries ended.
@@ -74,29 +74,29 @@ pub(super) enum Driven {
     StepAside,
 }
 
-/// Counts one delivery set aside against its transport for as long as it lives.
+/// Counts one delivery set aside against its route for as long as it lives.
 struct SteppedAside<'a> {
     relay: &'a Relay,
-    /// The route whose transport makes the delivery's calls ([`transport_route`]).
-    transport: String,
+    /// The route delivered to (for a webhook endpoint, its own `ROUTE/ep_…`).
+    route: String,
 }
 
 impl<'a> SteppedAside<'a> {
-    fn mark(relay: &'a Relay, transport: String) -> Self {
+    fn mark(relay: &'a Relay, route: String) -> Self {
         let mut aside = relay.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        *aside.entry(transport.clone()).or_default() += 1;
+        *aside.entry(route.clone()).or_default() += 1;
         relay.metrics.deliveries_aside.inc();
-        SteppedAside { relay, transport }
+        SteppedAside { relay, route }
     }
 }
 
 impl Drop for SteppedAside<'_> {
     fn drop(&mut self) {
         let mut aside = self.relay.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(count) = aside.get_mut(&self.transport) {
+        if let Some(count) = aside.get_mut(&self.route) {
             *count = count.saturating_sub(1);
             if *count == 0 {
-                aside.remove(&self.transport);
+                aside.remove(&self.route);
             }
         }
         self.relay.metrics.deliveries_aside.dec();
@@ -155,7 +155,8 @@ impl Relay {
     /// Hands back the events of `batch` that the deliveries of `unfinished` routes hold, at the
     /// end of shutdown's grace period: all of their routes' events but the rows that could not be
     /// decoded, which failed without a delivery. Should that fail, they come back when their
-    /// lease ends instead (the attempt counted).
+    /// lease ends instead (the attempt counted). The half-open probes among them are given back
+    /// too, so the next instance to run probes at once rather than when the lease ends.
     pub(super) async fn give_up(&self, batch: &Batch, unfinished: &BTreeSet<String>) {
         let held = |e: &&ClaimedEvent| e.defect.is_none() && unfinished.contains(&e.route);
         let ids: Vec<i64> = batch.events.iter().filter(held).map(|e| e.id).collect();
@@ -166,6 +167,15 @@ impl Relay {
                 "shutdown grace period over; handing unfinished events back failed, they come back when their \
                  lease ends: {error}"
             ),
+        }
+        for route in batch.probed.iter().filter(|r| unfinished.contains(*r)) {
+            if let Err(error) = self.store.release_probe(route).await {
+                tracing::warn!(
+                    route,
+                    "shutdown grace period over; giving the circuit breaker's probe back failed, the route is \
+                     probed again when the lease ends: {error}"
+                );
+            }
         }
     }
 
@@ -180,7 +190,7 @@ impl Relay {
         shutdown: CancellationToken,
         grace_end: &'a Cutoff,
     ) -> Straggler<'a> {
-        let aside = SteppedAside::mark(self, transport_route(&batch.routes, &delivery.route).to_string());
+        let aside = SteppedAside::mark(self, delivery.route.clone());
         Box::pin(async move {
             let route = BTreeSet::from([delivery.route.clone()]);
             let mut running = FuturesUnordered::from_iter([delivery]);
@@ -225,9 +235,8 @@ impl Relay {
             failed: totals.failed,
             fenced_off: recorded.fenced_off(completions.len()),
         };
-        if let Some(tracer) = &self.tracer {
-            let times = BatchTimes { started: batch.started, claim: batch.claim, record: (done_at, self.clock.now()) };
-            self.trace(tracer, &batch.events, completions, &times, &totals, stats.fenced_off);
+        if let Some(trace) = &batch.trace {
+            trace.part(&batch.events, completions, (done_at, self.clock.now()), &totals, stats.fenced_off);
         }
         // Routes not configured here are counted and logged together (see `metrics::UNCONFIGURED`).
         let label = |route| route_label(&batch.routes, &batch.endpoints, route);
@@ -244,20 +253,38 @@ impl Relay {
         Ok(stats)
     }
 
-    /// The routes not to claim from now: those whose transport has as many deliveries carried
-    /// on past their cycle as it has plugin instances, and, where that transport is a route's
-    /// endpoint template, every endpoint of that route in `endpoints`.
+    /// The routes not to claim from now, by the deliveries carried on past their cycle: a
+    /// webhook endpoint with as many of those as its calls may take of its template's instances
+    /// ([`RouteTransport::config_limit`]); and a transport with as many as it has instances,
+    /// where an endpoint counts for no more than it may take, with, when the transport is a
+    /// route's endpoint template, every endpoint of that route in `endpoints`.
+    ///
+    /// [`RouteTransport::config_limit`]: crate::plugins::RouteTransport::config_limit
     pub(super) fn stepped_aside_routes(&self, routes: &Routes, endpoints: &EndpointTable) -> Vec<String> {
         let aside = self.stepped_aside.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut held = Vec::new();
-        for (transport, running) in aside.iter() {
+        let mut taken: BTreeMap<&str, usize> = BTreeMap::new();
+        for (route, &running) in aside.iter() {
+            let transport = transport_route(routes, route);
+            let mut takes = running;
+            if transport != route {
+                let most = routes.transport(transport).map_or(1, |t| t.config_limit());
+                if running >= most {
+                    held.push(route.clone());
+                }
+                // Its calls past that wait for its own, not for the other endpoints' instances.
+                takes = running.min(most);
+            }
+            *taken.entry(transport).or_default() += takes;
+        }
+        for (transport, taken) in taken {
             let limit = routes.transport(transport).map_or(1, |t| t.instance_limit());
-            if *running < limit {
+            if taken < limit {
                 continue;
             }
-            held.push(transport.clone());
+            held.push(transport.to_string());
             for (route, fan_out) in &routes.settings.fan_outs {
-                if fan_out.endpoints.as_ref().is_some_and(|e| e.template == *transport) {
+                if fan_out.endpoints.as_ref().is_some_and(|e| e.template == transport) {
                     held.extend(endpoints.delivery_routes(route).map(String::from));
                 }
             }

@@ -17,7 +17,7 @@ use super::{CycleStats, Relay, Routes};
 use crate::backoff::RetryDecision;
 use crate::endpoints::EndpointTable;
 use crate::event::{AttemptLog, CallLog, ClaimedEvent, Completion, Disposition, FailureReason};
-use crate::plugins::{Cutoff, DeliverError, Outcome, PluginConfig, RouteTransport};
+use crate::plugins::{Cutoff, DeliverError, Outcome, PluginConfig, RouteTransport, Window};
 use crate::store::StoreError;
 
 /// The shortest wait a plugin's deferral gets, so an event deferred again and again cannot keep
@@ -143,14 +143,14 @@ impl Relay {
                 by_route.entry(&event.route).or_default().push(i);
             }
         }
-        let lease_ends = std::time::Instant::now() + self.lease;
         let deliveries = by_route.into_iter().map(|(route, positions)| {
             let batch = batch.clone();
             RouteDelivery {
                 route: route.to_string(),
                 delivery: Box::pin(async move {
                     let events: Vec<&ClaimedEvent> = positions.iter().map(|&i| &batch.events[i]).collect();
-                    self.deliver_route(&batch.routes, &batch.endpoints, events, lease_ends, cutoff).await
+                    let window = Window { cutoff, lease_ends: batch.lease_ends };
+                    self.deliver_route(&batch.routes, &batch.endpoints, events, &window).await
                 }),
             }
         });
@@ -163,8 +163,7 @@ impl Relay {
         routes: &Routes,
         endpoints: &EndpointTable,
         batch: Vec<&ClaimedEvent>,
-        lease_ends: std::time::Instant,
-        cutoff: &Cutoff,
+        window: &Window<'_>,
     ) -> Vec<Completion> {
         let route = batch[0].route.as_str();
         let endpoint = || {
@@ -173,7 +172,7 @@ impl Relay {
         };
         let why = match (routes.transport(route), endpoint()) {
             (Some(transport), _) => {
-                return self.deliver_isolating(routes, transport, None, batch, lease_ends, cutoff).await;
+                return self.deliver_isolating(routes, transport, None, batch, window).await;
             }
             // Claimed under an older table: its deliveries wait (no attempt counted), and the
             // next claims hold them.
@@ -192,7 +191,7 @@ impl Relay {
             }
             (None, Some((transport, Some(endpoint)))) => match &endpoint.config {
                 Ok(config) => {
-                    return self.deliver_isolating(routes, transport, Some(config), batch, lease_ends, cutoff).await;
+                    return self.deliver_isolating(routes, transport, Some(config), batch, window).await;
                 }
                 Err(why) => format!("endpoint {} cannot be delivered to: {why}", endpoint.id),
             },
@@ -209,15 +208,14 @@ impl Relay {
     /// charged and the others get their own outcomes. Splitting stops after twice as many faulted
     /// calls as the batch has levels (a plugin that fails whatever it is given: a few events at
     /// fault cost about one level each), or when another call might outlast the claim's lease
-    /// (`lease_ends`); what is left is charged with the fault.
+    /// (`window.lease_ends`); what is left is charged with the fault.
     async fn deliver_isolating(
         &self,
         routes: &Routes,
         transport: &RouteTransport,
         config: Option<&PluginConfig>,
         batch: Vec<&ClaimedEvent>,
-        lease_ends: std::time::Instant,
-        cutoff: &Cutoff,
+        window: &Window<'_>,
     ) -> Vec<Completion> {
         let levels = usize::BITS - batch.len().leading_zeros() + 1;
         let mut faults = 0;
@@ -226,7 +224,7 @@ impl Relay {
         while let Some(part) = parts.pop() {
             let started_at = self.clock.now();
             let started = std::time::Instant::now();
-            let delivery = transport.deliver(&part, config, Some(cutoff)).await;
+            let delivery = transport.deliver(&part, config, Some(window)).await;
             let call = self.call_log(
                 &part[0].route,
                 started_at,
@@ -237,7 +235,7 @@ impl Relay {
             let result = match delivery.result {
                 Err(DeliverError::Fault(fault)) => {
                     faults += 1;
-                    let time_left = std::time::Instant::now() + transport.timeout() * 2 < lease_ends;
+                    let time_left = std::time::Instant::now() + transport.timeout() * 2 < window.lease_ends;
                     if part.len() > 1 && faults <= 2 * levels && time_left {
                         tracing::info!(
                             route = %part[0].route,
@@ -323,7 +321,7 @@ impl Relay {
                     .map(|event| self.fail(routes, event, call, FailureReason::NoTransport, why.clone()))
                     .collect()
             }
-            Err(DeliverError::HostShort(why)) => {
+            Err(DeliverError::HostShort(why) | DeliverError::LeaseShort(why)) => {
                 let at = crate::clock::truncate_ms(crate::clock::later(now, MIN_DEFERRAL));
                 let why = reason(&why);
                 let wait = |event: &&ClaimedEvent| {

@@ -128,9 +128,10 @@ pub struct Relay {
     endpoints: tokio::sync::Mutex<Option<EndpointCache>>,
     /// The endpoint rows that could not be used, as last logged (logged again when they change).
     unusable_endpoints: std::sync::Mutex<Vec<String>>,
-    /// Deliveries carried on past their cycle ([`STEP_ASIDE_AFTER`]), by the route whose transport
-    /// makes their calls. A transport with as many as it has plugin instances is not claimed for
-    /// by this instance until one ends.
+    /// Deliveries carried on past their cycle ([`STEP_ASIDE_AFTER`]), by the route delivered to
+    /// (a webhook endpoint's own). A route or endpoint with as many as its calls may take of its
+    /// transport's instances is not claimed for by this instance until one ends
+    /// ([`Relay::stepped_aside_routes`]).
     stepped_aside: std::sync::Mutex<HashMap<String, usize>>,
 }
 
@@ -396,6 +397,8 @@ impl Relay {
         lane: Option<&Lane<'a>>,
     ) -> Result<CycleStats, StoreError> {
         let now = self.clock.now();
+        // The claim's lease runs from `now`: its end by the monotonic clock, which times the calls.
+        let lease_ends = std::time::Instant::now() + self.lease;
         let token = new_token();
         let routes = self.routes.get();
         let breakers = self.store.breakers().await?;
@@ -508,7 +511,8 @@ impl Relay {
         self.metrics.batch_size.observe(events.len() as f64);
         let claimed = events.len() + handed_on.claimed;
         let claim = (claim_started, claim_ended);
-        let batch = Arc::new(Batch { token, routes, endpoints, events, breakers, probed, started: now, claim });
+        let trace = self.tracer.clone().map(|tracer| trace::BatchTrace::start(self, tracer, now, claim, events.len()));
+        let batch = Arc::new(Batch { token, routes, endpoints, events, breakers, probed, lease_ends, trace });
         let (mut completions, mut running) = self.deliver_all(&batch, grace_end);
         let step_aside = lane.map(|_| tokio::time::Instant::now() + STEP_ASIDE_AFTER);
         let driven = self.drive(&mut running, &mut completions, shutdown, grace_end, step_aside).await;
@@ -966,7 +970,7 @@ fn route_label<'a>(routes: &Routes, endpoints: &EndpointTable, route: &'a str) -
 }
 
 /// How many events of a call or batch ended each way.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, Copy)]
 struct Outcomes {
     sent: usize,
     retried: usize,
@@ -979,6 +983,13 @@ impl Outcomes {
         let mut outcomes = Outcomes::default();
         items.into_iter().for_each(|item| outcomes.count(&item.disposition));
         outcomes
+    }
+
+    fn add(&mut self, other: &Outcomes) {
+        self.sent += other.sent;
+        self.retried += other.retried;
+        self.deferred += other.deferred;
+        self.failed += other.failed;
     }
 
     fn count(&mut self, disposition: &Disposition) {

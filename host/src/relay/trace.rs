@@ -1,7 +1,8 @@
 //! The trace of one batch, for OpenTelemetry (`telemetry.rs` exports it): a root span for the
-//! round, with its claim, each plugin call and the write of its outcomes as children.
+//! batch, with its claim, each plugin call and each write of its outcomes as children.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
 
@@ -9,34 +10,62 @@ use super::{Outcomes, Relay};
 use crate::event::{CallLog, ClaimedEvent, Completion, Disposition};
 use crate::telemetry::{Attr, Span, SpanContext, SpanKind, Tracer};
 
-/// When a batch's cycle started, and its claim and the write of its outcomes started and ended.
-pub(super) struct BatchTimes {
-    pub(super) started: DateTime<Utc>,
-    pub(super) claim: (DateTime<Utc>, DateTime<Utc>),
-    pub(super) record: (DateTime<Utc>, DateTime<Utc>),
+/// The trace of one batch. Its claim span goes out when the batch is made; each part recorded
+/// (the cycle's, and each delivery carried on past it) adds its plugin calls and its write; the
+/// root span, the whole batch with its totals, goes out when the last part is done (the batch
+/// is dropped), so a batch whose slow deliveries were set aside is still one trace.
+pub(super) struct BatchTrace {
+    tracer: Arc<Tracer>,
+    root: SpanContext,
+    /// The OpenTelemetry name of the database system.
+    db: &'static str,
+    instance: String,
+    started: DateTime<Utc>,
+    claimed: usize,
+    /// What the parts recorded so far add up to, and when the last of them ended.
+    recorded: Mutex<(Outcomes, DateTime<Utc>)>,
 }
 
-impl Relay {
-    /// Sends the trace of one batch: the batch, its claim, each plugin call, the write of its
-    /// outcomes.
-    pub(super) fn trace(
-        &self,
-        tracer: &Tracer,
-        events: &[ClaimedEvent],
-        completions: &[Completion],
-        times: &BatchTimes,
-        totals: &Outcomes,
-        fenced_off: usize,
-    ) {
-        let root = SpanContext::root();
-        // The OpenTelemetry name of the database system.
-        let db = match self.store.backend() {
+impl BatchTrace {
+    /// Starts the trace of a batch of `claimed` events whose cycle started at `started` and whose
+    /// claim ran over `claim`, and sends the claim's span.
+    pub(super) fn start(
+        relay: &Relay,
+        tracer: Arc<Tracer>,
+        started: DateTime<Utc>,
+        claim: (DateTime<Utc>, DateTime<Utc>),
+        claimed: usize,
+    ) -> BatchTrace {
+        let db = match relay.store.backend() {
             "postgres" => "postgresql",
             other => other,
         };
-        let span = |name, kind, (start, end): (DateTime<Utc>, DateTime<Utc>), attributes, links, error| Span {
-            context: root.child(),
-            parent: Some(root.span_id),
+        let trace = BatchTrace {
+            tracer,
+            root: SpanContext::root(),
+            db,
+            instance: relay.instance.clone(),
+            started,
+            claimed,
+            recorded: Mutex::new((Outcomes::default(), claim.1)),
+        };
+        let attributes = vec![("db.system", db.into()), ("ferry.claimed", claimed.into())];
+        trace.tracer.record(trace.span("ferry.claim", SpanKind::Client, claim, attributes, Vec::new(), None));
+        trace
+    }
+
+    fn span(
+        &self,
+        name: &'static str,
+        kind: SpanKind,
+        (start, end): (DateTime<Utc>, DateTime<Utc>),
+        attributes: Vec<(&'static str, Attr)>,
+        links: Vec<SpanContext>,
+        error: Option<String>,
+    ) -> Span {
+        Span {
+            context: self.root.child(),
+            parent: Some(self.root.span_id),
             name,
             kind,
             start,
@@ -44,15 +73,19 @@ impl Relay {
             attributes,
             links,
             error,
-        };
-        tracer.record(span(
-            "ferry.claim",
-            SpanKind::Client,
-            times.claim,
-            vec![("db.system", db.into()), ("ferry.claimed", events.len().into())],
-            Vec::new(),
-            None,
-        ));
+        }
+    }
+
+    /// Sends the spans of one recorded part of the batch: each plugin call of `completions` (of
+    /// `events`) and the write of their outcomes over `record`, of which `fenced_off` were not.
+    pub(super) fn part(
+        &self,
+        events: &[ClaimedEvent],
+        completions: &[Completion],
+        record: (DateTime<Utc>, DateTime<Utc>),
+        totals: &Outcomes,
+        fenced_off: usize,
+    ) {
         let by_id: HashMap<i64, &ClaimedEvent> = events.iter().map(|e| (e.id, e)).collect();
         let mut calls: Vec<(&CallLog, Vec<&Completion>)> = Vec::new();
         for completion in completions {
@@ -62,6 +95,9 @@ impl Relay {
                 None => calls.push((call, vec![completion])),
             }
         }
+        // The clock reads whole milliseconds, and a call's end is its start plus its duration:
+        // a write taking less than a millisecond can seem to end before the call it follows.
+        let mut ended = record.1;
         for (call, items) in calls {
             let outcomes = Outcomes::of(items.iter().copied());
             // Events that never reached a plugin (undecodable rows) have no call to show.
@@ -74,6 +110,7 @@ impl Relay {
                 _ => None,
             });
             let end = crate::clock::later(call.started_at, call.duration);
+            ended = ended.max(end);
             let mut attributes = vec![
                 ("ferry.route", Attr::from(call.route.as_str())),
                 ("ferry.plugin", plugin.as_str().into()),
@@ -81,30 +118,34 @@ impl Relay {
                 ("messaging.batch.message_count", items.len().into()),
             ];
             attributes.extend(outcomes.attributes());
-            tracer.record(span("ferry.deliver", SpanKind::Producer, (call.started_at, end), attributes, links, error));
+            let span = self.span("ferry.deliver", SpanKind::Producer, (call.started_at, end), attributes, links, error);
+            self.tracer.record(span);
         }
-        tracer.record(span(
-            "ferry.record",
-            SpanKind::Client,
-            times.record,
-            vec![
-                ("db.system", db.into()),
-                ("ferry.written", completions.len().saturating_sub(fenced_off).into()),
-                ("ferry.fenced_off", fenced_off.into()),
-            ],
-            Vec::new(),
-            None,
-        ));
+        let attributes = vec![
+            ("db.system", self.db.into()),
+            ("ferry.written", completions.len().saturating_sub(fenced_off).into()),
+            ("ferry.fenced_off", fenced_off.into()),
+        ];
+        self.tracer.record(self.span("ferry.record", SpanKind::Client, record, attributes, Vec::new(), None));
+        let mut recorded = self.recorded.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        recorded.0.add(totals);
+        recorded.1 = recorded.1.max(ended);
+    }
+}
+
+impl Drop for BatchTrace {
+    fn drop(&mut self) {
+        let (totals, ended) = *self.recorded.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut attributes =
-            vec![("ferry.instance", Attr::from(self.instance.as_str())), ("ferry.claimed", events.len().into())];
+            vec![("ferry.instance", Attr::from(self.instance.as_str())), ("ferry.claimed", self.claimed.into())];
         attributes.extend(totals.attributes());
-        tracer.record(Span {
-            context: root,
+        self.tracer.record(Span {
+            context: self.root,
             parent: None,
             name: "ferry.batch",
             kind: SpanKind::Internal,
-            start: times.started,
-            end: times.record.1,
+            start: self.started,
+            end: ended,
             attributes,
             links: Vec::new(),
             error: None,

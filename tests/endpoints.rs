@@ -478,8 +478,10 @@ async fn an_endpoint_made_a_moment_ago_is_delivered_by_every_instance() {
 /// An endpoint whose receiver never answers holds up no other endpoint of its route: its calls
 /// take at most half of the template's instances (one of two here), its further deliveries wait
 /// for those, and once it has that many carried on past their cycle it is left out of the claims
-/// while the other endpoints go on. Before, its deliveries took each instance in turn, and the
-/// other endpoint's events waited out the hung calls (30 s each).
+/// while the other endpoint goes on. Batches of two (a copy for each endpoint) make the four
+/// workers' deliveries to the hung endpoint run at once, before any is carried on: unbounded,
+/// they would take both instances in turn, and the other endpoint's events wait out the hung
+/// calls (50 s each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_that_never_answers_holds_up_no_other_endpoint() {
     let receiver = Receiver::start().await;
@@ -489,7 +491,8 @@ async fn an_endpoint_that_never_answers_holds_up_no_other_endpoint() {
     let config = db.config(&format!(
         r#"
         [relay]
-        batch_size = 50
+        batch_size = 2
+        workers = 4
         poll_interval = "10ms"
         idle_poll_max = "50ms"
         shutdown_grace = "500ms"

@@ -505,7 +505,10 @@ async fn breakers_count_open_probe_and_close(db: TestDb) {
     assert!(s.take_probe("r", t0 + secs(1), now, until).await.unwrap());
     assert!(!s.take_probe("r", t0 + secs(1), now, until).await.unwrap(), "a second instance loses");
     assert!(s.take_probe("r", t0 + secs(1), until, until + secs(300)).await.unwrap(), "an expired probe is free");
-    s.release_probe("r").await.unwrap();
+    // Given back by the instance whose probe it no longer is: kept by the one that took it since.
+    s.release_probe("r", until).await.unwrap();
+    assert!(!s.take_probe("r", t0 + secs(1), now, until).await.unwrap(), "still held until {:?}", until + secs(300));
+    s.release_probe("r", until + secs(300)).await.unwrap();
     assert!(s.take_probe("r", t0 + secs(1), now, until).await.unwrap(), "a released probe is free");
     let mut probe = claim(now, 10, "p");
     probe.only_route = Some("r".into());

@@ -165,9 +165,9 @@ pub struct RouteTransport {
     limits: PluginLimits,
     slots: tokio::sync::Semaphore,
     /// For the calls made with a config of their own (an endpoint's), by config: at most
-    /// [`RouteTransport::config_limit`] of them at once. An entry lives while calls hold or wait
-    /// for it.
-    per_config: Mutex<HashMap<PluginConfig, Arc<tokio::sync::Semaphore>>>,
+    /// [`RouteTransport::config_limit`] of them at once, and how many calls hold or wait for one
+    /// (the entry goes when none does).
+    per_config: Mutex<HashMap<PluginConfig, (Arc<tokio::sync::Semaphore>, usize)>>,
     idle: Mutex<Vec<Instance>>,
     /// The plugin's series of `ferry_plugin_call_duration_seconds`,
     /// `ferry_plugin_instance_wait_seconds` and `ferry_plugin_instance_start_seconds`, looked up
@@ -228,17 +228,25 @@ impl RouteTransport {
         self.limits.instances.div_ceil(2)
     }
 
-    /// Waits for one of the calls `config` may make at once ([`RouteTransport::config_limit`]).
-    async fn config_slot(&self, config: &PluginConfig) -> ConfigSlot<'_> {
+    /// Takes one of the calls `config` may make at once ([`RouteTransport::config_limit`]),
+    /// waiting for one if need be; and whether it had to wait.
+    async fn config_slot(&self, config: &PluginConfig) -> (ConfigSlot<'_>, bool) {
         let semaphore = {
             let mut per_config = self.per_config.lock().unwrap_or_else(|e| e.into_inner());
             let limit = self.config_limit();
-            per_config.entry(config.clone()).or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(limit))).clone()
+            let entry =
+                per_config.entry(config.clone()).or_insert_with(|| (Arc::new(tokio::sync::Semaphore::new(limit)), 0));
+            entry.1 += 1;
+            entry.0.clone()
         };
-        // Made before the wait, so a wait cut short (the delivery dropped) still cleans up.
-        let mut slot = ConfigSlot { transport: self, config: config.clone(), semaphore, permit: None };
-        slot.permit = Some(slot.semaphore.clone().acquire_owned().await.expect("the semaphore is never closed"));
-        slot
+        // Counted before the wait, so a wait cut short (the delivery dropped) still counts down.
+        let mut slot = ConfigSlot { transport: self, config: config.clone(), _permit: None };
+        let (permit, waited) = match semaphore.clone().try_acquire_owned() {
+            Ok(permit) => (permit, false),
+            Err(_) => (semaphore.acquire_owned().await.expect("the semaphore is never closed"), true),
+        };
+        slot._permit = Some(permit);
+        (slot, waited)
     }
 
     /// Drops the idle instances (calls in flight keep theirs): for a transport being replaced,
@@ -317,30 +325,40 @@ impl RouteTransport {
         let asked = std::time::Instant::now();
         let cutoff = window.map(|w| w.cutoff);
         let waiting = Stopwatch::start(&self.instance_wait);
-        let _own = match config {
-            Some(config) => Some(self.config_slot(config).await),
-            None => None,
+        let (_own, mut waited) = match config {
+            Some(config) => {
+                let (slot, waited) = self.config_slot(config).await;
+                (Some(slot), waited)
+            }
+            None => (None, false),
         };
-        let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
+        let _slot = match self.slots.try_acquire() {
+            Ok(slot) => slot,
+            Err(_) => {
+                waited = true;
+                self.slots.acquire().await.expect("the semaphore is never closed")
+            }
+        };
         drop(waiting);
+        let waited = waited.then(|| asked.elapsed());
         let (plugin_hash, result) = match self.instance(config, cutoff).await {
             Ok(instance) => {
                 if Cutoff::passed(cutoff) {
                     return std::future::pending().await;
                 }
-                // Begun now, the call could still be running when the claim's lease ends, and
-                // another instance of ferry may by then have claimed and delivered the events.
-                if let Some(window) = window
+                // After a wait for an instance, the call, begun now, could still be running when
+                // the claim's lease ends, and another instance of ferry may by then have claimed
+                // and delivered the events. (A call that did not wait begins: a lease longer than
+                // the timeout is the configuration's to give.)
+                if let (Some(window), Some(waited)) = (window, waited)
                     && std::time::Instant::now() + self.longest_call() > window.lease_ends
                 {
                     self.keep(instance);
                     let why = format!(
-                        "not delivered: after {:.1?} waiting for one of plugin {}'s {} instances, a call begun \
-                         then could have run past the claim's lease (relay.lease); tried again in a moment, no \
-                         attempt counted",
-                        asked.elapsed(),
-                        self.route.plugin,
-                        self.limits.instances,
+                        "not delivered: it waited {waited:.1?} for one of plugin {}'s {} instances, and a call \
+                         begun then could have run past the claim's lease (relay.lease); tried again in a moment, \
+                         no attempt counted",
+                        self.route.plugin, self.limits.instances,
                     );
                     tracing::warn!(route = %self.route.name, events = events.len(), "{why}");
                     return Delivery { plugin_hash: None, result: Err(DeliverError::LeaseShort(why)) };
@@ -422,17 +440,18 @@ impl RouteTransport {
 struct ConfigSlot<'a> {
     transport: &'a RouteTransport,
     config: PluginConfig,
-    semaphore: Arc<tokio::sync::Semaphore>,
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Released with the slot (dropped after `drop` below has counted it out).
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Drop for ConfigSlot<'_> {
     fn drop(&mut self) {
-        drop(self.permit.take());
         let mut per_config = self.transport.per_config.lock().unwrap_or_else(|e| e.into_inner());
-        // Held by the table and this slot only: no other call holds or waits for it.
-        if Arc::strong_count(&self.semaphore) == 2 {
-            per_config.remove(&self.config);
+        if let Some(entry) = per_config.get_mut(&self.config) {
+            entry.1 = entry.1.saturating_sub(1);
+            if entry.1 == 0 {
+                per_config.remove(&self.config);
+            }
         }
     }
 }

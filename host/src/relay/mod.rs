@@ -429,7 +429,8 @@ impl Relay {
         let claim = Claim {
             now,
             limit: self.batch_size,
-            lease_until: crate::clock::later(now, self.lease),
+            // Whole milliseconds, as stored: a probe is given back by the time it was taken until.
+            lease_until: crate::clock::truncate_ms(crate::clock::later(now, self.lease)),
             instance: self.instance.clone(),
             token: token.clone(),
             ordered_routes,
@@ -510,9 +511,10 @@ impl Relay {
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
         let claimed = events.len() + handed_on.claimed;
+        let lease = (claim.lease_until, lease_ends);
         let claim = (claim_started, claim_ended);
         let trace = self.tracer.clone().map(|tracer| trace::BatchTrace::start(self, tracer, now, claim, events.len()));
-        let batch = Arc::new(Batch { token, routes, endpoints, events, breakers, probed, lease_ends, trace });
+        let batch = Arc::new(Batch { token, routes, endpoints, events, breakers, probed, lease, trace });
         let (mut completions, mut running) = self.deliver_all(&batch, grace_end);
         let step_aside = lane.map(|_| tokio::time::Instant::now() + STEP_ASIDE_AFTER);
         let driven = self.drive(&mut running, &mut completions, shutdown, grace_end, step_aside).await;
@@ -732,7 +734,7 @@ impl Relay {
         if !matches!(claimed, Ok(Some(_))) {
             // Nothing to probe with, or the claim failed: the probe is given back (if that fails
             // too, it is held until its lease ends).
-            self.store.release_probe(route).await?;
+            self.store.release_probe(route, claim.lease_until).await?;
         }
         claimed
     }
@@ -746,7 +748,7 @@ impl Relay {
         events: &[ClaimedEvent],
         completions: &[Completion],
         breakers: &[Breaker],
-        probed: &[String],
+        (probed, lease_until): (&[String], DateTime<Utc>),
     ) -> Result<(), StoreError> {
         let mut by_id = EventsById::new(events);
         let mut tallies: BTreeMap<&str, Tally> = BTreeMap::new();
@@ -764,7 +766,7 @@ impl Relay {
             let probed = probed.iter().any(|p| p == route);
             match verdict(before, &tally, self.breaker_threshold, probed) {
                 Verdict::Keep => {}
-                Verdict::ReleaseProbe => self.store.release_probe(route).await?,
+                Verdict::ReleaseProbe => self.store.release_probe(route, lease_until).await?,
                 Verdict::Reset => {
                     let after = self.store.record_breaker(route, 0, "", self.breaker_threshold, now).await?;
                     if before.is_some_and(|b| b.is_open()) && !after.is_open() {

@@ -608,8 +608,10 @@ pub trait Store: std::fmt::Debug + Send + Sync {
         until: DateTime<Utc>,
     ) -> Result<bool, StoreError>;
 
-    /// Gives a probe back without a verdict (there was no event to probe with).
-    async fn release_probe(&self, route: &str) -> Result<(), StoreError>;
+    /// Gives a probe back without a verdict (there was no event to probe with, or it told
+    /// nothing): the probe taken until `held_until`, so one another instance took since, once
+    /// this one's lease had ended, is left alone.
+    async fn release_probe(&self, route: &str, held_until: DateTime<Utc>) -> Result<(), StoreError>;
 
     /// Opens a route's breaker by hand, with `reason`, or closes it (resetting the count).
     async fn set_breaker(

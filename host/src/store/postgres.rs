@@ -995,9 +995,10 @@ impl Store for PostgresStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn release_probe(&self, route: &str) -> Result<(), StoreError> {
-        sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = $1")
+    async fn release_probe(&self, route: &str, held_until: DateTime<Utc>) -> Result<(), StoreError> {
+        sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = $1 AND probe_until = $2")
             .bind(route)
+            .bind(held_until)
             .execute(&self.pool)
             .await?;
         Ok(())

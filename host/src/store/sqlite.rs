@@ -1111,10 +1111,11 @@ impl Store for SqliteStore {
         Ok(done.rows_affected() == 1)
     }
 
-    async fn release_probe(&self, route: &str) -> Result<(), StoreError> {
+    async fn release_probe(&self, route: &str, held_until: DateTime<Utc>) -> Result<(), StoreError> {
         let mut writing = self.writing().await?;
-        sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = ?1")
+        sqlx::query("UPDATE ferry_breakers SET probe_until = NULL WHERE route = ?1 AND probe_until = ?2")
             .bind(route)
+            .bind(ms(held_until))
             .execute(&mut *writing)
             .await?;
         writing.finish();

@@ -15,6 +15,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::common::{TestDb, emit_in_transaction, eventually, plugins_dir};
 
+/// The plugin's pure line writer, compiled here too so its unit tests run.
+#[path = "../plugins/log/src/line.rs"]
+mod line;
+
 /// Config for the log plugin writing to `<dir>/out/orders.jsonl`, on an ordered route.
 fn log_config(db: &TestDb) -> String {
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_log"]);

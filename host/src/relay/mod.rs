@@ -845,23 +845,31 @@ impl Relay {
         waits.keys().cloned().collect()
     }
 
-    /// A deferral says the receiver asked to wait: its route's other events wait too (on this
-    /// instance), until the earliest deferral of the batch is due (or a longer wait already set
-    /// ends), so a rate-limited receiver is not sent the rest of a backlog meanwhile.
+    /// A deferral says the receiver asked to wait (the plugin deferred), or that the host could
+    /// not make the call now (short of files or memory, too little of the lease left after waiting
+    /// for an instance): its route's other events wait too (on this instance), until the earliest
+    /// deferral of the batch is due (or a longer wait already set ends), so a rate-limited
+    /// receiver is not sent the rest of a backlog meanwhile, nor a busy host asked again at once.
     fn wait_where_deferred(&self, completions: &[Completion]) {
         let mut waits = self.waits.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut batch: HashMap<&str, DateTime<Utc>> = HashMap::new();
+        // By route: the earliest deferral, and whether a plugin asked for any.
+        let mut batch: HashMap<&str, (DateTime<Utc>, bool)> = HashMap::new();
         for completion in completions {
             if let Disposition::Deferred { at, .. } = completion.disposition {
-                let until = batch.entry(&completion.attempt.call.route).or_insert(at);
-                *until = (*until).min(at);
+                let call = &completion.attempt.call;
+                let until = batch.entry(&call.route).or_insert((at, false));
+                *until = (until.0.min(at), until.1 || call.plugin_hash.is_some());
             }
         }
-        for (route, until) in batch {
+        for (route, (until, asked)) in batch {
             // Another batch's longer wait, still running, is kept.
             let wait = waits.entry(route.to_string()).or_insert(until);
             *wait = (*wait).max(until);
-            tracing::info!(route, until = %wait.to_rfc3339_opts(chrono::SecondsFormat::Millis, true), "the receiver asked to wait: the route's events wait until then on this instance");
+            let why = match asked {
+                true => "the receiver asked to wait",
+                false => "the host could not make the call now (the events' last error says why)",
+            };
+            tracing::info!(route, until = %wait.to_rfc3339_opts(chrono::SecondsFormat::Millis, true), "{why}: the route's events wait until then on this instance");
         }
     }
 

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
 use tokio::sync::mpsc;
@@ -60,9 +59,11 @@ pub(super) struct Batch {
     /// The breakers as read before the claim, and the routes probed by it.
     pub(super) breakers: Vec<Breaker>,
     pub(super) probed: Vec<String>,
-    /// When the claim's lease ends, as stored (its probes were taken until then), and by the
-    /// monotonic clock (no call that waited for an instance begins that could outlast it).
-    pub(super) lease: (DateTime<Utc>, std::time::Instant),
+    /// When the claim's lease ends, as stored (its probes were taken until then).
+    pub(super) lease_until: DateTime<Utc>,
+    /// The same by the monotonic clock: no call that waited for an instance begins that could
+    /// outlast it.
+    pub(super) lease_ends: std::time::Instant,
     /// The batch's trace, when traces are sent; its root span goes when the batch is dropped.
     pub(super) trace: Option<BatchTrace>,
 }
@@ -172,7 +173,7 @@ impl Relay {
             ),
         }
         for route in batch.probed.iter().filter(|r| unfinished.contains(*r)) {
-            if let Err(error) = self.store.release_probe(route, batch.lease.0).await {
+            if let Err(error) = self.store.release_probe(route, batch.lease_until).await {
                 tracing::warn!(
                     route,
                     "shutdown grace period over; giving the circuit breaker's probe back failed, the route is \
@@ -246,7 +247,7 @@ impl Relay {
         self.count(&batch.events, completions, &totals, done_at, &label);
         self.wait_where_deferred(completions);
         self.log_failed(completions, done_at, &label);
-        self.record_breakers(&batch.events, completions, &batch.breakers, (probed, batch.lease.0)).await?;
+        self.record_breakers(batch, completions, probed).await?;
         if stats.fenced_off > 0 {
             tracing::warn!(
                 fenced_off = stats.fenced_off,

@@ -149,7 +149,7 @@ impl Relay {
                 route: route.to_string(),
                 delivery: Box::pin(async move {
                     let events: Vec<&ClaimedEvent> = positions.iter().map(|&i| &batch.events[i]).collect();
-                    let window = Window { cutoff, lease_ends: batch.lease.1 };
+                    let window = Window { cutoff, lease_ends: batch.lease_ends };
                     self.deliver_route(&batch.routes, &batch.endpoints, events, &window).await
                 }),
             }

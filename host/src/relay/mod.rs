@@ -511,10 +511,11 @@ impl Relay {
         let claim_ended = crate::clock::later(claim_started, claim_took);
         self.metrics.batch_size.observe(events.len() as f64);
         let claimed = events.len() + handed_on.claimed;
-        let lease = (claim.lease_until, lease_ends);
+        let lease_until = claim.lease_until;
         let claim = (claim_started, claim_ended);
         let trace = self.tracer.clone().map(|tracer| trace::BatchTrace::start(self, tracer, now, claim, events.len()));
-        let batch = Arc::new(Batch { token, routes, endpoints, events, breakers, probed, lease, trace });
+        let batch =
+            Arc::new(Batch { token, routes, endpoints, events, breakers, probed, lease_until, lease_ends, trace });
         let (mut completions, mut running) = self.deliver_all(&batch, grace_end);
         let step_aside = lane.map(|_| tokio::time::Instant::now() + STEP_ASIDE_AFTER);
         let driven = self.drive(&mut running, &mut completions, shutdown, grace_end, step_aside).await;
@@ -745,12 +746,11 @@ impl Relay {
     /// given back at once, so the next cycle probes again.
     async fn record_breakers(
         &self,
-        events: &[ClaimedEvent],
+        batch: &Batch,
         completions: &[Completion],
-        breakers: &[Breaker],
-        (probed, lease_until): (&[String], DateTime<Utc>),
+        probed: &[String],
     ) -> Result<(), StoreError> {
-        let mut by_id = EventsById::new(events);
+        let mut by_id = EventsById::new(&batch.events);
         let mut tallies: BTreeMap<&str, Tally> = BTreeMap::new();
         for completion in completions {
             if let Some(event) = by_id.get(completion.id) {
@@ -762,11 +762,11 @@ impl Relay {
         }
         let now = self.clock.now();
         for (route, tally) in tallies {
-            let before = breakers.iter().find(|b| b.route == route);
+            let before = batch.breakers.iter().find(|b| b.route == route);
             let probed = probed.iter().any(|p| p == route);
             match verdict(before, &tally, self.breaker_threshold, probed) {
                 Verdict::Keep => {}
-                Verdict::ReleaseProbe => self.store.release_probe(route, lease_until).await?,
+                Verdict::ReleaseProbe => self.store.release_probe(route, batch.lease_until).await?,
                 Verdict::Reset => {
                     let after = self.store.record_breaker(route, 0, "", self.breaker_threshold, now).await?;
                     if before.is_some_and(|b| b.is_open()) && !after.is_open() {

@@ -154,9 +154,15 @@ async fn every_kind_of_answer_maps_to_its_outcome() {
         ("hang", receiver.url("/hang"), ", timeout_ms = \"300\""),
         ("refused", format!("http://{closed}/"), ""),
         ("denied", denied.url("/ok"), ""),
+        // Bodies larger than the host takes before the request is under way: the rest is
+        // written after it has failed, which must end as that failure, not as a plugin fault.
+        ("refused-large", format!("http://{closed}/"), ""),
+        ("denied-large", denied.url("/ok"), ""),
     ];
     let s = setup(&receiver, &format!("http://{closed}"), &routes).await;
-    let events: Vec<NewEvent> = routes.iter().map(|(route, _, _)| NewEvent::new(*route, "t", "{}")).collect();
+    let large = format!("{{\"pad\":\"{}\"}}", "x".repeat(64 << 10));
+    let payload = |route: &str| if route.ends_with("-large") { large.clone() } else { "{}".to_string() };
+    let events: Vec<NewEvent> = routes.iter().map(|(route, _, _)| NewEvent::new(*route, "t", payload(route))).collect();
     let rows = s.deliver(&events).await;
     let by_route = |route: &str| rows.iter().find(|r| r.route == route).unwrap();
     let now = s.clock.now();
@@ -175,20 +181,25 @@ async fn every_kind_of_answer_maps_to_its_outcome() {
     let reject = by_route("reject");
     assert_eq!((reject.status, reject.failure_reason.map(|r| r.as_str())), (Status::Failed, Some("permanent")));
     assert_eq!(reject.last_error.as_deref(), Some("HTTP 400: missing field: total"));
-    for (route, needle) in [("hang", "Timeout"), ("refused", "ConnectionRefused")] {
+    for (route, needle) in
+        [("hang", "Timeout"), ("refused", "ConnectionRefused"), ("refused-large", "ConnectionRefused")]
+    {
         let row = by_route(route);
         assert_eq!(row.status, Status::Pending, "{route}: transient");
         let error = row.last_error.as_deref().unwrap();
         assert!(error.starts_with("request failed: ") && error.contains(needle), "{route}: {error}");
     }
-    let denied_row = by_route("denied");
-    assert_eq!(
-        denied_row.status,
-        Status::Failed,
-        "an origin off the allowlist will not start working by itself: {:?}",
-        denied_row.last_error
-    );
-    assert!(denied_row.last_error.as_deref().unwrap().contains("HttpRequestDenied"));
+    for route in ["denied", "denied-large"] {
+        let row = by_route(route);
+        let why = (row.status, row.failure_reason.map(|r| r.as_str()));
+        assert_eq!(
+            why,
+            (Status::Failed, Some("permanent")),
+            "{route}: an origin off the allowlist will not start working by itself: {:?}",
+            row.last_error
+        );
+        assert!(row.last_error.as_deref().unwrap().contains("HttpRequestDenied"), "{route}: {:?}", row.last_error);
+    }
     assert!(denied.requests().is_empty());
 }
 
@@ -239,8 +250,8 @@ async fn connections_are_reused_and_capped_per_origin() {
     }
 }
 
-/// The plugin starts several requests, then writes their bodies in order; a body over a few KiB
-/// cannot be written until its request is under way. Slots are given in the order the requests
+/// The plugin starts several requests, then writes the rest of their bodies in order; a body over
+/// 16 KiB (what the host buffers) cannot be written in full until its request is under way. Slots are given in the order the requests
 /// were made, so the ones waiting for a slot are never the ones whose bodies the others need.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_bodies_never_wait_on_their_own_requests_for_a_slot() {
@@ -451,4 +462,72 @@ async fn requests_leave_nothing_behind_in_the_host() {
     assert_eq!(receiver.requests().len(), 2500);
     let log = log.text();
     assert!(!log.contains("instance replaced"), "{log}");
+}
+
+/// A small body goes out with its request's head, in one write, so the receiver reads each
+/// request at once: the plugin writes the body before handing the request over. Written after
+/// it (as before), the body followed in a write of its own, read separately, costing the
+/// receiver a second read per request. The receiver here is a plain TCP listener that answers
+/// 204 once a request's head and body are in, and counts the reads each request took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_body_goes_out_with_its_head() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reads_per_request = Arc::new(Mutex::new(Vec::<usize>::new()));
+    let seen = reads_per_request.clone();
+    let server = tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let (mut buffer, mut reads) = (Vec::new(), 0);
+                let mut chunk = vec![0; 64 << 10];
+                loop {
+                    let Ok(n) = socket.read(&mut chunk).await else { return };
+                    if n == 0 {
+                        return;
+                    }
+                    buffer.extend_from_slice(&chunk[..n]);
+                    reads += 1;
+                    // Every complete request in the buffer is answered; a partial one waits.
+                    while let Some(end) = complete_request(&buffer) {
+                        seen.lock().unwrap().push(reads);
+                        buffer.drain(..end);
+                        reads = 0;
+                        if socket.write_all(b"HTTP/1.1 204 No Content\r\n\r\n").await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let db = TestDb::new(Backend::Sqlite).await;
+    let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
+    let config = format!(
+        "[plugins]\ndir = {plugins:?}\n[sandbox.http]\nhttp = [\"http://{addr}\"]\n\
+         [route.hooks]\nplugin = \"http\"\nconfig = {{ url = \"http://{addr}/in\", concurrency = \"8\" }}\n"
+    );
+    let s = Stepped::start(db, &config).await;
+    let events: Vec<NewEvent> = (0..64).map(|i| NewEvent::new("hooks", "t", format!("{{\"n\":{i}}}"))).collect();
+    let rows = s.deliver(&events).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent), "{:?}", rows.iter().find(|r| r.status != Status::Sent));
+    let reads = reads_per_request.lock().unwrap().clone();
+    assert_eq!(reads.len(), 64, "{reads:?}");
+    // Requests queued on one connection can arrive in one read (0 after the first).
+    let split = reads.iter().filter(|&&n| n > 1).count();
+    assert_eq!(split, 0, "{split} of 64 requests took more than one read: {reads:?}");
+    server.abort();
+}
+
+/// The length of the first complete HTTP/1.1 request (head and `content-length` body) in
+/// `buffer`, if it holds one.
+fn complete_request(buffer: &[u8]) -> Option<usize> {
+    let head = buffer.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let text = std::str::from_utf8(&buffer[..head]).ok()?;
+    let length = text
+        .lines()
+        .find_map(|line| line.split_once(':').filter(|(name, _)| name.eq_ignore_ascii_case("content-length")))
+        .map_or(0, |(_, value)| value.trim().parse().unwrap_or(0));
+    (buffer.len() >= head + length).then_some(head + length)
 }

@@ -654,7 +654,12 @@ async fn a_call_that_waited_for_an_instance_past_its_lease_is_not_begun() {
         (crate::common::count(&db.store, Status::Failed).await == 2).then_some(())
     })
     .await;
+    let metrics = running.metrics.clone();
     running.stop().await;
+    let stats = db.store.stats(ferry::clock::SystemClock.now(), None, true).await.unwrap();
+    let metrics = metrics.render(&stats, &[], &[], std::time::Duration::ZERO);
+    let held = "ferry_events_held_total{route=\"s\",plugin=\"scripted\",reason=\"lease\"} 1";
+    assert!(metrics.contains(held), "{held} missing from:\n{metrics}");
     let mut histories = Vec::new();
     for id in inserted {
         let event = db.store.get(id).await.unwrap().unwrap();

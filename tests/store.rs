@@ -541,6 +541,7 @@ fn logged(id: i64, number: u32, disposition: Disposition) -> Completion {
         plugin: Some("p".into()),
         plugin_hash: Some("ab".repeat(32)),
         instance: "relay-1".into(),
+        held: None,
     };
     Completion {
         id,
@@ -660,6 +661,7 @@ fn call(route: &str, plugin: &str, millis: u64) -> Arc<CallLog> {
         plugin: Some(plugin.into()),
         plugin_hash: Some(plugin.repeat(64 / plugin.len())),
         instance: "relay-1".into(),
+        held: None,
     })
 }
 

@@ -285,6 +285,9 @@ pub struct CallLog {
     pub plugin_hash: Option<String>,
     /// The ferry instance that made the call.
     pub instance: String,
+    /// Why the host deferred the events without calling the plugin: `lease`, `host_resources`
+    /// or `endpoint_disabled`, as `ferry_events_held` counts them. `None` for every other call.
+    pub held: Option<&'static str>,
 }
 
 impl Disposition {

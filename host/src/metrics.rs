@@ -72,6 +72,7 @@ pub struct RouteLabels {
     pub plugin: Label,
 }
 
+/// A route, its plugin and a reason: why events failed, or why the host held them.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailedLabels {
     pub route: Label,
@@ -134,6 +135,9 @@ pub struct Metrics {
     pub delivered: Family<RouteLabels, Counter>,
     pub retried: Family<RouteLabels, Counter>,
     pub deferred: Family<RouteLabels, Counter>,
+    /// Deferrals the host made without calling the plugin, by route, plugin and why (`lease`,
+    /// `host_resources`, `endpoint_disabled`); also counted in `deferred`.
+    pub held: Family<FailedLabels, Counter>,
     /// Events of routes with destinations handed on, and the deliveries made of them.
     pub handed_on: Family<RouteOnly, Counter>,
     pub deliveries_made: Family<RouteOnly, Counter>,
@@ -183,8 +187,14 @@ impl Metrics {
         let deferred = Family::<RouteLabels, Counter>::default();
         registry.register(
             "ferry_events_deferred",
-            "Deliveries a plugin deferred (the receiver asked to wait), no attempt counted",
+            "Deliveries deferred with no attempt counted: the plugin asked to wait, or the host could not make the call now (ferry_events_held)",
             deferred.clone(),
+        );
+        let held = Family::<FailedLabels, Counter>::default();
+        registry.register(
+            "ferry_events_held",
+            "Deliveries the host deferred without calling the plugin, by reason: lease (a call that waited for an instance could outlast the claim's lease), host_resources (too few open files or too little memory to start an instance), endpoint_disabled (claimed for an endpoint disabled since)",
+            held.clone(),
         );
         let handed_on = Family::<RouteOnly, Counter>::default();
         registry.register(
@@ -297,6 +307,7 @@ impl Metrics {
             delivered,
             retried,
             deferred,
+            held,
             handed_on,
             deliveries_made,
             failed,

@@ -260,6 +260,7 @@ fn warnings(settings: &Settings, registry: &Registry) -> Vec<String> {
     let mut warnings: Vec<String> =
         failed.iter().map(|(file, why)| format!("plugin file {} did not load: {why}", file.display())).collect();
     warnings.extend(settings.config.pool_warning());
+    warnings.extend(settings.config.lease_warnings());
     // An endpoint origin the plugin may not reach: every request to such an endpoint is refused.
     for fan_out in settings.fan_outs.values() {
         let Some(endpoints) = &fan_out.endpoints else { continue };

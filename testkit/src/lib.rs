@@ -411,6 +411,7 @@ pub async fn emit_in_transaction(db: &TestDb, event: &ferry::NewEvent, commit: b
 /// A ferry relay running in the background of a test.
 pub struct Running {
     pub registry: Arc<ferry::plugins::Registry>,
+    pub metrics: Arc<ferry::metrics::Metrics>,
     waker: Arc<tokio::sync::Notify>,
     shutdown: tokio_util::sync::CancellationToken,
     relay: tokio::task::JoinHandle<()>,
@@ -421,12 +422,12 @@ impl Running {
     pub async fn start(config: &Config) -> Running {
         let ferry =
             ferry::service::Ferry::start(config, Arc::new(ferry::clock::SystemClock)).await.expect("ferry starts");
-        let registry = ferry.registry.clone();
+        let (registry, metrics) = (ferry.registry.clone(), ferry.metrics.clone());
         let waker = ferry.relay.waker();
         let shutdown = tokio_util::sync::CancellationToken::new();
         let token = shutdown.clone();
         let relay = tokio::spawn(async move { ferry.relay.run(token).await });
-        Running { registry, waker, shutdown, relay }
+        Running { registry, metrics, waker, shutdown, relay }
     }
 
     /// Wakes one idle worker, as an in-process emit does.

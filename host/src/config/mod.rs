@@ -417,6 +417,10 @@ pub enum AfterFailure {
     Skip,
 }
 
+/// What [`Config::lease_warnings`] asks of `relay.lease` beyond twice a plugin's timeout: room
+/// for the claim itself and the few clock ticks the lease check keeps spare (`plugins::pool`).
+pub const LEASE_MARGIN: Duration = Duration::from_secs(1);
+
 impl Config {
     /// The built-in defaults alone.
     pub fn defaults() -> Config {
@@ -643,6 +647,34 @@ impl Config {
                 "the admin API and readiness wait for a worker's connection"
             },
         ))
+    }
+
+    /// Warnings for plugin tables whose `timeout` leaves too little of `relay.lease` for a call
+    /// that waits for an instance. Such a call is begun only while its whole timeout still fits
+    /// in the lease, counted from the claim; so with a lease under twice the timeout (and
+    /// [`LEASE_MARGIN`] for the claim and the clock's ticks), a call that waits for one running to
+    /// its timeout is deferred instead, every time (`ferry_events_held`, reason `lease`). Valid,
+    /// so not an error: a plugin that answers well within its timeout never meets it.
+    pub fn lease_warnings(&self) -> Vec<String> {
+        let lease = self.relay.lease.0;
+        let tables = std::iter::once(("plugins".to_string(), self.plugin_limits("")))
+            .chain(self.sandbox.keys().map(|name| (format!("sandbox.{name}"), self.plugin_limits(name))));
+        tables
+            .filter(|(_, limits)| lease < limits.timeout * 2 + LEASE_MARGIN)
+            .map(|(table, limits)| {
+                let timeout = limits.timeout;
+                format!(
+                    "relay.lease ({}) leaves {table}.timeout ({}) too little room: a call that waits more than about {} \
+                     for one of the plugin's instances (one call running to its timeout, say) is not begun and its \
+                     events are deferred (ferry_events_held, reason \"lease\"); set relay.lease to at least {}, or \
+                     raise {table}.instances so calls wait less",
+                    format_duration(lease),
+                    format_duration(timeout),
+                    format_duration(lease.saturating_sub(timeout + LEASE_MARGIN)),
+                    format_duration(timeout * 2 + LEASE_MARGIN),
+                )
+            })
+            .collect()
     }
 
     /// Resolves the validated configuration into what ferry runs on.

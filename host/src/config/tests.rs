@@ -267,6 +267,28 @@ fn the_admin_api_needs_an_address_and_a_long_token() {
 }
 
 #[test]
+fn a_lease_under_twice_a_plugin_timeout_is_warned_about() {
+    let warnings =
+        |text: &str| Config::from_toml_str(text, "t").expect("valid: a warning, not an error").lease_warnings();
+    assert_eq!(warnings(""), Vec::<String>::new(), "the defaults: 5m lease, 30s timeout");
+    assert_eq!(warnings("[relay]\nlease = \"61s\"\n"), Vec::<String>::new(), "twice the timeout and a second");
+    assert_eq!(warnings("[relay]\nlease = \"60s\"\n").len(), 1, "exactly twice leaves no room for the claim");
+    let tight = warnings("[relay]\nlease = \"50s\"\n[sandbox.slow]\ntimeout = \"10s\"\n");
+    assert_eq!(tight.len(), 1, "only the default 30s timeout is over half of 50s: {tight:?}");
+    for part in
+        ["relay.lease (50s)", "plugins.timeout (30s)", "more than about 19s", "at least 61s", "plugins.instances"]
+    {
+        assert!(tight[0].contains(part), "{part:?} missing: {}", tight[0]);
+    }
+    let slow = warnings("[relay]\nlease = \"5m\"\n[sandbox.slow]\ntimeout = \"150s\"\n");
+    assert_eq!(slow.len(), 1, "{slow:?}");
+    assert!(slow[0].contains("sandbox.slow.timeout (150s)") && slow[0].contains("at least 301s"), "{}", slow[0]);
+    // What the warning names parses back as a setting.
+    let fixed = "[relay]\nlease = \"301s\"\n[sandbox.slow]\ntimeout = \"150s\"\n";
+    assert_eq!(warnings(fixed), Vec::<String>::new());
+}
+
+#[test]
 fn a_postgres_pool_without_a_spare_connection_is_warned_about() {
     let warning = |database: &str, relay: &str| {
         let text = format!("[database]\nurl = \"postgres://ferry@db.internal/outbox\"\n{database}[relay]\n{relay}");

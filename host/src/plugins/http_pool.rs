@@ -13,9 +13,9 @@
 //! name the resolver never answers holds one slot, not all of them. And each instance may have at
 //! most `sandbox.NAME.http_connections` requests per origin
 //! waiting for their answer; more wait for a slot. Slots are handed out in the order the plugin
-//! made its requests (a [`Ticket`] is taken when the request is handed over, before its body is
-//! written), and given back when the answer's head arrives: a plugin that writes its bodies and
-//! reads its answers in the order it made the requests never waits on itself. A body the plugin
+//! made its requests (a [`Ticket`] is taken when the request is handed over, before the rest of
+//! its body is written), and given back when the answer's head arrives: a plugin that writes its
+//! bodies and reads its answers in the order it made the requests never waits on itself. A body the plugin
 //! drops unread is read to its end here (if short, a bounded number at a time), so its
 //! connection can serve the next request instead of being closed.
 

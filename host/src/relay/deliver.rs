@@ -178,16 +178,11 @@ impl Relay {
             // next claims hold them.
             (None, Some((_, Some(endpoint)))) if !endpoint.enabled => {
                 let call = self.call_log(route, self.clock.now(), Duration::ZERO, None, None);
-                let at = crate::clock::truncate_ms(crate::clock::later(self.clock.now(), MIN_DEFERRAL));
                 let why = match &endpoint.config {
                     Ok(_) => format!("endpoint {} is disabled", endpoint.id),
-                    Err(why) => reason(why),
+                    Err(why) => why.clone(),
                 };
-                let wait = |event: &&ClaimedEvent| {
-                    let disposition = Disposition::Deferred { at, error: why.clone() };
-                    self.complete(routes, event, &call, disposition)
-                };
-                return batch.iter().map(wait).collect();
+                return self.hold(routes, &batch, &call, self.clock.now(), "endpoint_disabled", &why);
             }
             (None, Some((transport, Some(endpoint)))) => match &endpoint.config {
                 Ok(config) => {
@@ -272,6 +267,7 @@ impl Relay {
             plugin,
             plugin_hash,
             instance: self.instance.clone(),
+            held: None,
         })
     }
 
@@ -321,15 +317,29 @@ impl Relay {
                     .map(|event| self.fail(routes, event, call, FailureReason::NoTransport, why.clone()))
                     .collect()
             }
-            Err(DeliverError::HostShort(why) | DeliverError::LeaseShort(why)) => {
-                let at = crate::clock::truncate_ms(crate::clock::later(now, MIN_DEFERRAL));
-                let why = reason(&why);
-                let wait = |event: &&ClaimedEvent| {
-                    self.complete(routes, event, call, Disposition::Deferred { at, error: why.clone() })
-                };
-                batch.iter().map(wait).collect()
-            }
+            Err(DeliverError::LeaseShort(why)) => self.hold(routes, batch, call, now, "lease", &why),
+            Err(DeliverError::HostShort(why)) => self.hold(routes, batch, call, now, "host_resources", &why),
         }
+    }
+
+    /// Defers `batch`, which the host could not hand to its plugin now (`held` says why, as
+    /// `ferry_events_held` counts it): no attempt is counted and no breaker touched.
+    fn hold(
+        &self,
+        routes: &Routes,
+        batch: &[&ClaimedEvent],
+        call: &Arc<CallLog>,
+        now: DateTime<Utc>,
+        held: &'static str,
+        why: &str,
+    ) -> Vec<Completion> {
+        let call = Arc::new(CallLog { held: Some(held), ..CallLog::clone(call) });
+        let at = crate::clock::truncate_ms(crate::clock::later(now, MIN_DEFERRAL));
+        let why = reason(why);
+        let wait = |event: &&ClaimedEvent| {
+            self.complete(routes, event, &call, Disposition::Deferred { at, error: why.clone() })
+        };
+        batch.iter().map(wait).collect()
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -932,12 +932,17 @@ impl Relay {
         // By route, plugin and (for failures) failure reason.
         let mut tally: Runs<(&str, &str, Option<FailureReason>), Outcomes> = Runs::new();
         let mut latencies: Runs<&str, Vec<f64>> = Runs::new();
+        // Deferrals the host made, by route, plugin and why.
+        let mut held: Runs<(&str, &str, &str), u64> = Runs::new();
         for completion in completions {
             let Some(event) = by_id.get(completion.id) else { continue };
             let plugin = completion.attempt.call.plugin.as_deref().unwrap_or_default();
             let reason = completion.disposition.reason();
             let route = event.route.as_str();
             tally.entry((route, plugin, reason)).count(&completion.disposition);
+            if let Some(why) = completion.attempt.call.held {
+                *held.entry((route, plugin, why)) += 1;
+            }
             if completion.disposition == Disposition::Sent {
                 let latency = (done_at - event.created_at).num_milliseconds().max(0) as f64 / 1000.0;
                 latencies.entry(route).push(latency);
@@ -960,6 +965,10 @@ impl Relay {
                     self.metrics.failed.get_or_create(&labels).inc_by(count(outcomes.failed));
                 }
             }
+        }
+        for ((route, plugin, why), events) in held.into_entries() {
+            let labels = FailedLabels { route: label(route).into(), plugin: plugin.into(), reason: why.into() };
+            self.metrics.held.get_or_create(&labels).inc_by(events);
         }
         let all: Vec<f64> = latencies.iter().flat_map(|(_, values)| values).map(|seconds| seconds * 1000.0).collect();
         self.metrics.activity.record(done_at, count(totals.sent), count(totals.retried), count(totals.failed), &all);

@@ -121,25 +121,26 @@ mod send {
     use ferry_plugin_sdk::cloudevents::Mode;
     use wasi::http::outgoing_handler::{self, FutureIncomingResponse};
     use wasi::http::types::{ErrorCode, Fields, Method, OutgoingBody, OutgoingRequest, RequestOptions, Scheme};
-    use wasi::io::streams::StreamError;
+    use wasi::io::streams::{OutputStream, StreamError};
 
     use super::Settings;
     use super::policy::{self, Verdict};
     use ferry_plugin_sdk::Event;
 
     /// Sends `events` concurrently and returns one verdict each, in order: every request is
-    /// started first (connections open in parallel), then the bodies are written, then the
-    /// answers collected.
+    /// started first (connections open in parallel), then the bodies not written yet are written,
+    /// then the answers collected.
     pub fn all(settings: &Settings, events: &[Event]) -> Vec<Verdict> {
         let bodies: Vec<Cow<'_, [u8]>> = events.iter().map(|e| body_of(settings, e)).collect();
-        let started: Vec<Result<(FutureIncomingResponse, OutgoingBody), Verdict>> =
+        let started: Vec<Result<(FutureIncomingResponse, Option<Unwritten>), Verdict>> =
             events.iter().zip(&bodies).map(|(e, body)| start(settings, e, body)).collect();
         let sent: Vec<Result<FutureIncomingResponse, Verdict>> = started
             .into_iter()
             .zip(&bodies)
             .map(|(pending, payload)| {
-                let (response, body) = pending?;
-                match write_body(body, payload) {
+                let (response, rest) = pending?;
+                let Some(rest) = rest else { return Ok(response) };
+                match write_body(rest, payload) {
                     Ok(()) => Ok(response),
                     // The request already failed (refused, denied): its answer says why.
                     Err(_) => Err(finish(&response)),
@@ -164,11 +165,13 @@ mod send {
         }
     }
 
+    /// Hands `event`'s request to the host with as much of its body as the body stream takes at
+    /// once; what is left is returned, to be written once every request is started.
     fn start(
         settings: &Settings,
         event: &Event,
         body: &[u8],
-    ) -> Result<(FutureIncomingResponse, OutgoingBody), Verdict> {
+    ) -> Result<(FutureIncomingResponse, Option<Unwritten>), Verdict> {
         let id = event.id.to_string();
         let timestamp = now_seconds();
         let headers = Fields::new();
@@ -217,20 +220,52 @@ mod send {
         let _ = options.set_connect_timeout(Some(settings.timeout_ns));
         let _ = options.set_first_byte_timeout(Some(settings.timeout_ns));
         let _ = options.set_between_bytes_timeout(Some(settings.timeout_ns));
-        let body = request.body().map_err(|()| bad("body"))?;
+        let outgoing = request.body().map_err(|()| bad("body"))?;
+        let stream = outgoing.write().map_err(|()| bad("body stream"))?;
+        // As much of the body as the stream takes without waiting (the host's buffer: 16 KiB in
+        // ferry) is written before the request is handed over, so that it goes out with the head
+        // in one write (one packet, for a small body) rather than in a write of its own after it,
+        // which the receiver would read separately.
+        let room = stream.check_write().map_or(0, |room| usize::try_from(room).unwrap_or(usize::MAX));
+        let written = room.min(body.len());
+        if written > 0 {
+            stream.write(&body[..written]).map_err(|e| Verdict::Transient {
+                reason: format!("writing request body: {}", stream_error(&e)),
+                retry_after_ms: None,
+            })?;
+        }
+        let rest = if written == body.len() {
+            let _ = stream.flush();
+            drop(stream);
+            // A failure here shows in the answer (the request is aborted).
+            let _ = OutgoingBody::finish(outgoing, None);
+            None
+        } else {
+            Some(Unwritten { stream, body: outgoing, written })
+        };
         let response = outgoing_handler::handle(request, Some(options)).map_err(|e| network(&e))?;
-        Ok((response, body))
+        Ok((response, rest))
     }
 
-    fn write_body(body: OutgoingBody, payload: &[u8]) -> Result<(), String> {
-        {
-            let stream = body.write().map_err(|()| "request body stream unavailable".to_string())?;
-            for chunk in payload.chunks(4096) {
-                stream
-                    .blocking_write_and_flush(chunk)
-                    .map_err(|e| format!("writing request body: {}", stream_error(&e)))?;
-            }
-        }
+    /// A request body not written in full when its request was handed over: its stream, and how
+    /// much of the payload went into it. The stream is a child of the body and must go first
+    /// (dropping a body whose stream is still open traps), hence the order of the fields, which
+    /// is the order they are dropped in.
+    struct Unwritten {
+        stream: OutputStream,
+        body: OutgoingBody,
+        written: usize,
+    }
+
+    /// Writes the rest of `payload` into its request body, and finishes the body.
+    fn write_body(unwritten: Unwritten, payload: &[u8]) -> Result<(), String> {
+        let Unwritten { stream, body, written } = unwritten;
+        let wrote = payload[written..].chunks(4096).try_for_each(|chunk| {
+            stream.blocking_write_and_flush(chunk).map_err(|e| format!("writing request body: {}", stream_error(&e)))
+        });
+        // The stream goes before its body, whether or not the writes failed.
+        drop(stream);
+        wrote?;
         OutgoingBody::finish(body, None).map_err(|e| format!("finishing request body: {e:?}"))
     }
 

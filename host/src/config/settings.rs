@@ -511,6 +511,13 @@ impl Config {
         Ok(RetryPolicy { backoff, jitter, max_attempts, retry_after_max })
     }
 
+    /// Each table that sets plugin limits, by the name its errors give it (`plugins`, and
+    /// `sandbox.NAME` for each sandbox), with the limits that hold there.
+    pub(super) fn plugin_tables(&self) -> impl Iterator<Item = (String, PluginLimits)> + '_ {
+        std::iter::once(("plugins".to_string(), self.plugin_limits("")))
+            .chain(self.sandbox.keys().map(|name| (format!("sandbox.{name}"), self.plugin_limits(name))))
+    }
+
     /// The limits plugin `name` runs under: `[plugins]` with `[sandbox.NAME]` overrides.
     pub fn plugin_limits(&self, name: &str) -> PluginLimits {
         let sandbox = self.sandbox.get(name);

@@ -15,8 +15,8 @@
 //! waiting for their answer; more wait for a slot. Slots are handed out in the order the plugin
 //! made its requests (a [`Ticket`] is taken when the request is handed over, before the rest of
 //! its body is written), and given back when the answer's head arrives: a plugin that writes its
-//! bodies and reads its answers in the order it made the requests never waits on itself. A body the plugin
-//! drops unread is read to its end here (if short, a bounded number at a time), so its
+//! bodies and reads its answers in the order it made the requests never waits on itself. A body
+//! the plugin drops unread is read to its end here (if short, a bounded number at a time), so its
 //! connection can serve the next request instead of being closed.
 
 use std::collections::HashMap;

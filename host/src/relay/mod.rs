@@ -858,7 +858,7 @@ impl Relay {
             if let Disposition::Deferred { at, .. } = completion.disposition {
                 let call = &completion.attempt.call;
                 let until = batch.entry(&call.route).or_insert((at, false));
-                *until = (until.0.min(at), until.1 || call.plugin_hash.is_some());
+                *until = (until.0.min(at), until.1 || call.held.is_none());
             }
         }
         for (route, (until, asked)) in batch {

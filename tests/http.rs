@@ -10,7 +10,7 @@ use ferry::clock::Clock;
 use ferry::event::{FailureReason, Status};
 use tracing::instrument::WithSubscriber as _;
 
-use crate::common::{Backend, Captured, Receiver, Stepped, TestDb, plugins_dir};
+use crate::common::{Backend, Captured, Receiver, Stepped, TestDb, eventually, plugins_dir};
 
 /// The plugin's pure policy (signing, status mapping), compiled here too so its unit tests run
 /// natively and the receiver can check signatures with it.
@@ -248,6 +248,27 @@ async fn connections_are_reused_and_capped_per_origin() {
         let opened = receiver.connections();
         assert!((1..=4).contains(&opened), "{origin}: {opened} connections for 300 requests, 2 at a time");
     }
+}
+
+/// A plugin's connections over all its origins are bounded by `http_idle_connections`: here 4.
+/// Route `b`'s origin keeps the one connection its event opened until route `wide` sends a batch
+/// 8 requests at a time to another origin; the connections that opens pass the bound, so `b`'s,
+/// the origin used least recently, is closed, and `wide` keeps no more than 4 idle ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugins_connections_over_all_origins_are_bounded() {
+    let wide = Receiver::start().await;
+    let narrow = Receiver::start().await;
+    let routes = [("wide", wide.url("/ok"), ", concurrency = \"8\""), ("b", narrow.url("/ok"), "")];
+    let s = setup_with(&wide, &format!("http://{}", narrow.addr), "http_idle_connections = 4", &routes).await;
+    let rows = s.deliver(&[NewEvent::new("b", "t", "{}")]).await;
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+    assert_eq!((narrow.connections(), narrow.open()), (1, 1), "b's connection is kept");
+    let events: Vec<NewEvent> = (0..40).map(|i| NewEvent::new("wide", "t", format!("{{\"n\":{i}}}"))).collect();
+    let rows = s.deliver(&events).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent), "{:?}", rows.iter().find(|r| r.status != Status::Sent));
+    assert!(wide.connections() >= 4, "the batch should need 4 connections or more: it opened {}", wide.connections());
+    let bounded = || async { (narrow.open() == 0 && wide.open() <= 4).then_some(()) };
+    eventually(std::time::Duration::from_secs(5), "b's connection to close, and wide to keep 4 at most", bounded).await;
 }
 
 /// The plugin starts several requests, then writes the rest of their bodies in order; a body over

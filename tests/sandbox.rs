@@ -15,7 +15,7 @@ use ferry::service::Ferry;
 use tokio_util::sync::CancellationToken;
 use tracing::instrument::WithSubscriber as _;
 
-use crate::common::{Backend, Captured, Receiver, TestDb, built_plugin, plugins_dir};
+use crate::common::{Backend, Captured, Receiver, TestDb, built_plugin, eventually, plugins_dir};
 
 struct Setup {
     db: TestDb,
@@ -358,6 +358,46 @@ async fn spellings_of_one_origin_share_its_connections() {
     // Twenty requests one after the other: one connection, reused (one more, at most, if a request
     // set out before the last one's connection was back in the pool).
     assert!(receiver.connections() <= 2, "{} connections for 20 spellings", receiver.connections());
+}
+
+/// hyper keeps each origin's idle connections open for a minute after its last request, and a
+/// plugin granted `*.domain` names endless origins: a connection to each would hold as many of the
+/// host's open files as the plugin likes. Over all its origins a plugin keeps at most
+/// `http_idle_connections` open; past that, those of the origins it used least recently are
+/// closed. Here a plugin allowed 4 sends to 12 origins in turn: the last 4 keep theirs, the others
+/// are closed, and only a request to an origin used earlier opens a connection anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_keeps_no_more_connections_open_than_its_sandbox_allows() {
+    use std::time::Duration;
+    let mut receivers = Vec::new();
+    for _ in 0..12 {
+        receivers.push(Receiver::start().await);
+    }
+    let origins: Vec<String> = receivers.iter().map(|r| format!("\"http://{}\"", r.addr)).collect();
+    let s = setup(&format!("http = [{}]\nhttp_idle_connections = 4", origins.join(", "))).await;
+    let get = async |n: usize| {
+        let event = NewEvent::new("s", "http", "{}").with_header("authority", receivers[n].addr.to_string());
+        let row = s.deliver_beside_a_healthy_route(event).await;
+        assert_eq!(row.status, Status::Sent, "origin {n}: {:?}", row.last_error);
+    };
+    // A connection closes once its client's task has seen its pool go: soon, not at once.
+    let settled = async |expected: [usize; 12]| {
+        let what = format!("open connections per origin to be {expected:?}");
+        let open = || receivers.iter().map(Receiver::open).collect::<Vec<_>>();
+        eventually(Duration::from_secs(5), &what, || async { (open() == expected).then_some(()) }).await;
+    };
+    for n in 0..12 {
+        get(n).await;
+    }
+    settled([0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1]).await;
+    assert!(receivers.iter().all(|r| r.connections() == 1), "one connection per origin so far");
+    // Origin 11 is used again, on its kept connection; origin 0, whose connection was closed,
+    // opens one, and origin 8, now the one used least recently, is closed for it.
+    get(11).await;
+    assert_eq!(receivers[11].connections(), 1, "a kept connection is reused");
+    get(0).await;
+    assert_eq!(receivers[0].connections(), 2, "a closed one is opened anew");
+    settled([1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]).await;
 }
 
 /// A runtime of two workers whose blocking pool has four threads, few enough for a test to keep

@@ -500,6 +500,7 @@ pub struct Receiver {
     pub addr: std::net::SocketAddr,
     requests: Arc<std::sync::Mutex<Vec<Received>>>,
     connections: Arc<std::sync::atomic::AtomicUsize>,
+    open: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Receiver {
@@ -508,19 +509,30 @@ impl Receiver {
         let addr = listener.local_addr().unwrap();
         let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
         let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (log, accepted) = (requests.clone(), connections.clone());
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (log, accepted, still_open) = (requests.clone(), connections.clone(), open.clone());
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
                 accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                tokio::spawn(serve_connection(socket, log.clone()));
+                still_open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let (log, still_open) = (log.clone(), still_open.clone());
+                tokio::spawn(async move {
+                    serve_connection(socket, log).await;
+                    still_open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                });
             }
         });
-        Receiver { addr, requests, connections }
+        Receiver { addr, requests, connections, open }
     }
 
     /// Connections accepted so far.
     pub fn connections(&self) -> usize {
         self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Connections open now: accepted, and not yet closed by the client.
+    pub fn open(&self) -> usize {
+        self.open.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// `http://<addr><path>`.

@@ -1,8 +1,10 @@
 //! Outgoing wasi:http requests on pooled connections. wasmtime's default sender opens a new TCP
 //! connection (and TLS session) for every request and closes it after the response; a webhook
 //! transport sending a batch of 500 events then pays 500 handshakes. Here each plugin's requests
-//! go through a client of its own that keeps connections alive and reuses them across requests,
-//! calls and instances, speaks HTTP/2 when a TLS server offers it (ALPN), and resumes TLS sessions.
+//! go through clients of its own (one per origin) that keep connections alive and reuse them
+//! across requests, calls and instances, speak HTTP/2 when a TLS server offers it (ALPN), and
+//! resume TLS sessions. The connections a plugin keeps open over all its origins are bounded by
+//! `sandbox.NAME.http_idle_connections` (`kept.rs`).
 //!
 //! What stays as it was: the origin allowlist is checked before a request reaches this module
 //! (`sandbox.rs`), names are resolved by the host, and the request's timeouts apply.
@@ -41,10 +43,15 @@ use tokio::net::TcpStream;
 use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore, watch};
 use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 
+use super::kept::{Listing, Opened, Origins};
+
 /// How long an idle connection is kept for the next request.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-/// Idle connections kept per origin and plugin; more are closed when they become idle.
+/// Idle connections kept per origin and plugin, at most; more are closed when they become idle.
 const IDLE_PER_ORIGIN: usize = 64;
+/// Connections a plugin keeps open over all its origins when its sandbox sets no
+/// `http_idle_connections`.
+pub const DEFAULT_IDLE_CONNECTIONS: u32 = 256;
 /// The largest HTTP/1 response head (status line and headers) read from a server, as much as a
 /// plugin's own header `fields` may hold: each response `fields` a plugin keeps holds on to the
 /// buffer its head was read into, so heads of 400 KiB (hyper's own limit for HTTP/1) would let a
@@ -67,17 +74,50 @@ const MAX_DRAINS: usize = 256;
 const DRAIN_BYTES: usize = 64 << 10;
 const DRAIN_TIME: Duration = Duration::from_secs(1);
 
-/// The process's HTTP clients for plugins, one per plugin (and extra CA file).
+/// The process's HTTP clients for plugins, by plugin (and extra CA file, and bound on kept
+/// connections).
 pub(crate) struct HttpPool {
-    clients: Mutex<HashMap<ClientKey, Client<Connector, WasiBody>>>,
+    clients: Mutex<HashMap<ClientKey, Arc<Clients>>>,
     /// The name lookups of each plugin's connections, whichever client makes them.
     lookups: Mutex<HashMap<Arc<str>, Arc<Lookups>>>,
     drains: Arc<Semaphore>,
 }
 
-/// A plugin, the CA file its sandbox trusts besides the public roots, and whether it may reach
-/// non-public addresses.
-type ClientKey = (Arc<str>, Option<PathBuf>, bool);
+/// A plugin, the CA file its sandbox trusts besides the public roots, whether it may reach
+/// non-public addresses, and the connections it may keep open.
+type ClientKey = (Arc<str>, Option<PathBuf>, bool, u32);
+
+/// One client, for one origin of one plugin.
+type OriginClient = Client<Connector, WasiBody>;
+
+/// A plugin's clients, one per origin, and what each new one is made with.
+struct Clients {
+    tls: tokio_rustls::TlsConnector,
+    private: bool,
+    lookups: Arc<Lookups>,
+    idle_per_origin: usize,
+    origins: Arc<Origins<OriginClient>>,
+}
+
+impl Clients {
+    /// The client for `origin` (`scheme://host:port`), made if the origin is not listed.
+    fn client(&self, origin: &str) -> OriginClient {
+        self.origins.client(origin, |listing| {
+            Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(IDLE_TIMEOUT)
+                .pool_max_idle_per_host(self.idle_per_origin)
+                .http1_max_buf_size(MAX_RESPONSE_HEAD)
+                .pool_timer(TokioTimer::new())
+                .timer(TokioTimer::new())
+                .build(Connector {
+                    tls: self.tls.clone(),
+                    private: self.private,
+                    lookups: self.lookups.clone(),
+                    listing,
+                })
+        })
+    }
+}
 
 impl std::fmt::Debug for HttpPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -90,40 +130,39 @@ impl HttpPool {
         HttpPool { clients: Mutex::default(), lookups: Mutex::default(), drains: Arc::new(Semaphore::new(MAX_DRAINS)) }
     }
 
-    /// What sends `plugin`'s requests: its own client, so one plugin's connections (and, on
+    /// What sends `plugin`'s requests: clients of its own, so one plugin's connections (and, on
     /// HTTP/2, their streams and flow-control windows) are never another's. Servers are verified
     /// against the public (webpki) roots and, with `ca`, the certificates in that PEM file. The
     /// error names the file when it cannot be used. Without `private`, a host name that resolves
-    /// only to non-public addresses ([`is_public`]) is not connected to.
+    /// only to non-public addresses ([`is_public`]) is not connected to. At most `kept`
+    /// connections are kept open over all its origins (`kept.rs`).
     /// `lookup_slots` are the plugin's name lookup slots (`dns.rs`).
     pub(crate) fn sender(
         &self,
         plugin: &Arc<str>,
         ca: Option<&Path>,
         private: bool,
+        kept: u32,
         lookup_slots: Arc<Semaphore>,
     ) -> Result<Sender, String> {
         let mut clients = self.clients.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let key = (plugin.clone(), ca.map(Path::to_path_buf), private);
-        let client = match clients.get(&key) {
-            Some(client) => client.clone(),
+        let key = (plugin.clone(), ca.map(Path::to_path_buf), private, kept);
+        let clients = match clients.get(&key) {
+            Some(clients) => clients.clone(),
             None => {
-                let client = Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(IDLE_TIMEOUT)
-                    .pool_max_idle_per_host(IDLE_PER_ORIGIN)
-                    .http1_max_buf_size(MAX_RESPONSE_HEAD)
-                    .pool_timer(TokioTimer::new())
-                    .timer(TokioTimer::new())
-                    .build(Connector {
-                        tls: tls_connector(ca)?,
-                        private,
-                        lookups: self.lookups_of(plugin, lookup_slots),
-                    });
-                clients.insert(key, client.clone());
-                client
+                let kept = usize::try_from(kept).unwrap_or(usize::MAX).max(1);
+                let made = Arc::new(Clients {
+                    tls: tls_connector(ca)?,
+                    private,
+                    lookups: self.lookups_of(plugin, lookup_slots),
+                    idle_per_origin: IDLE_PER_ORIGIN.min(kept),
+                    origins: Origins::new(kept),
+                });
+                clients.insert(key, made.clone());
+                made
             }
         };
-        Ok(Sender { client, drains: self.drains.clone() })
+        Ok(Sender { clients, drains: self.drains.clone() })
     }
 
     /// The lookups of `plugin`'s connections, in `slots` when they are new.
@@ -171,21 +210,22 @@ impl Ticket {
     }
 }
 
-/// One plugin's client.
+/// One plugin's clients.
 #[derive(Clone)]
 pub(crate) struct Sender {
-    client: Client<Connector, WasiBody>,
+    clients: Arc<Clients>,
     drains: Arc<Semaphore>,
 }
 
 impl Sender {
-    /// Sends `request` (whose origin the caller has checked against the plugin's allowlist) on a
-    /// pooled connection once `ticket` gets its slot. Waiting for the slot is bounded by the
+    /// Sends `request` to `origin` (`scheme://host:port`, which the caller has checked against
+    /// the plugin's allowlist) on a pooled connection once `ticket` gets its slot. Waiting for the slot is bounded by the
     /// request's connect timeout (`ConnectionLimitReached` when it runs out); connecting and the
     /// answer's head by its first-byte timeout plus the connect timeout (at most 10 s); each pause
     /// in the body by its between-bytes timeout.
     pub(crate) async fn send(
         self,
+        origin: &str,
         ticket: Ticket,
         request: http::Request<WasiBody>,
         options: Option<RequestOptions>,
@@ -197,8 +237,9 @@ impl Sender {
             options.and_then(|o| o.between_bytes_timeout).unwrap_or(DEFAULT_TIMEOUT).max(Duration::from_nanos(1));
         let slot = tokio::time::timeout(connect, ticket.redeem()).await.ok().flatten();
         let Some(_slot) = slot else { return Err(HttpError::ConnectionLimitReached) };
+        let client = self.clients.client(origin);
         let head =
-            tokio::time::timeout(first_byte.saturating_add(connect.min(CONNECT_TIMEOUT)), self.client.request(request));
+            tokio::time::timeout(first_byte.saturating_add(connect.min(CONNECT_TIMEOUT)), client.request(request));
         let response = head.await.map_err(|_| HttpError::ConnectionReadTimeout)?.map_err(|e| client_error(&e))?;
         let mut timeout = tokio::time::interval(between_bytes);
         timeout.reset();
@@ -318,7 +359,7 @@ enum ConnectError {
     Prohibited(String),
 }
 
-/// Opens TCP connections, and TLS over them for `https`.
+/// Opens TCP connections, and TLS over them for `https`, for one origin's client.
 #[derive(Clone)]
 struct Connector {
     tls: tokio_rustls::TlsConnector,
@@ -326,6 +367,8 @@ struct Connector {
     private: bool,
     /// The name lookups of its connections.
     lookups: Arc<Lookups>,
+    /// Where its connections are counted.
+    listing: Listing<OriginClient>,
 }
 
 /// A host's addresses (port 0), or why it has none, as every connection waiting for them gets it.
@@ -434,7 +477,8 @@ impl tower_service::Service<Uri> for Connector {
     }
 
     fn call(&mut self, uri: Uri) -> Self::Future {
-        let (tls, private, lookups) = (self.tls.clone(), self.private, self.lookups.clone());
+        let (tls, private, lookups, listing) =
+            (self.tls.clone(), self.private, self.lookups.clone(), self.listing.clone());
         Box::pin(async move {
             let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
             let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
@@ -447,15 +491,15 @@ impl tower_service::Service<Uri> for Connector {
                 })?;
                 let _ = tcp.set_nodelay(true);
                 if !https {
-                    return Ok(Stream::Plain(tcp));
+                    return Ok(Io::Plain(tcp));
                 }
                 let name = rustls::pki_types::ServerName::try_from(host.clone())
                     .map_err(|e| ConnectError::Name(format!("{host}: {e}")))?;
                 let stream = tls.connect(name, tcp).await.map_err(ConnectError::Tls)?;
-                Ok(Stream::Tls(Box::new(stream)))
+                Ok(Io::Tls(Box::new(stream)))
             };
-            let stream = tokio::time::timeout(CONNECT_TIMEOUT, open).await.map_err(|_| ConnectError::Timeout)??;
-            Ok(TokioIo::new(stream))
+            let io = tokio::time::timeout(CONNECT_TIMEOUT, open).await.map_err(|_| ConnectError::Timeout)??;
+            Ok(TokioIo::new(Stream { io, _counted: listing.opened() }))
         })
     }
 }
@@ -562,36 +606,42 @@ pub(crate) fn is_public(ip: IpAddr) -> bool {
     }
 }
 
-/// A pooled connection: plain TCP, or TLS over it.
-enum Stream {
+/// A pooled connection, counted among its plugin's kept connections while it is open.
+struct Stream {
+    io: Io,
+    _counted: Opened<OriginClient>,
+}
+
+/// Plain TCP, or TLS over it.
+enum Io {
     Plain(TcpStream),
     Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
 }
 
 impl Connection for Stream {
     fn connected(&self) -> Connected {
-        match self {
-            Stream::Plain(_) => Connected::new(),
-            Stream::Tls(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2") => Connected::new().negotiated_h2(),
-            Stream::Tls(_) => Connected::new(),
+        match &self.io {
+            Io::Plain(_) => Connected::new(),
+            Io::Tls(tls) if tls.get_ref().1.alpn_protocol() == Some(b"h2") => Connected::new().negotiated_h2(),
+            Io::Tls(_) => Connected::new(),
         }
     }
 }
 
 impl AsyncRead for Stream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Stream::Tls(s) => Pin::new(s).poll_read(cx, buf),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Io::Tls(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
 }
 
 impl AsyncWrite for Stream {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Stream::Tls(s) => Pin::new(s).poll_write(cx, buf),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Io::Tls(s) => Pin::new(s).poll_write(cx, buf),
         }
     }
 
@@ -600,30 +650,30 @@ impl AsyncWrite for Stream {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Stream::Tls(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Io::Tls(s) => Pin::new(s).poll_write_vectored(cx, bufs),
         }
     }
 
     fn is_write_vectored(&self) -> bool {
-        match self {
-            Stream::Plain(s) => s.is_write_vectored(),
-            Stream::Tls(s) => s.is_write_vectored(),
+        match &self.io {
+            Io::Plain(s) => s.is_write_vectored(),
+            Io::Tls(s) => s.is_write_vectored(),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
-            Stream::Tls(s) => Pin::new(s).poll_flush(cx),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_flush(cx),
+            Io::Tls(s) => Pin::new(s).poll_flush(cx),
         }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Stream::Tls(s) => Pin::new(s).poll_shutdown(cx),
+        match &mut self.get_mut().io {
+            Io::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Io::Tls(s) => Pin::new(s).poll_shutdown(cx),
         }
     }
 }
@@ -718,9 +768,9 @@ mod tests {
         let pool = HttpPool::new();
         let slots = || Arc::new(Semaphore::new(1));
         let (a, b): (Arc<str>, Arc<str>) = ("a".into(), "b".into());
-        pool.sender(&a, None, false, slots()).unwrap();
-        pool.sender(&a, None, true, slots()).unwrap();
-        pool.sender(&b, None, false, slots()).unwrap();
+        pool.sender(&a, None, false, 8, slots()).unwrap();
+        pool.sender(&a, None, true, 8, slots()).unwrap();
+        pool.sender(&b, None, false, 8, slots()).unwrap();
         assert_eq!(pool.clients.lock().unwrap().len(), 3);
         let lookups = pool.lookups.lock().unwrap();
         assert_eq!(lookups.len(), 2, "one per plugin");

@@ -12,7 +12,8 @@
 //! enforces: memory, tables, instances, host resources, files, sockets, HTTP, logging),
 //! `imports.rs` (what the linker shadows or withholds: file-access guards, wasi:http for plugins
 //! without an `http` grant), `dns.rs` (name lookups, bounded per plugin), `http_pool.rs` (pooled
-//! connections for wasi:http requests), `tls.rs`
+//! connections for wasi:http requests), `kept.rs` (the bound on the connections a plugin keeps
+//! open over all its origins), `tls.rs`
 //! (TLS done by the host for wasi:tls and wasi:http: roots, a private CA, client certificates),
 //! `registry.rs` (scan, load, validate and hot-swap plugin files), `shape.rs` (what compiling a
 //! component would expand to, checked before wasmtime compiles it) and `pool.rs` (per-route
@@ -22,6 +23,7 @@ mod contract;
 mod dns;
 mod http_pool;
 mod imports;
+mod kept;
 mod pool;
 mod registry;
 mod runtime;
@@ -34,6 +36,7 @@ use std::time::Duration;
 
 pub use self::contract::{Contract, OLDER_WIT_VERSIONS, WIT_VERSION};
 pub use self::http_pool::DEFAULT_CONNECTIONS as DEFAULT_HTTP_CONNECTIONS;
+pub use self::http_pool::DEFAULT_IDLE_CONNECTIONS as DEFAULT_HTTP_IDLE_CONNECTIONS;
 pub(crate) use self::http_pool::is_public;
 pub use self::pool::{Cutoff, Delivery, PluginConfig, RouteTransport, Window, route_transports};
 pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, is_plugin_file, wasm_files};

@@ -234,12 +234,12 @@ impl WasiHttpHooks for HttpPolicy {
         let Some(request) = respelled(request, &origin) else {
             return Box::new(async { Err(HttpError::HttpRequestUriInvalid) });
         };
-        let slots = self.slots.entry(origin).or_insert_with(|| Arc::new(Semaphore::new(connections)));
+        let slots = self.slots.entry(origin.clone()).or_insert_with(|| Arc::new(Semaphore::new(connections)));
         // Taken now, while the plugin hands the request over: slots go in the order of requests.
         let ticket = Ticket::take(slots.clone());
         let Some(sender) = self.sender.clone() else { return Box::new(async { Err(HttpError::HttpRequestDenied) }) };
         Box::new(async move {
-            let response = sender.send(ticket, request, options).await?;
+            let response = sender.send(&origin, ticket, request, options).await?;
             // The pool drives its connections itself: nothing is left for the caller to await.
             let done = async { Ok(()) };
             Ok((response, Box::new(done) as Box<dyn Future<Output = _> + Send>))
@@ -348,7 +348,13 @@ impl Runtime {
             true => None,
             false => Some(
                 self.http
-                    .sender(&plugin, sandbox.http_ca.as_deref(), sandbox.http_private, self.dns.of(&plugin))
+                    .sender(
+                        &plugin,
+                        sandbox.http_ca.as_deref(),
+                        sandbox.http_private,
+                        sandbox.http_idle_connections,
+                        self.dns.of(&plugin),
+                    )
                     .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.http_ca: {e}"))?,
             ),
         };

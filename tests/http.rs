@@ -250,16 +250,16 @@ async fn connections_are_reused_and_capped_per_origin() {
     }
 }
 
-/// A plugin's connections over all its origins are bounded by `http_idle_connections`: here 4.
+/// A plugin's connections over all its origins are bounded by `http_open_connections`: here 4.
 /// Route `b`'s origin keeps the one connection its event opened until route `wide` sends a batch
-/// 8 requests at a time to another origin; the connections that opens pass the bound, so `b`'s,
-/// the origin used least recently, is closed, and `wide` keeps no more than 4 idle ones.
+/// 8 requests at a time to another origin; the connections that needs find no permit, so `b`'s,
+/// the origin used least recently, is closed to make room, and `wide` keeps no more than 4.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugins_connections_over_all_origins_are_bounded() {
     let wide = Receiver::start().await;
     let narrow = Receiver::start().await;
     let routes = [("wide", wide.url("/ok"), ", concurrency = \"8\""), ("b", narrow.url("/ok"), "")];
-    let s = setup_with(&wide, &format!("http://{}", narrow.addr), "http_idle_connections = 4", &routes).await;
+    let s = setup_with(&wide, &format!("http://{}", narrow.addr), "http_open_connections = 4", &routes).await;
     let rows = s.deliver(&[NewEvent::new("b", "t", "{}")]).await;
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
     assert_eq!((narrow.connections(), narrow.open()), (1, 1), "b's connection is kept");
@@ -269,6 +269,34 @@ async fn a_plugins_connections_over_all_origins_are_bounded() {
     assert!(wide.connections() >= 4, "the batch should need 4 connections or more: it opened {}", wide.connections());
     let bounded = || async { (narrow.open() == 0 && wide.open() <= 4).then_some(()) };
     eventually(std::time::Duration::from_secs(5), "b's connection to close, and wide to keep 4 at most", bounded).await;
+}
+
+/// The bound holds while requests are in flight, on whichever client: route `hang` keeps 4
+/// requests waiting for an answer that never comes, the plugin's 4 connections, until their
+/// 2 s timeout. Route `b`'s request, to another origin, waits for one of them to close instead of
+/// opening a fifth, then goes out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugins_connections_stay_bounded_while_its_requests_hang() {
+    let hanging = Receiver::start().await;
+    let narrow = Receiver::start().await;
+    let routes =
+        [("hang", hanging.url("/hang"), ", concurrency = \"4\", timeout_ms = \"2000\""), ("b", narrow.url("/ok"), "")];
+    let s = setup_with(&hanging, &format!("http://{}", narrow.addr), "http_open_connections = 4", &routes).await;
+    let hang: Vec<NewEvent> = (0..4).map(|i| NewEvent::new("hang", "t", format!("{{\"n\":{i}}}"))).collect();
+    let second = std::time::Duration::from_secs(1);
+    // `b` is emitted and claimed by a cycle of its own once the 4 requests hang.
+    let b = async {
+        tokio::time::sleep(second / 4).await;
+        s.deliver(&[NewEvent::new("b", "t", "{}")]).await
+    };
+    let during = async {
+        tokio::time::sleep(second).await;
+        (hanging.connections(), narrow.connections())
+    };
+    let (rows, b, during) = tokio::join!(s.deliver(&hang), b, during);
+    assert_eq!(during, (4, 0), "while 4 requests hang, b waits for one of their connections to close");
+    assert_eq!(b[0].status, Status::Sent, "{:?}", b[0].last_error);
+    assert!(rows.iter().filter(|r| r.route == "hang").all(|r| r.status == Status::Pending), "{rows:?}");
 }
 
 /// The plugin starts several requests, then writes the rest of their bodies in order; a body over

@@ -362,9 +362,9 @@ async fn spellings_of_one_origin_share_its_connections() {
 
 /// hyper keeps each origin's idle connections open for a minute after its last request, and a
 /// plugin granted `*.domain` names endless origins: a connection to each would hold as many of the
-/// host's open files as the plugin likes. Over all its origins a plugin keeps at most
-/// `http_idle_connections` open; past that, those of the origins it used least recently are
-/// closed. Here a plugin allowed 4 sends to 12 origins in turn: the last 4 keep theirs, the others
+/// host's open files as the plugin likes. Over all its origins a plugin has at most
+/// `http_open_connections` open; at that, those of the origins it used least recently are
+/// closed to make room. Here a plugin allowed 4 sends to 12 origins in turn: the last 4 keep theirs, the others
 /// are closed, and only a request to an origin used earlier opens a connection anew.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_keeps_no_more_connections_open_than_its_sandbox_allows() {
@@ -374,7 +374,7 @@ async fn a_plugin_keeps_no_more_connections_open_than_its_sandbox_allows() {
         receivers.push(Receiver::start().await);
     }
     let origins: Vec<String> = receivers.iter().map(|r| format!("\"http://{}\"", r.addr)).collect();
-    let s = setup(&format!("http = [{}]\nhttp_idle_connections = 4", origins.join(", "))).await;
+    let s = setup(&format!("http = [{}]\nhttp_open_connections = 4", origins.join(", "))).await;
     let get = async |n: usize| {
         let event = NewEvent::new("s", "http", "{}").with_header("authority", receivers[n].addr.to_string());
         let row = s.deliver_beside_a_healthy_route(event).await;

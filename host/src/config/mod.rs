@@ -298,9 +298,9 @@ pub struct SandboxConfig {
     pub http_private: bool,
     /// wasi:http requests per origin one instance may have waiting for their answer (default 32).
     pub http_connections: Option<u32>,
-    /// Connections ferry keeps open for the plugin's wasi:http requests over all its origins
-    /// (default 256); past it, those of the origins it used least recently are closed.
-    pub http_idle_connections: Option<u32>,
+    /// Connections the plugin's wasi:http requests may have open at once over all its origins
+    /// (default 256); at it, those of the origins it used least recently are closed to make room.
+    pub http_open_connections: Option<u32>,
     /// A PEM file of CA certificates the plugin's HTTPS servers may be verified against, besides
     /// the public roots.
     pub http_ca: Option<PathBuf>,

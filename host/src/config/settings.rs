@@ -210,8 +210,8 @@ pub struct Sandbox {
     pub http_private: bool,
     /// wasi:http requests per origin one instance may have waiting for their answer.
     pub http_connections: u32,
-    /// Connections kept open for its wasi:http requests over all its origins.
-    pub http_idle_connections: u32,
+    /// Connections its wasi:http requests may have open at once over all its origins.
+    pub http_open_connections: u32,
     /// A PEM file of CA certificates trusted for wasi:http, besides the public roots.
     pub http_ca: Option<PathBuf>,
     /// The same for wasi:tls connections.
@@ -241,10 +241,10 @@ impl Sandbox {
                 Some(n) => n,
                 None => crate::plugins::DEFAULT_HTTP_CONNECTIONS,
             },
-            http_idle_connections: match config.http_idle_connections {
-                Some(0) => return Err("http_idle_connections: must be at least 1".into()),
+            http_open_connections: match config.http_open_connections {
+                Some(0) => return Err("http_open_connections: must be at least 1".into()),
                 Some(n) => n,
-                None => crate::plugins::DEFAULT_HTTP_IDLE_CONNECTIONS,
+                None => crate::plugins::DEFAULT_HTTP_OPEN_CONNECTIONS,
             },
             http_ca: config.http_ca.as_ref().map(|path| normalize_path(path)),
             tls_ca: config.tls_ca.as_ref().map(|path| normalize_path(path)),

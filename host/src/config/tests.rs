@@ -133,7 +133,7 @@ fn errors_name_the_file_and_key() {
     assert!(e.contains("sandbox.kafka.tcp") && e.contains("host:port"), "{e}");
     let e = err("[sandbox.web]\nhttp = [\"ftp://x\"]");
     assert!(e.contains("sandbox.web.http") && e.contains("ftp"), "{e}");
-    for key in ["http_connections", "http_idle_connections"] {
+    for key in ["http_connections", "http_open_connections"] {
         let e = err(&format!("[sandbox.web]\n{key} = 0"));
         assert!(e.contains(&format!("sandbox.web.{key}: must be at least 1")), "{e}");
     }

@@ -3,8 +3,8 @@
 //! transport sending a batch of 500 events then pays 500 handshakes. Here each plugin's requests
 //! go through clients of its own (one per origin) that keep connections alive and reuse them
 //! across requests, calls and instances, speak HTTP/2 when a TLS server offers it (ALPN), and
-//! resume TLS sessions. The connections a plugin keeps open over all its origins are bounded by
-//! `sandbox.NAME.http_idle_connections` (`kept.rs`).
+//! resume TLS sessions. The connections a plugin has open over all its origins are bounded by
+//! `sandbox.NAME.http_open_connections` (`kept.rs`).
 //!
 //! What stays as it was: the origin allowlist is checked before a request reaches this module
 //! (`sandbox.rs`), names are resolved by the host, and the request's timeouts apply.
@@ -49,9 +49,9 @@ use super::kept::{Listing, Opened, Origins};
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per origin and plugin, at most; more are closed when they become idle.
 const IDLE_PER_ORIGIN: usize = 64;
-/// Connections a plugin keeps open over all its origins when its sandbox sets no
-/// `http_idle_connections`.
-pub const DEFAULT_IDLE_CONNECTIONS: u32 = 256;
+/// Connections a plugin may have open over all its origins when its sandbox sets no
+/// `http_open_connections`.
+pub const DEFAULT_OPEN_CONNECTIONS: u32 = 256;
 /// The largest HTTP/1 response head (status line and headers) read from a server, as much as a
 /// plugin's own header `fields` may hold: each response `fields` a plugin keeps holds on to the
 /// buffer its head was read into, so heads of 400 KiB (hyper's own limit for HTTP/1) would let a
@@ -135,7 +135,7 @@ impl HttpPool {
     /// against the public (webpki) roots and, with `ca`, the certificates in that PEM file. The
     /// error names the file when it cannot be used. Without `private`, a host name that resolves
     /// only to non-public addresses ([`is_public`]) is not connected to. At most `kept`
-    /// connections are kept open over all its origins (`kept.rs`).
+    /// connections are open at once over all its origins (`kept.rs`).
     /// `lookup_slots` are the plugin's name lookup slots (`dns.rs`).
     pub(crate) fn sender(
         &self,
@@ -322,6 +322,7 @@ fn client_error(e: &hyper_util::client::legacy::Error) -> HttpError {
                 ConnectError::Tls(e) => HttpError::Tls(io::Error::new(e.kind(), e.to_string())),
                 ConnectError::Name(_) => HttpError::HttpRequestUriInvalid,
                 ConnectError::Prohibited(_) => HttpError::DestinationIpProhibited,
+                ConnectError::Limit => HttpError::ConnectionLimitReached,
             };
         }
         if let Some(e) = cause.downcast_ref::<hyper::Error>() {
@@ -357,6 +358,8 @@ enum ConnectError {
     Name(String),
     #[error("{0}")]
     Prohibited(String),
+    #[error("the plugin has as many connections open as its sandbox's http_open_connections allows")]
+    Limit,
 }
 
 /// Opens TCP connections, and TLS over them for `https`, for one origin's client.
@@ -483,6 +486,8 @@ impl tower_service::Service<Uri> for Connector {
             let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
             let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
             let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
+            // The plugin's connections are bounded: a permit first (`kept.rs`).
+            let counted = listing.open(CONNECT_TIMEOUT).await.ok_or(ConnectError::Limit)?;
             let open = async {
                 let addresses = addresses(&host, port, private, &lookups).await?;
                 let tcp = TcpStream::connect(addresses.as_slice()).await.map_err(|e| match e.kind() {
@@ -499,7 +504,7 @@ impl tower_service::Service<Uri> for Connector {
                 Ok(Io::Tls(Box::new(stream)))
             };
             let io = tokio::time::timeout(CONNECT_TIMEOUT, open).await.map_err(|_| ConnectError::Timeout)??;
-            Ok(TokioIo::new(Stream { io, _counted: listing.opened() }))
+            Ok(TokioIo::new(Stream { io, _counted: counted }))
         })
     }
 }

@@ -1,30 +1,43 @@
-//! The bound on the connections a plugin's wasi:http requests keep open between requests.
-//! hyper's pool bounds the idle connections of each origin only, and a plugin granted `*.domain`
-//! can name endless origins: each would keep its connections open for a minute after its last
-//! request, file descriptors the rest of the host (other plugins, the database) needs.
+//! The bound on the connections a plugin's wasi:http requests have open. hyper's pool bounds
+//! the idle connections of each origin only, and a plugin granted `*.domain` can name endless
+//! origins: each would keep its connections open for a minute after its last request, file
+//! descriptors the rest of the host (other plugins, the database) needs.
 //!
-//! So each origin a plugin sends to has a client (and a pool) of its own, listed in the plugin's
-//! [`Origins`], which keeps at most `limit` origins listed and counts the connections their
-//! clients open. When a connection is opened past `limit`, the origin used least recently that
-//! has connections is unlisted: its client is dropped, which closes its idle connections at once
-//! and those still answering once their answer is read, and its next request gets a new client.
-//! An origin's own connections never make room for each other: those are bounded by hyper's
-//! idle limit per origin and the plugin's requests in flight.
+//! So a plugin has `limit` connection permits, one held by each of its connections from before it
+//! is opened until it closes, whichever client opened it. And each origin it sends to has a client
+//! (and a pool) of its own, listed in the plugin's [`Origins`], at most `limit` of them. A
+//! connection that finds no permit unlists the origin used least recently that has connections:
+//! its client is dropped, which closes its idle connections once no request holds the client any
+//! more, and those still answering once their answer is read; its next request gets a new client.
+//! The connection waits for a permit meanwhile (first, once, for connections of unlisted clients
+//! already closing, when there are some), unlisting one more origin every [`UNLIST_EVERY`], for up
+//! to the 10 s a connection may take to open; without one its request fails
+//! (`ConnectionLimitReached`). Connections of an unlisted client still hold their permits
+//! until they close, so a client kept alive by a request that never ends cannot hold more than
+//! the plugin's permits either.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 
-/// One plugin's clients by origin (`C` is the client), and the connections they keep.
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// How long a connection waiting for a permit waits for the connections of the origin it
+/// unlisted to close before it unlists another.
+pub(super) const UNLIST_EVERY: Duration = Duration::from_millis(50);
+
+/// One plugin's clients by origin (`C` is the client), and its connection permits.
 pub(super) struct Origins<C> {
-    /// Origins listed, and connections counted, at most.
+    /// Origins listed, and connections open, at most.
     limit: usize,
+    permits: Arc<Semaphore>,
     kept: Mutex<Kept<C>>,
 }
 
 struct Kept<C> {
     origins: HashMap<Arc<str>, Listed<C>>,
-    /// The connections of the origins listed.
-    open: usize,
+    /// The connections of the origins listed: the plugin's others are unlisted clients', closing.
+    listed_open: usize,
     /// Counts requests; orders the origins by when they were last used, and numbers listings.
     clock: u64,
 }
@@ -33,6 +46,7 @@ struct Listed<C> {
     client: C,
     /// Which listing of the origin this is, so a connection of an earlier one is not counted here.
     id: u64,
+    /// Its client's connections open or opening.
     open: usize,
     used: u64,
 }
@@ -45,12 +59,13 @@ impl<C> Origins<C> {
 
 impl<C: Clone> Origins<C> {
     pub(super) fn new(limit: usize) -> Arc<Origins<C>> {
-        let kept = Kept { origins: HashMap::new(), open: 0, clock: 0 };
-        Arc::new(Origins { limit: limit.max(1), kept: Mutex::new(kept) })
+        let limit = limit.clamp(1, Semaphore::MAX_PERMITS);
+        let kept = Kept { origins: HashMap::new(), listed_open: 0, clock: 0 };
+        Arc::new(Origins { limit, permits: Arc::new(Semaphore::new(limit)), kept: Mutex::new(kept) })
     }
 
-    /// The client for `origin`; listed anew, by `make` with the [`Listing`] its connector counts
-    /// connections against, when the origin is not listed. The origin counts as used now.
+    /// The client for `origin`; listed anew, by `make` with the [`Listing`] its connector opens
+    /// connections through, when the origin is not listed. The origin counts as used now.
     pub(super) fn client(self: &Arc<Self>, origin: &str, make: impl FnOnce(Listing<C>) -> C) -> C {
         let mut unlisted = Vec::new();
         let mut kept = self.lock();
@@ -60,9 +75,10 @@ impl<C: Clone> Origins<C> {
             listed.used = now;
             return listed.client.clone();
         }
-        // Origins whose connections all failed to open count none: the list itself is bounded.
+        // The list is bounded too (origins whose connections all failed to open have none):
+        // those without connections go first.
         while kept.origins.len() >= self.limit {
-            let Some(client) = kept.unlist_least_used(None) else { break };
+            let Some(client) = kept.unlist_least_used(|_, _| true, |listed| listed.open == 0) else { break };
             unlisted.push(client);
         }
         let origin: Arc<str> = origin.into();
@@ -74,31 +90,34 @@ impl<C: Clone> Origins<C> {
         client
     }
 
-    /// Origins listed and the connections counted, for tests.
+    /// Origins listed and the connections counted against them, for tests.
     #[cfg(test)]
     fn counts(&self) -> (usize, usize) {
         let kept = self.lock();
-        (kept.origins.len(), kept.open)
+        (kept.origins.len(), kept.origins.values().map(|listed| listed.open).sum())
     }
 }
 
 impl<C> Kept<C> {
-    /// Unlists the origin used least recently, other than `except`; with `except`, only among
-    /// those with connections (it makes room for one of `except`'s). `None` when there is none.
-    fn unlist_least_used(&mut self, except: Option<&str>) -> Option<C> {
+    /// Unlists the origin used least recently among those `eligible`, preferring those `first`.
+    fn unlist_least_used(
+        &mut self,
+        eligible: impl Fn(&str, &Listed<C>) -> bool,
+        first: impl Fn(&Listed<C>) -> bool,
+    ) -> Option<C> {
         let (origin, _) = self
             .origins
             .iter()
-            .filter(|(origin, listed)| except.is_none_or(|except| &***origin != except && listed.open > 0))
-            .min_by_key(|(_, listed)| listed.used)?;
+            .filter(|(origin, listed)| eligible(origin, listed))
+            .min_by_key(|(_, listed)| (!first(listed), listed.used))?;
         let origin = origin.clone();
         let listed = self.origins.remove(&origin)?;
-        self.open -= listed.open;
+        self.listed_open -= listed.open;
         Some(listed.client)
     }
 }
 
-/// Where a client's connections are counted: its origin, in one listing.
+/// Where a client opens its connections: its origin, in one listing, and its plugin's permits.
 pub(super) struct Listing<C> {
     origins: Weak<Origins<C>>,
     origin: Arc<str>,
@@ -112,46 +131,69 @@ impl<C> Clone for Listing<C> {
 }
 
 impl<C> Listing<C> {
-    /// Counts a connection just opened, unlisting other origins past the limit; the connection
-    /// holds what this returns until it closes. Not counted when its origin was unlisted since
-    /// its client was made: that client is on its way out.
-    pub(super) fn opened(&self) -> Opened<C> {
-        let mut unlisted = Vec::new();
-        let counted = self.origins.upgrade().is_some_and(|origins| {
-            let mut kept = origins.lock();
-            if kept.origins.get(&self.origin).is_none_or(|listed| listed.id != self.id) {
-                return false;
+    /// A permit for a connection about to be opened, held by it until it closes; waited for up to
+    /// `within`, unlisting other origins that have connections meanwhile. `None` when none came.
+    pub(super) async fn open(&self, within: Duration) -> Option<Opened<C>> {
+        let origins = self.origins.upgrade()?;
+        let deadline = tokio::time::Instant::now() + within;
+        // The first time the plugin's permits are all taken while some are held by connections of
+        // unlisted clients, closing (unless a request still holds their client), those are
+        // waited for before another origin is unlisted.
+        let mut patient = true;
+        let permit = loop {
+            if let Ok(permit) = origins.permits.clone().try_acquire_owned() {
+                break permit;
             }
-            while kept.open >= origins.limit {
-                let Some(client) = kept.unlist_least_used(Some(&self.origin)) else { break };
-                unlisted.push(client);
+            let (unlisted, wait) = {
+                let mut kept = origins.lock();
+                let in_use = origins.limit.saturating_sub(origins.permits.available_permits());
+                let others = |origin: &str, listed: &Listed<C>| origin != &*self.origin && listed.open > 0;
+                match in_use > kept.listed_open && std::mem::take(&mut patient) {
+                    true => (None, UNLIST_EVERY),
+                    false => match kept.unlist_least_used(others, |_| true) {
+                        Some(client) => (Some(client), UNLIST_EVERY),
+                        // Nothing left to unlist: one of the open connections has to close.
+                        None => (None, within),
+                    },
+                }
+            };
+            drop(unlisted);
+            let until = deadline.min(tokio::time::Instant::now() + wait);
+            match tokio::time::timeout_at(until, origins.permits.clone().acquire_owned()).await {
+                Ok(Ok(permit)) => break permit,
+                Ok(Err(_)) => return None,
+                Err(_) if tokio::time::Instant::now() >= deadline => return None,
+                Err(_) => {}
             }
-            kept.open += 1;
-            if let Some(listed) = kept.origins.get_mut(&self.origin) {
+        };
+        let mut kept = origins.lock();
+        let listed = match kept.origins.get_mut(&self.origin).filter(|listed| listed.id == self.id) {
+            Some(listed) => {
                 listed.open += 1;
+                true
             }
-            true
-        });
-        drop(unlisted);
-        Opened { listing: self.clone(), counted }
+            None => false,
+        };
+        kept.listed_open += usize::from(listed);
+        Some(Opened { listing: self.clone(), listed, _permit: permit })
     }
 }
 
-/// A counted connection: uncounted when dropped, if its listing is still the origin's.
+/// A connection's permit, and its count against its origin's listing (while that lasts).
 pub(super) struct Opened<C> {
     listing: Listing<C>,
-    counted: bool,
+    listed: bool,
+    _permit: OwnedSemaphorePermit,
 }
 
 impl<C> Drop for Opened<C> {
     fn drop(&mut self) {
-        let Some(origins) = self.listing.origins.upgrade().filter(|_| self.counted) else { return };
+        let Some(origins) = self.listing.origins.upgrade().filter(|_| self.listed) else { return };
         let mut kept = origins.lock();
-        let Some(listed) = kept.origins.get_mut(&self.listing.origin).filter(|l| l.id == self.listing.id) else {
-            return;
-        };
-        listed.open -= 1;
-        kept.open -= 1;
+        if let Some(listed) = kept.origins.get_mut(&self.listing.origin).filter(|l| l.id == self.listing.id) {
+            listed.open -= 1;
+            kept.listed_open -= 1;
+        }
     }
 }
 
@@ -172,56 +214,66 @@ mod tests {
         (client, made)
     }
 
-    #[test]
-    fn past_the_limit_the_origin_used_least_recently_is_unlisted() {
+    const SOON: Duration = Duration::from_millis(200);
+
+    #[tokio::test]
+    async fn past_the_limit_the_origin_used_least_recently_is_unlisted_and_its_connections_waited_for() {
         let origins = Origins::new(2);
         let (a, a_listing) = client(&origins, "http://a");
-        let (_, b_listing) = client(&origins, "http://b");
-        let (a_listing, b_listing) = (a_listing.unwrap(), b_listing.unwrap());
-        let a_open = a_listing.opened();
-        let _b_open = b_listing.opened();
+        let b_listing = client(&origins, "http://b").1.unwrap();
+        let a_open = a_listing.unwrap().open(SOON).await.unwrap();
+        let b_open = b_listing.open(SOON).await.unwrap();
         assert_eq!(origins.counts(), (2, 2));
         // `a` is used again, so `b` is the one used least recently.
         let (again, made) = client(&origins, "http://a");
         assert!(Arc::ptr_eq(&a, &again) && made.is_none(), "a listed origin keeps its client");
-        let (_, c_listing) = client(&origins, "http://c");
-        assert_eq!(origins.counts(), (2, 1), "b is unlisted, with its connection, to list c");
-        let c_listing = c_listing.unwrap();
-        let _c_open = c_listing.opened();
-        assert_eq!(origins.counts(), (2, 2));
-        // A second connection of `c` makes room by unlisting `a`, the other origin.
-        let _c_second = c_listing.opened();
-        assert_eq!(origins.counts(), (1, 2), "only c is left, with its two connections");
-        // `a`'s connection closing now is not counted against c's.
+        let c_listing = client(&origins, "http://c").1.unwrap();
+        assert_eq!(origins.counts(), (2, 1), "b is unlisted to list c");
+        // Both permits are held: c's connection unlists `a` and waits, but neither connection
+        // closes, and unlisted ones still hold their permits.
+        assert!(c_listing.open(SOON).await.is_none(), "no permit while both connections are open");
+        assert_eq!(origins.counts(), (1, 0), "only c is left, without connections");
+        drop(b_open);
+        let c_open = c_listing.open(SOON).await.expect("b's connection closed: its permit is free");
+        assert_eq!(origins.counts(), (1, 1));
+        // One waits, and gets the permit of a connection that closes meanwhile.
+        let waiting = tokio::spawn({
+            let c_listing = c_listing.clone();
+            async move { c_listing.open(Duration::from_secs(5)).await.is_some() }
+        });
+        tokio::time::sleep(UNLIST_EVERY * 2).await;
         drop(a_open);
-        assert_eq!(origins.counts(), (1, 2));
-        // `b`'s client was unlisted: a connection it opens now is not counted.
-        let late = b_listing.opened();
-        assert_eq!(origins.counts(), (1, 2));
+        assert!(waiting.await.unwrap());
+        // `b`'s listing is gone: a connection its client opens holds a permit, uncounted by origin.
+        drop(c_open);
+        let late = b_listing.open(SOON).await.unwrap();
+        assert_eq!(origins.counts(), (1, 0));
         drop(late);
-        assert_eq!(origins.counts(), (1, 2));
     }
 
-    #[test]
-    fn an_origins_own_connections_never_make_room_for_each_other() {
+    #[tokio::test]
+    async fn an_origins_own_connections_are_bounded_too() {
         let origins = Origins::new(2);
         let listing = client(&origins, "http://a").1.unwrap();
-        let open: Vec<_> = (0..5).map(|_| listing.opened()).collect();
-        assert_eq!(origins.counts(), (1, 5));
+        let open = [listing.open(SOON).await.unwrap(), listing.open(SOON).await.unwrap()];
+        assert!(listing.open(SOON).await.is_none());
+        assert_eq!(origins.counts(), (1, 2), "an origin never unlists itself");
         drop(open);
         assert_eq!(origins.counts(), (1, 0));
     }
 
-    #[test]
-    fn origins_without_connections_are_bounded_too() {
+    #[tokio::test]
+    async fn the_list_is_bounded_and_origins_without_connections_go_first() {
         let origins = Origins::new(3);
+        let first = client(&origins, "http://first").1.unwrap();
+        let _open = first.open(SOON).await.unwrap();
         for n in 0..100 {
             client(&origins, &format!("http://{n}.example"));
         }
-        assert_eq!(origins.counts(), (3, 0));
+        assert_eq!(origins.counts(), (3, 1));
         let kept = origins.lock();
         let mut listed: Vec<&str> = kept.origins.keys().map(|o| &**o).collect();
         listed.sort_unstable();
-        assert_eq!(listed, ["http://97.example", "http://98.example", "http://99.example"]);
+        assert_eq!(listed, ["http://98.example", "http://99.example", "http://first"]);
     }
 }

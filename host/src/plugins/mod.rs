@@ -36,7 +36,7 @@ use std::time::Duration;
 
 pub use self::contract::{Contract, OLDER_WIT_VERSIONS, WIT_VERSION};
 pub use self::http_pool::DEFAULT_CONNECTIONS as DEFAULT_HTTP_CONNECTIONS;
-pub use self::http_pool::DEFAULT_IDLE_CONNECTIONS as DEFAULT_HTTP_IDLE_CONNECTIONS;
+pub use self::http_pool::DEFAULT_OPEN_CONNECTIONS as DEFAULT_HTTP_OPEN_CONNECTIONS;
 pub(crate) use self::http_pool::is_public;
 pub use self::pool::{Cutoff, Delivery, PluginConfig, RouteTransport, Window, route_transports};
 pub use self::registry::{Plugin, PluginStatus, Registry, Reloaded, is_plugin_file, wasm_files};

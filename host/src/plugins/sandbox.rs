@@ -352,7 +352,7 @@ impl Runtime {
                         &plugin,
                         sandbox.http_ca.as_deref(),
                         sandbox.http_private,
-                        sandbox.http_idle_connections,
+                        sandbox.http_open_connections,
                         self.dns.of(&plugin),
                     )
                     .map_err(|e| anyhow::anyhow!("sandbox.{plugin}.http_ca: {e}"))?,

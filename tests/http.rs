@@ -272,9 +272,9 @@ async fn a_plugins_connections_over_all_origins_are_bounded() {
 }
 
 /// The bound holds while requests are in flight, on whichever client: route `hang` keeps 4
-/// requests waiting for an answer that never comes, the plugin's 4 connections, until their
-/// 2 s timeout. Route `b`'s request, to another origin, waits for one of them to close instead of
-/// opening a fifth, then goes out.
+/// requests waiting for an answer that never comes, on the plugin's 4 connections, until they
+/// time out (2 s to the first byte, plus the time allowed for connecting). Route `b`'s request,
+/// to another origin, waits for one of them to close instead of opening a fifth, then goes out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugins_connections_stay_bounded_while_its_requests_hang() {
     let hanging = Receiver::start().await;
@@ -283,17 +283,24 @@ async fn a_plugins_connections_stay_bounded_while_its_requests_hang() {
         [("hang", hanging.url("/hang"), ", concurrency = \"4\", timeout_ms = \"2000\""), ("b", narrow.url("/ok"), "")];
     let s = setup_with(&hanging, &format!("http://{}", narrow.addr), "http_open_connections = 4", &routes).await;
     let hang: Vec<NewEvent> = (0..4).map(|i| NewEvent::new("hang", "t", format!("{{\"n\":{i}}}"))).collect();
-    let second = std::time::Duration::from_secs(1);
-    // `b` is emitted and claimed by a cycle of its own once the 4 requests hang.
+    // `b` is emitted, and claimed by a cycle of its own, once the 4 requests hang; for the next
+    // second its receiver is watched for a connection.
     let b = async {
-        tokio::time::sleep(second / 4).await;
-        s.deliver(&[NewEvent::new("b", "t", "{}")]).await
+        let hung = || async { (hanging.connections() == 4).then_some(()) };
+        eventually(std::time::Duration::from_secs(10), "4 hanging requests", hung).await;
+        let watch = async {
+            let until = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+            let mut most = 0;
+            while tokio::time::Instant::now() < until {
+                most = most.max(narrow.connections());
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            (hanging.connections(), most)
+        };
+        let b = [NewEvent::new("b", "t", "{}")];
+        tokio::join!(s.deliver(&b), watch)
     };
-    let during = async {
-        tokio::time::sleep(second).await;
-        (hanging.connections(), narrow.connections())
-    };
-    let (rows, b, during) = tokio::join!(s.deliver(&hang), b, during);
+    let (rows, (b, during)) = tokio::join!(s.deliver(&hang), b);
     assert_eq!(during, (4, 0), "while 4 requests hang, b waits for one of their connections to close");
     assert_eq!(b[0].status, Status::Sent, "{:?}", b[0].last_error);
     assert!(rows.iter().filter(|r| r.route == "hang").all(|r| r.status == Status::Pending), "{rows:?}");

@@ -487,6 +487,8 @@ impl tower_service::Service<Uri> for Connector {
             let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
             let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
             // The plugin's connections are bounded: a permit first (`kept.rs`).
+            // Waiting for it counts in the time a connection may take to open.
+            let started = tokio::time::Instant::now();
             let counted = listing.open(CONNECT_TIMEOUT).await.ok_or(ConnectError::Limit)?;
             let open = async {
                 let addresses = addresses(&host, port, private, &lookups).await?;
@@ -503,7 +505,8 @@ impl tower_service::Service<Uri> for Connector {
                 let stream = tls.connect(name, tcp).await.map_err(ConnectError::Tls)?;
                 Ok(Io::Tls(Box::new(stream)))
             };
-            let io = tokio::time::timeout(CONNECT_TIMEOUT, open).await.map_err(|_| ConnectError::Timeout)??;
+            let left = CONNECT_TIMEOUT.saturating_sub(started.elapsed());
+            let io = tokio::time::timeout(left, open).await.map_err(|_| ConnectError::Timeout)??;
             Ok(TokioIo::new(Stream { io, _counted: counted }))
         })
     }

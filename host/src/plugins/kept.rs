@@ -9,10 +9,10 @@
 //! connection that finds no permit unlists the origin used least recently that has connections:
 //! its client is dropped, which closes its idle connections once no request holds the client any
 //! more, and those still answering once their answer is read; its next request gets a new client.
-//! The connection waits for a permit meanwhile (first, once, for connections of unlisted clients
-//! already closing, when there are some), unlisting one more origin every [`UNLIST_EVERY`], for up
-//! to the 10 s a connection may take to open; without one its request fails
-//! (`ConnectionLimitReached`). Connections of an unlisted client still hold their permits
+//! The connection waits for a permit meanwhile, in a fair queue: while connections of unlisted
+//! clients are closing, for up to a second, for theirs; then unlisting one more origin every
+//! [`UNLIST_EVERY`]. It waits within the 10 s a connection may take to open; without a permit its
+//! request fails (`ConnectionLimitReached`). Connections of an unlisted client still hold their permits
 //! until they close, so a client kept alive by a request that never ends cannot hold more than
 //! the plugin's permits either.
 
@@ -25,6 +25,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// How long a connection waiting for a permit waits for the connections of the origin it
 /// unlisted to close before it unlists another.
 pub(super) const UNLIST_EVERY: Duration = Duration::from_millis(50);
+/// How long a connection waiting for a permit trusts connections of unlisted clients to close
+/// (as they do unless a request still holds their client) before it unlists another origin.
+const PATIENCE: Duration = Duration::from_secs(1);
 
 /// One plugin's clients by origin (`C` is the client), and its connection permits.
 pub(super) struct Origins<C> {
@@ -135,20 +138,24 @@ impl<C> Listing<C> {
     /// `within`, unlisting other origins that have connections meanwhile. `None` when none came.
     pub(super) async fn open(&self, within: Duration) -> Option<Opened<C>> {
         let origins = self.origins.upgrade()?;
-        let deadline = tokio::time::Instant::now() + within;
-        // The first time the plugin's permits are all taken while some are held by connections of
-        // unlisted clients, closing (unless a request still holds their client), those are
-        // waited for before another origin is unlisted.
-        let mut patient = true;
+        if let Ok(permit) = origins.permits.clone().try_acquire_owned() {
+            return Some(self.opened(&origins, permit));
+        }
+        let now = tokio::time::Instant::now();
+        let deadline = now + within;
+        // Connections of unlisted clients are closing (unless a request still holds their
+        // client): for up to `PATIENCE` their permits are waited for before another origin is
+        // unlisted.
+        let patient_until = now + PATIENCE;
+        // One place in the (fair) queue for the whole wait.
+        let mut acquire = std::pin::pin!(origins.permits.clone().acquire_owned());
         let permit = loop {
-            if let Ok(permit) = origins.permits.clone().try_acquire_owned() {
-                break permit;
-            }
             let (unlisted, wait) = {
                 let mut kept = origins.lock();
                 let in_use = origins.limit.saturating_sub(origins.permits.available_permits());
+                let closing = in_use > kept.listed_open;
                 let others = |origin: &str, listed: &Listed<C>| origin != &*self.origin && listed.open > 0;
-                match in_use > kept.listed_open && std::mem::take(&mut patient) {
+                match closing && tokio::time::Instant::now() < patient_until {
                     true => (None, UNLIST_EVERY),
                     false => match kept.unlist_least_used(others, |_| true) {
                         Some(client) => (Some(client), UNLIST_EVERY),
@@ -159,13 +166,18 @@ impl<C> Listing<C> {
             };
             drop(unlisted);
             let until = deadline.min(tokio::time::Instant::now() + wait);
-            match tokio::time::timeout_at(until, origins.permits.clone().acquire_owned()).await {
+            match tokio::time::timeout_at(until, &mut acquire).await {
                 Ok(Ok(permit)) => break permit,
                 Ok(Err(_)) => return None,
                 Err(_) if tokio::time::Instant::now() >= deadline => return None,
                 Err(_) => {}
             }
         };
+        Some(self.opened(&origins, permit))
+    }
+
+    /// A connection with `permit`, counted against this listing if it is still its origin's.
+    fn opened(&self, origins: &Origins<C>, permit: OwnedSemaphorePermit) -> Opened<C> {
         let mut kept = origins.lock();
         let listed = match kept.origins.get_mut(&self.origin).filter(|listed| listed.id == self.id) {
             Some(listed) => {
@@ -175,7 +187,7 @@ impl<C> Listing<C> {
             None => false,
         };
         kept.listed_open += usize::from(listed);
-        Some(Opened { listing: self.clone(), listed, _permit: permit })
+        Opened { listing: self.clone(), listed, _permit: permit }
     }
 }
 
@@ -229,9 +241,11 @@ mod tests {
         assert!(Arc::ptr_eq(&a, &again) && made.is_none(), "a listed origin keeps its client");
         let c_listing = client(&origins, "http://c").1.unwrap();
         assert_eq!(origins.counts(), (2, 1), "b is unlisted to list c");
-        // Both permits are held: c's connection unlists `a` and waits, but neither connection
-        // closes, and unlisted ones still hold their permits.
+        // Both permits are held, and neither connection closes: c's connection waits for b's, which
+        // is unlisted, for a second, then unlists `a` and waits for its, in vain.
         assert!(c_listing.open(SOON).await.is_none(), "no permit while both connections are open");
+        assert_eq!(origins.counts(), (2, 1), "a is not unlisted while b's connection may be closing");
+        assert!(c_listing.open(PATIENCE + SOON).await.is_none(), "unlisted connections hold their permits");
         assert_eq!(origins.counts(), (1, 0), "only c is left, without connections");
         drop(b_open);
         let c_open = c_listing.open(SOON).await.expect("b's connection closed: its permit is free");

@@ -74,7 +74,7 @@ const MAX_DRAINS: usize = 256;
 const DRAIN_BYTES: usize = 64 << 10;
 const DRAIN_TIME: Duration = Duration::from_secs(1);
 
-/// The process's HTTP clients for plugins, by plugin (and extra CA file, and bound on kept
+/// The process's HTTP clients for plugins, by plugin (and extra CA file, and bound on open
 /// connections).
 pub(crate) struct HttpPool {
     clients: Mutex<HashMap<ClientKey, Arc<Clients>>>,
@@ -84,7 +84,7 @@ pub(crate) struct HttpPool {
 }
 
 /// A plugin, the CA file its sandbox trusts besides the public roots, whether it may reach
-/// non-public addresses, and the connections it may keep open.
+/// non-public addresses, and the connections it may have open.
 type ClientKey = (Arc<str>, Option<PathBuf>, bool, u32);
 
 /// One client, for one origin of one plugin.
@@ -134,7 +134,7 @@ impl HttpPool {
     /// HTTP/2, their streams and flow-control windows) are never another's. Servers are verified
     /// against the public (webpki) roots and, with `ca`, the certificates in that PEM file. The
     /// error names the file when it cannot be used. Without `private`, a host name that resolves
-    /// only to non-public addresses ([`is_public`]) is not connected to. At most `kept`
+    /// only to non-public addresses ([`is_public`]) is not connected to. At most `open_limit`
     /// connections are open at once over all its origins (`kept.rs`).
     /// `lookup_slots` are the plugin's name lookup slots (`dns.rs`).
     pub(crate) fn sender(
@@ -142,21 +142,21 @@ impl HttpPool {
         plugin: &Arc<str>,
         ca: Option<&Path>,
         private: bool,
-        kept: u32,
+        open_limit: u32,
         lookup_slots: Arc<Semaphore>,
     ) -> Result<Sender, String> {
         let mut clients = self.clients.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let key = (plugin.clone(), ca.map(Path::to_path_buf), private, kept);
+        let key = (plugin.clone(), ca.map(Path::to_path_buf), private, open_limit);
         let clients = match clients.get(&key) {
             Some(clients) => clients.clone(),
             None => {
-                let kept = usize::try_from(kept).unwrap_or(usize::MAX).max(1);
+                let open_limit = usize::try_from(open_limit).unwrap_or(usize::MAX).max(1);
                 let made = Arc::new(Clients {
                     tls: tls_connector(ca)?,
                     private,
                     lookups: self.lookups_of(plugin, lookup_slots),
-                    idle_per_origin: IDLE_PER_ORIGIN.min(kept),
-                    origins: Origins::new(kept),
+                    idle_per_origin: IDLE_PER_ORIGIN.min(open_limit),
+                    origins: Origins::new(open_limit),
                 });
                 clients.insert(key, made.clone());
                 made
@@ -219,10 +219,10 @@ pub(crate) struct Sender {
 
 impl Sender {
     /// Sends `request` to `origin` (`scheme://host:port`, which the caller has checked against
-    /// the plugin's allowlist) on a pooled connection once `ticket` gets its slot. Waiting for the slot is bounded by the
-    /// request's connect timeout (`ConnectionLimitReached` when it runs out); connecting and the
-    /// answer's head by its first-byte timeout plus the connect timeout (at most 10 s); each pause
-    /// in the body by its between-bytes timeout.
+    /// the plugin's allowlist) on a pooled connection once `ticket` gets its slot. Waiting for
+    /// the slot is bounded by the request's connect timeout (`ConnectionLimitReached` when it
+    /// runs out); connecting and the answer's head by its first-byte timeout plus the connect
+    /// timeout (at most 10 s); each pause in the body by its between-bytes timeout.
     pub(crate) async fn send(
         self,
         origin: &str,

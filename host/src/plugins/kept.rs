@@ -11,10 +11,10 @@
 //! more, and those still answering once their answer is read; its next request gets a new client.
 //! The connection waits for a permit meanwhile, in a fair queue: while connections of unlisted
 //! clients are closing, for up to a second, for theirs; then unlisting one more origin every
-//! [`UNLIST_EVERY`]. It waits within the 10 s a connection may take to open; without a permit its
-//! request fails (`ConnectionLimitReached`). Connections of an unlisted client still hold their permits
-//! until they close, so a client kept alive by a request that never ends cannot hold more than
-//! the plugin's permits either.
+//! [`UNLIST_EVERY`]. It waits within the 10 s a connection may take to open; without a permit
+//! its request fails (`ConnectionLimitReached`). Connections of an unlisted client still hold
+//! their permits until they close, so a client kept alive by a request that never ends cannot
+//! hold more than the plugin's permits either.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -24,7 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// How long a connection waiting for a permit waits for the connections of the origin it
 /// unlisted to close before it unlists another.
-pub(super) const UNLIST_EVERY: Duration = Duration::from_millis(50);
+const UNLIST_EVERY: Duration = Duration::from_millis(50);
 /// How long a connection waiting for a permit trusts connections of unlisted clients to close
 /// (as they do unless a request still holds their client) before it unlists another origin.
 const PATIENCE: Duration = Duration::from_secs(1);

@@ -234,9 +234,12 @@ impl WasiHttpHooks for HttpPolicy {
         let Some(request) = respelled(request, &origin) else {
             return Box::new(async { Err(HttpError::HttpRequestUriInvalid) });
         };
-        let slots = self.slots.entry(origin.clone()).or_insert_with(|| Arc::new(Semaphore::new(connections)));
+        let slots = match self.slots.get(&origin) {
+            Some(slots) => slots.clone(),
+            None => self.slots.entry(origin.clone()).or_insert_with(|| Arc::new(Semaphore::new(connections))).clone(),
+        };
         // Taken now, while the plugin hands the request over: slots go in the order of requests.
-        let ticket = Ticket::take(slots.clone());
+        let ticket = Ticket::take(slots);
         let Some(sender) = self.sender.clone() else { return Box::new(async { Err(HttpError::HttpRequestDenied) }) };
         Box::new(async move {
             let response = sender.send(&origin, ticket, request, options).await?;

@@ -22,22 +22,24 @@ const OLD_SECRET: &str = "rotated-out";
 
 /// Ferry with the http plugin; `routes` maps route names to `(url, extra config)`.
 async fn setup(receiver: &Receiver, extra_origin: &str, routes: &[(&str, String, &str)]) -> Stepped {
-    setup_with(receiver, extra_origin, "", routes).await
+    setup_with(receiver, &[extra_origin], "", routes).await
 }
 
-/// As [`setup`], with more of the plugin's sandbox settings (TOML lines).
+/// As [`setup`], with any number of origins granted besides the receiver's, and more of the
+/// plugin's sandbox settings (TOML lines).
 async fn setup_with(
     receiver: &Receiver,
-    extra_origin: &str,
+    extra_origins: &[&str],
     sandbox: &str,
     routes: &[(&str, String, &str)],
 ) -> Stepped {
     let db = TestDb::new(Backend::Sqlite).await;
     let plugins = plugins_dir(db.dir.path(), &["ferry_transport_http"]);
-    let mut text = format!(
-        "[plugins]\ndir = {plugins:?}\n[sandbox.http]\nhttp = [\"http://{}\", \"{extra_origin}\"]\n{sandbox}\n",
-        receiver.addr
-    );
+    let origins: Vec<String> = [format!("http://{}", receiver.addr)]
+        .into_iter()
+        .chain(extra_origins.iter().map(|origin| origin.to_string()))
+        .collect();
+    let mut text = format!("[plugins]\ndir = {plugins:?}\n[sandbox.http]\nhttp = {origins:?}\n{sandbox}\n");
     for (name, url, extra) in routes {
         text.push_str(&format!("[route.{name}]\nplugin = \"http\"\nconfig = {{ url = \"{url}\"{extra} }}\n"));
     }
@@ -229,7 +231,7 @@ async fn connections_are_reused_and_capped_per_origin() {
         ("capped", capped.url("/ok"), ", concurrency = \"32\""),
     ];
     let origins = format!("http://{}", capped.addr);
-    let s = setup_with(&receiver, &origins, "http_connections = 2", &routes).await;
+    let s = setup_with(&receiver, &[&origins], "http_connections = 2", &routes).await;
     // One cycle claims a batch of 100 (the default): 50 events per route.
     for round in 0..6 {
         let events: Vec<NewEvent> = (0..50)
@@ -259,7 +261,7 @@ async fn a_plugins_connections_over_all_origins_are_bounded() {
     let wide = Receiver::start().await;
     let narrow = Receiver::start().await;
     let routes = [("wide", wide.url("/ok"), ", concurrency = \"8\""), ("b", narrow.url("/ok"), "")];
-    let s = setup_with(&wide, &format!("http://{}", narrow.addr), "http_open_connections = 4", &routes).await;
+    let s = setup_with(&wide, &[&format!("http://{}", narrow.addr)], "http_open_connections = 4", &routes).await;
     let rows = s.deliver(&[NewEvent::new("b", "t", "{}")]).await;
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
     assert_eq!((narrow.connections(), narrow.open()), (1, 1), "b's connection is kept");
@@ -281,7 +283,7 @@ async fn a_plugins_connections_stay_bounded_while_its_requests_hang() {
     let narrow = Receiver::start().await;
     let routes =
         [("hang", hanging.url("/hang"), ", concurrency = \"4\", timeout_ms = \"2000\""), ("b", narrow.url("/ok"), "")];
-    let s = setup_with(&hanging, &format!("http://{}", narrow.addr), "http_open_connections = 4", &routes).await;
+    let s = setup_with(&hanging, &[&format!("http://{}", narrow.addr)], "http_open_connections = 4", &routes).await;
     let hang: Vec<NewEvent> = (0..4).map(|i| NewEvent::new("hang", "t", format!("{{\"n\":{i}}}"))).collect();
     // `b` is emitted, and claimed by a cycle of its own, once the 4 requests hang; for the next
     // second its receiver is watched for a connection.
@@ -306,6 +308,67 @@ async fn a_plugins_connections_stay_bounded_while_its_requests_hang() {
     assert!(rows.iter().filter(|r| r.route == "hang").all(|r| r.status == Status::Pending), "{rows:?}");
 }
 
+/// A connection opened for a request that another connection serves first is not waited for in
+/// the background. With one connection allowed, route `a`'s second request waits for a permit to
+/// connect while the first is answered, then goes out on the first's connection. hyper-util would
+/// let the connect it started run on, waiting for a permit for the rest of its 10 s and holding
+/// `a`'s pool, idle connection and all, meanwhile; it gives up at once instead. So when route `b`
+/// needs a connection to another origin, `a`'s idle one closes and `b`'s opens right away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_no_request_waits_for_any_more_gives_up_its_place() {
+    let slow = Receiver::start().await;
+    let other = Receiver::start().await;
+    let routes = [("a", slow.url("/slow"), ", concurrency = \"2\""), ("b", other.url("/ok"), "")];
+    let s = setup_with(&slow, &[&format!("http://{}", other.addr)], "http_open_connections = 1", &routes).await;
+    let a: Vec<NewEvent> = (0..2).map(|i| NewEvent::new("a", "t", format!("{{\"n\":{i}}}"))).collect();
+    let rows = s.deliver(&a).await;
+    assert!(rows.iter().all(|r| r.status == Status::Sent), "{rows:?}");
+    assert_eq!((slow.received(), slow.connections()), (2, 1), "a's two requests, one after the other");
+    let started = std::time::Instant::now();
+    let rows = s.deliver(&[NewEvent::new("b", "t", "{}")]).await;
+    let took = started.elapsed();
+    assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
+    assert!(took < std::time::Duration::from_secs(5), "b waited {took:?} for a's idle connection to close");
+    assert_eq!((slow.open(), other.connections()), (0, 1));
+}
+
+/// An origin unlisted while a request still holds its client is listed again with that client,
+/// whose idle connections serve it. With 3 connections allowed: `hang` holds one of origin A's
+/// and `a` leaves another idle; `c` opens a third, to origin C. `d`'s connection finds no permit
+/// and unlists A, used least recently, whose connections stay open while `hang` holds its client;
+/// after waiting a second for them it unlists C, whose connection closes. A's next request reuses
+/// its idle connection: it opens none, and needs no other origin unlisted for a permit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlisted_origin_gets_its_client_back_while_a_request_holds_it() {
+    let (held, c, d) = (Receiver::start().await, Receiver::start().await, Receiver::start().await);
+    let routes = [
+        ("hang", held.url("/hang"), ", timeout_ms = \"2000\""),
+        ("a", held.url("/ok"), ""),
+        ("c", c.url("/ok"), ""),
+        ("d", d.url("/ok"), ""),
+    ];
+    let others = [format!("http://{}", c.addr), format!("http://{}", d.addr)];
+    let s = setup_with(&held, &[&others[0], &others[1]], "http_open_connections = 3", &routes).await;
+    let rest = async {
+        eventually(std::time::Duration::from_secs(10), "the hanging request", || async {
+            (held.connections() == 1).then_some(())
+        })
+        .await;
+        let mut rows = Vec::new();
+        for route in ["a", "c", "d", "a"] {
+            rows.extend(s.deliver(&[NewEvent::new(route, "t", "{}")]).await);
+        }
+        (rows, held.connections(), held.open(), c.open())
+    };
+    let hang = [NewEvent::new("hang", "t", "{}")];
+    let (hung, (rows, opened, open, c_open)) = tokio::join!(s.deliver(&hang), rest);
+    assert!(rows.iter().all(|r| r.status == Status::Sent), "{rows:?}");
+    assert_eq!((opened, open), (2, 2), "A's second request reused the idle connection its first left");
+    assert_eq!(c_open, 0, "C's connection closed for D's");
+    assert_eq!(d.connections(), 1);
+    assert_eq!(hung[0].status, Status::Pending, "{:?}", hung[0].last_error);
+}
+
 /// The plugin starts several requests, then writes the rest of their bodies in order; a body over
 /// 16 KiB (what the host buffers) cannot be written in full until its request is under way. Slots are given in the order the requests
 /// were made, so the ones waiting for a slot are never the ones whose bodies the others need.
@@ -313,7 +376,7 @@ async fn a_plugins_connections_stay_bounded_while_its_requests_hang() {
 async fn large_bodies_never_wait_on_their_own_requests_for_a_slot() {
     let receiver = Receiver::start().await;
     let routes = [("big", receiver.url("/ok"), ", concurrency = \"8\", timeout_ms = \"3000\"")];
-    let s = setup_with(&receiver, "http://127.0.0.1:9", "http_connections = 2", &routes).await;
+    let s = setup_with(&receiver, &["http://127.0.0.1:9"], "http_connections = 2", &routes).await;
     let padding = "x".repeat(64 << 10);
     let events: Vec<NewEvent> =
         (0..24).map(|i| NewEvent::new("big", "t", format!("{{\"n\":{i},\"pad\":\"{padding}\"}}"))).collect();
@@ -393,7 +456,7 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     let routes = [("tls", url.clone(), ", concurrency = \"8\"")];
     // localhost is a loopback address: allowed by http_private.
     let trusted = format!("http_ca = {:?}\nhttp_private = true", server.ca);
-    let s = setup_with(&plain, &origin, &trusted, &routes).await;
+    let s = setup_with(&plain, &[&origin], &trusted, &routes).await;
     let mut after_first = 0;
     for round in 0..3 {
         let events: Vec<NewEvent> = (0..40).map(|i| NewEvent::new("tls", "t", format!("{{\"n\":{i}}}"))).collect();
@@ -414,7 +477,7 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     assert_eq!(opened, after_first, "the next 80 requests opened no connection");
 
     // The same server without its CA: the certificate does not verify.
-    let s = setup_with(&plain, &origin, "http_private = true", &routes).await;
+    let s = setup_with(&plain, &[&origin], "http_private = true", &routes).await;
     let rows = s.deliver(&[NewEvent::new("tls", "t", "{}")]).await;
     assert_eq!(rows[0].status, Status::Pending, "a TLS failure is transient");
     let error = rows[0].last_error.as_deref().unwrap_or_default();
@@ -424,7 +487,7 @@ async fn https_is_verified_and_speaks_http2_on_shared_connections() {
     // A CA file that is not one fails the route's events, naming the file.
     std::fs::write(dir.path().join("not-a-ca.pem"), "hello").unwrap();
     let broken = format!("http_ca = {:?}", dir.path().join("not-a-ca.pem"));
-    let s = setup_with(&plain, &origin, &broken, &routes).await;
+    let s = setup_with(&plain, &[&origin], &broken, &routes).await;
     let rows = s.deliver(&[NewEvent::new("tls", "t", "{}")]).await;
     let error = rows[0].last_error.as_deref().unwrap_or_default();
     assert!(error.contains("http_ca") && error.contains("not-a-ca.pem"), "{error}");

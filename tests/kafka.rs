@@ -343,7 +343,7 @@ async fn advertised_names_need_dns() {
     let rows = s.deliver(&[NewEvent::new("r", "t", "x")]).await;
     assert_eq!(rows[0].status, Status::Pending);
     let reason = rows[0].last_error.as_deref().unwrap();
-    assert!(reason.contains("cannot resolve localhost") && reason.contains("dns"), "{reason}");
+    assert!(reason.contains("cannot resolve localhost") && reason.contains("needs dns = true"), "{reason}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -495,7 +495,7 @@ impl Received {
 
 /// A real HTTP/1.1 server on 127.0.0.1 that records every request and answers by path:
 /// `/fail` → 500, `/busy` → 429 with `Retry-After: 7`, `/reject` → 400 with a body, `/hang` →
-/// no answer for 30 s, anything else → 200.
+/// no answer for 30 s, `/slow` → 200 after half a second, anything else → 200.
 pub struct Receiver {
     pub addr: std::net::SocketAddr,
     requests: Arc<std::sync::Mutex<Vec<Received>>>,
@@ -593,6 +593,10 @@ async fn serve_connection(mut socket: tokio::net::TcpStream, log: Arc<std::sync:
             "/hang" => {
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 return;
+            }
+            "/slow" => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
             }
             _ => b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n",
         };

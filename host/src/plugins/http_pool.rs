@@ -45,6 +45,14 @@ use wasmtime_wasi_http::{Error as HttpError, RequestOptions, WasiBody};
 
 use super::kept::{Listing, Opened, Origins};
 
+tokio::task_local! {
+    /// Set while a request's own task drives its client. When another connection serves the
+    /// request first, hyper-util finishes the connection it started for it in the background, in
+    /// a task of its own, where this is not set: one still waiting for a permit then gives up its
+    /// place, which no request needs, and the pool the connect holds on to.
+    static REQUEST: ();
+}
+
 /// How long an idle connection is kept for the next request.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle connections kept per origin and plugin, at most; more are closed when they become idle.
@@ -100,8 +108,9 @@ struct Clients {
 }
 
 impl Clients {
-    /// The client for `origin` (`scheme://host:port`), made if the origin is not listed.
-    fn client(&self, origin: &str) -> OriginClient {
+    /// The client for `origin` (`scheme://host:port`), made if the origin is not listed (and its
+    /// last client is not held by a request any more).
+    fn client(&self, origin: &str) -> Arc<OriginClient> {
         self.origins.client(origin, |listing| {
             Client::builder(TokioExecutor::new())
                 .pool_idle_timeout(IDLE_TIMEOUT)
@@ -237,9 +246,13 @@ impl Sender {
             options.and_then(|o| o.between_bytes_timeout).unwrap_or(DEFAULT_TIMEOUT).max(Duration::from_nanos(1));
         let slot = tokio::time::timeout(connect, ticket.redeem()).await.ok().flatten();
         let Some(_slot) = slot else { return Err(HttpError::ConnectionLimitReached) };
+        // Held until the answer's head arrives, which keeps it listed for its origin's next request
+        // should the origin be unlisted meanwhile (`kept.rs`).
         let client = self.clients.client(origin);
-        let head =
-            tokio::time::timeout(first_byte.saturating_add(connect.min(CONNECT_TIMEOUT)), client.request(request));
+        let head = tokio::time::timeout(
+            first_byte.saturating_add(connect.min(CONNECT_TIMEOUT)),
+            REQUEST.scope((), client.request(request)),
+        );
         let response = head.await.map_err(|_| HttpError::ConnectionReadTimeout)?.map_err(|e| client_error(&e))?;
         let mut timeout = tokio::time::interval(between_bytes);
         timeout.reset();
@@ -322,7 +335,7 @@ fn client_error(e: &hyper_util::client::legacy::Error) -> HttpError {
                 ConnectError::Tls(e) => HttpError::Tls(io::Error::new(e.kind(), e.to_string())),
                 ConnectError::Name(_) => HttpError::HttpRequestUriInvalid,
                 ConnectError::Prohibited(_) => HttpError::DestinationIpProhibited,
-                ConnectError::Limit => HttpError::ConnectionLimitReached,
+                ConnectError::Limit | ConnectError::Unwanted => HttpError::ConnectionLimitReached,
             };
         }
         if let Some(e) = cause.downcast_ref::<hyper::Error>() {
@@ -360,6 +373,8 @@ enum ConnectError {
     Prohibited(String),
     #[error("the plugin has as many connections open as its sandbox's http_open_connections allows")]
     Limit,
+    #[error("no request waits for this connection any more")]
+    Unwanted,
 }
 
 /// Opens TCP connections, and TLS over them for `https`, for one origin's client.
@@ -486,10 +501,16 @@ impl tower_service::Service<Uri> for Connector {
             let https = uri.scheme() == Some(&http::uri::Scheme::HTTPS);
             let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
             let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-            // The plugin's connections are bounded: a permit first (`kept.rs`).
-            // Waiting for it counts in the time a connection may take to open.
+            // The plugin's connections are bounded: a permit first (`kept.rs`), waited for only
+            // while its request waits for this connection ([`REQUEST`]). Waiting for it counts in
+            // the time a connection may take to open.
             let started = tokio::time::Instant::now();
-            let counted = listing.open(CONNECT_TIMEOUT).await.ok_or(ConnectError::Limit)?;
+            let mut permit = std::pin::pin!(listing.open(CONNECT_TIMEOUT));
+            let wanted = std::future::poll_fn(|cx| match REQUEST.try_with(|()| ()) {
+                Ok(()) => permit.as_mut().poll(cx).map(|opened| opened.ok_or(ConnectError::Limit)),
+                Err(_) => Poll::Ready(Err(ConnectError::Unwanted)),
+            });
+            let counted = wanted.await?;
             let open = async {
                 let addresses = addresses(&host, port, private, &lookups).await?;
                 let tcp = TcpStream::connect(addresses.as_slice()).await.map_err(|e| match e.kind() {

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -337,12 +337,11 @@ impl Connection {
 /// A plain TCP connection to `host:port`, with read and write timeouts.
 fn plain(host: &str, port: u16, timeout: Duration) -> Result<TcpStream, NetError> {
     let address = format!("{host}:{port}");
-    let addrs: Vec<_> = (host, port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve {address}: {e} (does the plugin's sandbox allow dns?)"))?
-        .collect();
+    let network = wasi::sockets::instance_network::instance_network();
+    let ips = crate::tls::resolve(&network, host, Instant::now() + timeout)?;
     let mut last = format!("{address} resolves to no address");
-    for addr in addrs {
+    for ip in ips {
+        let addr = SocketAddr::new(crate::tls::std_ip(ip), port);
         match TcpStream::connect_timeout(&addr, timeout) {
             Ok(stream) => {
                 let _ = stream.set_nodelay(true);

@@ -138,8 +138,13 @@ impl Write for TlsStream {
     }
 }
 
-/// The addresses of `host` (an IP address as it is, a name through the plugin's DNS grant).
-fn resolve(network: &wasi::sockets::network::Network, host: &str, deadline: Instant) -> Result<Vec<IpAddress>, String> {
+/// The addresses of `host` (an IP address as it is, a name through the plugin's DNS grant), for
+/// plain connections too. Errors say why a name has none, and what to grant when that is why.
+pub(crate) fn resolve(
+    network: &wasi::sockets::network::Network,
+    host: &str,
+    deadline: Instant,
+) -> Result<Vec<IpAddress>, String> {
     // An address needs no lookup (and no dns grant).
     match host.trim_start_matches('[').trim_end_matches(']').parse::<std::net::IpAddr>() {
         Ok(std::net::IpAddr::V4(ip)) => {
@@ -153,7 +158,7 @@ fn resolve(network: &wasi::sockets::network::Network, host: &str, deadline: Inst
         Err(_) => {}
     }
     let lookup = wasi::sockets::ip_name_lookup::resolve_addresses(network, host)
-        .map_err(|e| format!("cannot resolve {host}: {} (does the plugin's sandbox allow dns?)", code(e)))?;
+        .map_err(|e| format!("cannot resolve {host}: {}", code(e)))?;
     let mut addresses = Vec::new();
     loop {
         match lookup.resolve_next_address() {
@@ -162,8 +167,16 @@ fn resolve(network: &wasi::sockets::network::Network, host: &str, deadline: Inst
             Err(ErrorCode::WouldBlock) => {
                 wait(&lookup.subscribe(), deadline).map_err(|_| format!("resolving {host} timed out"))?
             }
-            Err(e) => return Err(format!("cannot resolve {host}: {} (does the plugin's sandbox allow dns?)", code(e))),
+            Err(e) => return Err(format!("cannot resolve {host}: {}", code(e))),
         }
+    }
+}
+
+/// `address` as the standard library has it.
+pub(crate) fn std_ip(address: IpAddress) -> std::net::IpAddr {
+    match address {
+        IpAddress::Ipv4((a, b, c, d)) => std::net::Ipv4Addr::new(a, b, c, d).into(),
+        IpAddress::Ipv6((a, b, c, d, e, f, g, h)) => std::net::Ipv6Addr::new(a, b, c, d, e, f, g, h).into(),
     }
 }
 
@@ -189,6 +202,12 @@ fn code(error: ErrorCode) -> String {
         ErrorCode::AccessDenied => "not on the plugin's tcp allowlist (access denied)".into(),
         ErrorCode::ConnectionRefused => "connection refused".into(),
         ErrorCode::NameUnresolvable => "the name does not resolve".into(),
+        // What the host answers a plugin without a dns grant.
+        ErrorCode::PermanentResolverFailure => {
+            "the plugin may not look names up (its sandbox needs dns = true), or the resolver refused".into()
+        }
+        // What the host answers while the plugin has as many lookups running as it may.
+        ErrorCode::TemporaryResolverFailure => "the resolver is busy or did not answer; tried again later".into(),
         other => format!("{other:?}"),
     }
 }

@@ -49,7 +49,9 @@ tokio::task_local! {
     /// Set while a request's own task drives its client. When another connection serves the
     /// request first, hyper-util finishes the connection it started for it in the background, in
     /// a task of its own, where this is not set: one still waiting for a permit then gives up its
-    /// place, which no request needs, and the pool the connect holds on to.
+    /// place, which no request needs, and the pool the connect holds on to. (hyper-util 0.1.21
+    /// polls a request's connect in the request's own future everywhere else: its race with the
+    /// pool, its wait after a cancelled checkout, its retries.)
     static REQUEST: ();
 }
 

@@ -339,6 +339,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_origin_whose_client_is_gone_gets_a_new_one_and_its_old_connections_count_no_more() {
+        let origins = Origins::new(3);
+        let a_open = client(&origins, "http://a").1.unwrap().open(SOON).await.unwrap();
+        let _b_open = client(&origins, "http://b").1.unwrap().open(SOON).await.unwrap();
+        let _c_open = client(&origins, "http://c").1.unwrap().open(SOON).await.unwrap();
+        // `a`, used least recently, is unlisted to list `d`; no one holds its client, and its
+        // connection is still open, so it is remembered.
+        client(&origins, "http://d");
+        assert_eq!(origins.counts(), (3, 2, 1));
+        let (_, made) = client(&origins, "http://a");
+        assert!(made.is_some_and(|listing| listing.id != 1), "a new client");
+        assert_eq!(origins.counts(), (3, 2, 1), "`d`, without connections, unlisted for it; `a`'s old one forgotten");
+        drop(a_open);
+        assert_eq!(origins.counts(), (3, 2, 1), "the old client's connection is not counted against the new one");
+    }
+
+    #[tokio::test]
     async fn an_origins_own_connections_are_bounded_too() {
         let origins = Origins::new(2);
         let listing = client(&origins, "http://a").1.unwrap();

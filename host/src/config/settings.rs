@@ -236,16 +236,16 @@ impl Sandbox {
             dns: config.dns,
             http,
             http_private: config.http_private,
-            http_connections: match config.http_connections {
-                Some(0) => return Err("http_connections: must be at least 1".into()),
-                Some(n) => n,
-                None => crate::plugins::DEFAULT_HTTP_CONNECTIONS,
-            },
-            http_open_connections: match config.http_open_connections {
-                Some(0) => return Err("http_open_connections: must be at least 1".into()),
-                Some(n) => n,
-                None => crate::plugins::DEFAULT_HTTP_OPEN_CONNECTIONS,
-            },
+            http_connections: connections(
+                "http_connections",
+                config.http_connections,
+                crate::plugins::DEFAULT_HTTP_CONNECTIONS,
+            )?,
+            http_open_connections: connections(
+                "http_open_connections",
+                config.http_open_connections,
+                crate::plugins::DEFAULT_HTTP_OPEN_CONNECTIONS,
+            )?,
             http_ca: config.http_ca.as_ref().map(|path| normalize_path(path)),
             tls_ca: config.tls_ca.as_ref().map(|path| normalize_path(path)),
             tls_client: match (&config.tls_client_cert, &config.tls_client_key) {
@@ -254,6 +254,20 @@ impl Sandbox {
                 _ => return Err("tls_client_cert and tls_client_key: give both, or neither".into()),
             },
         })
+    }
+}
+
+/// The most connections (or requests waiting) a sandbox's `http_connections` and
+/// `http_open_connections` may allow: far beyond what one process has file descriptors for.
+const MAX_CONNECTIONS: u32 = 1 << 20;
+
+/// A connection limit `key` as given (between 1 and [`MAX_CONNECTIONS`]), or `default`.
+fn connections(key: &str, given: Option<u32>, default: u32) -> Result<u32, String> {
+    match given {
+        None => Ok(default),
+        Some(0) => Err(format!("{key}: must be at least 1")),
+        Some(n) if n > MAX_CONNECTIONS => Err(format!("{key}: {n} is more than the {MAX_CONNECTIONS} allowed")),
+        Some(n) => Ok(n),
     }
 }
 

@@ -136,6 +136,8 @@ fn errors_name_the_file_and_key() {
     for key in ["http_connections", "http_open_connections"] {
         let e = err(&format!("[sandbox.web]\n{key} = 0"));
         assert!(e.contains(&format!("sandbox.web.{key}: must be at least 1")), "{e}");
+        let e = err(&format!("[sandbox.web]\n{key} = 4000000000"));
+        assert!(e.contains(&format!("sandbox.web.{key}: 4000000000 is more than the 1048576 allowed")), "{e}");
     }
     let e = err("[sandbox.slow]\ntimeout = \"10m\"");
     assert!(e.contains("sandbox.slow.timeout") && e.contains("relay.lease"), "{e}");

@@ -6,31 +6,34 @@
 //! So a plugin has `limit` connection permits, one held by each of its connections from before it
 //! is opened until it closes, whichever client opened it. And each origin it sends to has a client
 //! (and a pool) of its own, listed in the plugin's [`Origins`], at most `limit` of them. A
-//! connection that finds no permit unlists the origin used least recently that has connections:
-//! its client is dropped, which closes its idle connections once no request holds the client any
-//! more, and those still answering once their answer is read. The connection waits for a permit
-//! meanwhile, in a fair queue: while connections of unlisted clients are closing, for up to a
-//! second, for theirs; then unlisting one more origin every [`UNLIST_EVERY`]. It waits within the
-//! 10 s a connection may take to open; without a permit its request fails
-//! (`ConnectionLimitReached`). Connections of an unlisted client still hold their permits until
-//! they close, so a client kept alive by a request that never ends cannot hold more than the
-//! plugin's permits either.
+//! connection that finds no permit waits for one, in a fair queue; while the connections on their
+//! way to closing are fewer than those waiting, it unlists the origin used least recently that
+//! has connections: its client is dropped, which closes its idle connections once no request
+//! holds the client any more, and those still answering once their answer is read. A connection
+//! is counted on to close for [`PATIENCE`] after its origin was unlisted, and no longer after
+//! that (a request that never answers holds its client). So the connections waiting unlist about
+//! as many connections as they need permits, and as many again for each second in which those
+//! do not close. A connection waits within the 10 s it may take to open; without a permit its
+//! request fails (`ConnectionLimitReached`). Connections of an unlisted client still hold their
+//! permits until they close, so a client kept alive by a request that never ends cannot hold
+//! more than the plugin's permits either.
 //!
 //! The next request to an unlisted origin lists it again: with the same client while a request
 //! still holds that one, so the connections it keeps open (and their permits) serve the origin
-//! again instead of waiting beside a new client's; with a new client otherwise.
+//! again instead of waiting beside a new client's; with a new client otherwise, beside which the
+//! old one's connections are still counted on to close.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
-/// How long a connection waiting for a permit waits for the connections of the origin it
-/// unlisted to close before it unlists another.
-const UNLIST_EVERY: Duration = Duration::from_millis(50);
-/// How long a connection waiting for a permit trusts connections of unlisted clients to close
-/// (as they do unless a request still holds their client) before it unlists another origin.
+/// How often a connection waiting for a permit looks again at what is closing.
+const RECHECK: Duration = Duration::from_millis(50);
+/// How long after its origin was unlisted a connection is counted on to close, as it does unless
+/// a request still holds its client; after that, connections waiting unlist other origins.
 const PATIENCE: Duration = Duration::from_secs(1);
 
 /// One plugin's clients (`T`) by origin, and its connection permits.
@@ -42,27 +45,51 @@ pub(super) struct Origins<T> {
 struct Kept<T> {
     /// Origins listed, and connections open, at most.
     limit: usize,
-    origins: HashMap<Arc<str>, Listed<Arc<T>>>,
-    /// Origins unlisted whose client a request may still hold, or whose connections are still
-    /// open; their `used` is no longer read.
-    unlisted: HashMap<Arc<str>, Listed<Weak<T>>>,
+    origins: HashMap<Arc<str>, Listed<T>>,
+    unlisted: HashMap<Arc<str>, Unlisted<T>>,
+    /// Unlisted clients gone whose origins were listed again with new clients, while their
+    /// connections are open, by id: at most `limit`, each holding a permit.
+    replaced: HashMap<u64, Unlisted<T>>,
+    /// The unlistings of origins with connections in the last [`PATIENCE`], oldest first: their
+    /// connections, those still unlisted and open, are counted on to close.
+    recent: VecDeque<Recent>,
+    /// Numbers unlistings.
+    unlistings: u64,
     /// How many `unlisted` there may be before those whose client is gone and whose connections
     /// are closed are forgotten.
     sweep_at: usize,
-    /// The connections of the origins listed: the plugin's others are unlisted clients', closing.
-    listed_open: usize,
+    /// Connections waiting for a permit.
+    waiting: usize,
     /// Counts requests; orders the origins by when they were last used, and numbers listings.
     clock: u64,
 }
 
-/// An origin's client (`C`: held while listed, weakly once unlisted) and its connections.
-struct Listed<C> {
-    client: C,
+/// An origin's client and its connections.
+struct Listed<T> {
+    client: Arc<T>,
     /// Which client of the origin this is, so a connection of an earlier one is not counted here.
     id: u64,
     /// Its client's connections open or opening.
     open: usize,
     used: u64,
+}
+
+/// An origin unlisted whose client a request may still hold, or whose connections are still
+/// open.
+struct Unlisted<T> {
+    client: Weak<T>,
+    id: u64,
+    open: usize,
+    /// Which unlisting it was (an origin listed again may be unlisted again).
+    unlisting: u64,
+}
+
+/// An unlisting whose connections are counted on to close for [`PATIENCE`] after `at`.
+struct Recent {
+    at: Instant,
+    origin: Arc<str>,
+    id: u64,
+    unlisting: u64,
 }
 
 impl<T> Origins<T> {
@@ -72,8 +99,11 @@ impl<T> Origins<T> {
             limit,
             origins: HashMap::new(),
             unlisted: HashMap::new(),
+            replaced: HashMap::new(),
+            recent: VecDeque::new(),
+            unlistings: 0,
             sweep_at: limit,
-            listed_open: 0,
+            waiting: 0,
             clock: 0,
         };
         Arc::new(Origins { permits: Arc::new(Semaphore::new(limit)), kept: Mutex::new(kept) })
@@ -97,19 +127,24 @@ impl<T> Origins<T> {
         }
         // The list is bounded too (origins whose connections all failed to open have none):
         // those without connections go first.
+        let at = Instant::now();
         while kept.origins.len() >= kept.limit {
-            let Some(client) = kept.unlist_least_used(|_, _| true, |listed| listed.open == 0) else { break };
+            let Some(client) = kept.unlist_least_used(|_, _| true, |listed| listed.open == 0, at) else { break };
             unlisted.push(client);
         }
         let (origin, listed) = match kept.unlisted.remove_entry(origin) {
             Some((origin, before)) => match before.client.upgrade() {
                 Some(client) => (origin, Listed { client, id: before.id, open: before.open, used: now }),
-                // Its connections are no longer counted by origin; they still hold their permits.
-                None => self.listed_anew(origin, now, make),
+                // A new client, beside which the old one's connections close.
+                None => {
+                    if before.open > 0 {
+                        kept.replaced.insert(before.id, before);
+                    }
+                    self.listed_anew(origin, now, make)
+                }
             },
             None => self.listed_anew(origin.into(), now, make),
         };
-        kept.listed_open += listed.open;
         let client = listed.client.clone();
         kept.origins.insert(origin, listed);
         drop(kept);
@@ -123,7 +158,7 @@ impl<T> Origins<T> {
         origin: Arc<str>,
         now: u64,
         make: impl FnOnce(Listing<T>) -> T,
-    ) -> (Arc<str>, Listed<Arc<T>>) {
+    ) -> (Arc<str>, Listed<T>) {
         let client = Arc::new(make(Listing { origins: Arc::downgrade(self), origin: origin.clone(), id: now }));
         (origin, Listed { client, id: now, open: 0, used: now })
     }
@@ -141,8 +176,9 @@ impl<T> Kept<T> {
     /// its client is handed back to be dropped once the lock is released.
     fn unlist_least_used(
         &mut self,
-        eligible: impl Fn(&str, &Listed<Arc<T>>) -> bool,
-        first: impl Fn(&Listed<Arc<T>>) -> bool,
+        eligible: impl Fn(&str, &Listed<T>) -> bool,
+        first: impl Fn(&Listed<T>) -> bool,
+        at: Instant,
     ) -> Option<Arc<T>> {
         let (origin, _) = self
             .origins
@@ -150,15 +186,37 @@ impl<T> Kept<T> {
             .filter(|(origin, listed)| eligible(origin, listed))
             .min_by_key(|(_, listed)| (!first(listed), listed.used))?;
         let origin = origin.clone();
-        let listed = self.origins.remove(&origin)?;
-        self.listed_open -= listed.open;
+        let Listed { client, id, open, .. } = self.origins.remove(&origin)?;
         if self.unlisted.len() >= self.sweep_at {
             self.unlisted.retain(|_, unlisted| unlisted.open > 0 || unlisted.client.strong_count() > 0);
             self.sweep_at = (self.unlisted.len() * 2).max(self.limit);
         }
-        let Listed { client, id, open, used } = listed;
-        self.unlisted.insert(origin, Listed { client: Arc::downgrade(&client), id, open, used });
+        self.unlistings += 1;
+        let unlisting = self.unlistings;
+        self.forget_lapsed(at);
+        if open > 0 {
+            self.recent.push_back(Recent { at, origin: origin.clone(), id, unlisting });
+        }
+        self.unlisted.insert(origin, Unlisted { client: Arc::downgrade(&client), id, open, unlisting });
         Some(client)
+    }
+
+    /// The connections still open of the origins unlisted in the last [`PATIENCE`] before `now`
+    /// that are still unlisted (an origin listed again with its client keeps its connections).
+    fn closing(&mut self, now: Instant) -> usize {
+        self.forget_lapsed(now);
+        let open = |recent: &Recent| {
+            let this = |unlisted: &&Unlisted<T>| unlisted.unlisting == recent.unlisting;
+            let unlisted = self.unlisted.get(&recent.origin).filter(this);
+            unlisted.or_else(|| self.replaced.get(&recent.id).filter(this)).map_or(0, |unlisted| unlisted.open)
+        };
+        self.recent.iter().map(open).sum()
+    }
+
+    fn forget_lapsed(&mut self, now: Instant) {
+        while self.recent.front().is_some_and(|recent| now >= recent.at + PATIENCE) {
+            self.recent.pop_front();
+        }
     }
 
     /// Counts a connection of `origin`'s client `id` opened (or closed), listed or not; `false`
@@ -170,13 +228,19 @@ impl<T> Kept<T> {
         };
         if let Some(listed) = self.origins.get_mut(origin).filter(|listed| listed.id == id) {
             step(&mut listed.open);
-            step(&mut self.listed_open);
             return true;
         }
-        let Some(unlisted) = self.unlisted.get_mut(origin).filter(|unlisted| unlisted.id == id) else { return false };
-        step(&mut unlisted.open);
-        if unlisted.open == 0 && unlisted.client.strong_count() == 0 {
-            self.unlisted.remove(origin);
+        if let Some(unlisted) = self.unlisted.get_mut(origin).filter(|unlisted| unlisted.id == id) {
+            step(&mut unlisted.open);
+            if unlisted.open == 0 && unlisted.client.strong_count() == 0 {
+                self.unlisted.remove(origin);
+            }
+            return true;
+        }
+        let Some(replaced) = self.replaced.get_mut(&id) else { return false };
+        step(&mut replaced.open);
+        if replaced.open == 0 {
+            self.replaced.remove(&id);
         }
         true
     }
@@ -204,35 +268,28 @@ impl<T> Listing<T> {
         if let Ok(permit) = origins.permits.clone().try_acquire_owned() {
             return Some(self.opened(&origins, permit));
         }
-        let now = tokio::time::Instant::now();
-        let deadline = now + within;
-        // Connections of unlisted clients are closing (unless a request still holds their
-        // client): for up to `PATIENCE` their permits are waited for before another origin is
-        // unlisted.
-        let patient_until = now + PATIENCE;
+        let deadline = Instant::now() + within;
+        let _waiting = Waiting::new(&origins);
         // One place in the (fair) queue for the whole wait.
         let mut acquire = std::pin::pin!(origins.permits.clone().acquire_owned());
         let permit = loop {
-            let (unlisted, wait) = {
+            let unlisted = {
                 let mut kept = origins.lock();
-                let in_use = kept.limit.saturating_sub(origins.permits.available_permits());
-                let closing = in_use > kept.listed_open;
-                let others = |origin: &str, listed: &Listed<Arc<T>>| origin != &*self.origin && listed.open > 0;
-                match closing && tokio::time::Instant::now() < patient_until {
-                    true => (None, UNLIST_EVERY),
-                    false => match kept.unlist_least_used(others, |_| true) {
-                        Some(client) => (Some(client), UNLIST_EVERY),
-                        // Nothing left to unlist: one of the open connections has to close.
-                        None => (None, within),
-                    },
+                let now = Instant::now();
+                let others = |origin: &str, listed: &Listed<T>| origin != &*self.origin && listed.open > 0;
+                // Fewer connections on their way to closing than waiting for their permits: one
+                // more origin lets go of its connections (if another has any).
+                match kept.closing(now) < kept.waiting {
+                    true => kept.unlist_least_used(others, |_| true, now),
+                    false => None,
                 }
             };
             drop(unlisted);
-            let until = deadline.min(tokio::time::Instant::now() + wait);
+            let until = deadline.min(Instant::now() + RECHECK);
             match tokio::time::timeout_at(until, &mut acquire).await {
                 Ok(Ok(permit)) => break permit,
                 Ok(Err(_)) => return None,
-                Err(_) if tokio::time::Instant::now() >= deadline => return None,
+                Err(_) if Instant::now() >= deadline => return None,
                 Err(_) => {}
             }
         };
@@ -243,6 +300,22 @@ impl<T> Listing<T> {
     fn opened(&self, origins: &Origins<T>, permit: OwnedSemaphorePermit) -> Opened<T> {
         let counted = origins.lock().count(&self.origin, self.id, true);
         Opened { listing: self.clone(), counted, _permit: permit }
+    }
+}
+
+/// A connection waiting for a permit, counted while it waits (and until its wait is dropped).
+struct Waiting<'a, T>(&'a Origins<T>);
+
+impl<'a, T> Waiting<'a, T> {
+    fn new(origins: &'a Origins<T>) -> Self {
+        origins.lock().waiting += 1;
+        Waiting(origins)
+    }
+}
+
+impl<T> Drop for Waiting<'_, T> {
+    fn drop(&mut self) {
+        self.0.lock().waiting -= 1;
     }
 }
 
@@ -277,6 +350,10 @@ mod tests {
 
     const SOON: Duration = Duration::from_millis(200);
 
+    fn closing(origins: &Origins<u64>) -> usize {
+        origins.lock().closing(Instant::now())
+    }
+
     #[tokio::test]
     async fn past_the_limit_the_origin_used_least_recently_is_unlisted_and_its_connections_waited_for() {
         let origins = Origins::new(2);
@@ -305,7 +382,7 @@ mod tests {
             let c_listing = c_listing.clone();
             async move { c_listing.open(Duration::from_secs(5)).await.is_some() }
         });
-        tokio::time::sleep(UNLIST_EVERY * 2).await;
+        tokio::time::sleep(RECHECK * 2).await;
         drop(a_open);
         assert!(waiting.await.unwrap());
         // `b`'s client is forgotten: a connection it opens holds a permit, uncounted by origin.
@@ -313,6 +390,39 @@ mod tests {
         let late = b_listing.open(SOON).await.unwrap();
         assert_eq!(origins.counts(), (1, 0, 1));
         drop(late);
+    }
+
+    #[tokio::test]
+    async fn connections_waiting_unlist_as_many_connections_as_they_wait_for() {
+        let origins = Origins::new(12);
+        let mut open = Vec::new();
+        for n in 0..12 {
+            open.push(client(&origins, &format!("http://{n}")).1.unwrap().open(SOON).await.unwrap());
+        }
+        // Listing `new` unlists `0`, used least recently: its connection is counted on to close.
+        let listing = client(&origins, "http://new").1.unwrap();
+        assert_eq!(origins.counts(), (12, 11, 1));
+        let waiting: Vec<_> = (0..3)
+            .map(|_| {
+                let listing = listing.clone();
+                tokio::spawn(async move { listing.open(Duration::from_secs(5)).await.is_some() })
+            })
+            .collect();
+        tokio::time::sleep(SOON).await;
+        assert_eq!(origins.counts(), (10, 9, 3), "three wait for one connection closing: `1` and `2` are unlisted too");
+        // None of the three closes (as if requests held their clients). Once they are no longer
+        // counted on, three more origins are unlisted for the three waiting, and no more.
+        tokio::time::sleep(PATIENCE + SOON).await;
+        // (Woken late, this task may run before the waiting ones, woken at the same time.)
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(origins.counts(), (7, 6, 6), "`3`, `4` and `5` unlisted, `6` to `11` kept");
+        drop(open);
+        for waiting in waiting {
+            assert!(waiting.await.unwrap(), "a permit once the connections close");
+        }
+        assert_eq!(origins.counts(), (7, 0, 0));
     }
 
     #[tokio::test]
@@ -325,13 +435,21 @@ mod tests {
         // still held (as a request waiting for its answer holds it).
         client(&origins, "http://c");
         assert_eq!(origins.counts(), (2, 1, 1));
+        assert_eq!(closing(&origins), 1, "its connection is counted on to close");
         let (again, made) = client(&origins, "http://a");
         assert!(Arc::ptr_eq(&a, &again) && made.is_none(), "listed again with the client it had");
         assert_eq!(origins.counts(), (2, 2, 1), "with its connection: `c`, without any, made room");
+        assert_eq!(closing(&origins), 0, "its connection serves it again");
+        // Unlisted a second time within the second, its connection is counted once.
+        client(&origins, "http://b");
+        client(&origins, "http://d");
+        assert_eq!(origins.counts(), (2, 1, 2));
+        assert_eq!(closing(&origins), 1);
+        let (later, _) = client(&origins, "http://a");
         drop(a_open);
-        assert_eq!(origins.counts(), (2, 1, 1));
+        assert_eq!(origins.counts(), (2, 1, 1), "`d` made room; `c`, without client or connections, swept");
         // Unlisted again once no one holds its client, it gets a new one.
-        drop((a, again));
+        drop((a, again, later));
         client(&origins, "http://d");
         let (_, made) = client(&origins, "http://a");
         assert!(made.is_some_and(|listing| listing.id != 1), "a client no one holds is not listed again");
@@ -339,7 +457,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn an_origin_whose_client_is_gone_gets_a_new_one_and_its_old_connections_count_no_more() {
+    async fn an_origin_whose_client_is_gone_gets_a_new_one_that_waits_for_the_old_ones_connections() {
         let origins = Origins::new(3);
         let a_open = client(&origins, "http://a").1.unwrap().open(SOON).await.unwrap();
         let _b_open = client(&origins, "http://b").1.unwrap().open(SOON).await.unwrap();
@@ -349,10 +467,16 @@ mod tests {
         client(&origins, "http://d");
         assert_eq!(origins.counts(), (3, 2, 1));
         let (_, made) = client(&origins, "http://a");
-        assert!(made.is_some_and(|listing| listing.id != 1), "a new client");
+        let a_new = made.filter(|listing| listing.id != 1).expect("a new client");
         assert_eq!(origins.counts(), (3, 2, 1), "`d`, without connections, unlisted for it; `a`'s old one forgotten");
+        // The old client's connection is closing: the new one's waits for its permit, and unlists
+        // no origin meanwhile.
+        assert!(a_new.open(SOON).await.is_none());
+        assert_eq!(origins.counts(), (3, 2, 1), "`b` and `c` keep theirs");
         drop(a_open);
         assert_eq!(origins.counts(), (3, 2, 1), "the old client's connection is not counted against the new one");
+        let _a_new_open = a_new.open(SOON).await.expect("the old connection's permit");
+        assert_eq!(origins.counts(), (3, 3, 1));
     }
 
     #[tokio::test]

@@ -7,21 +7,24 @@
 //! is opened until it closes, whichever client opened it. And each origin it sends to has a client
 //! (and a pool) of its own, listed in the plugin's [`Origins`], at most `limit` of them. A
 //! connection that finds no permit waits for one, in a fair queue; while the connections on their
-//! way to closing are fewer than those waiting, it unlists the origin used least recently that
-//! has connections: its client is dropped, which closes its idle connections once no request
-//! holds the client any more, and those still answering once their answer is read. A connection
-//! is counted on to close for [`PATIENCE`] after its origin was unlisted, and no longer after
-//! that (a request that never answers holds its client). So the connections waiting unlist about
-//! as many connections as they need permits, and as many again for each second in which those
-//! do not close. A connection waits within the 10 s it may take to open; without a permit its
-//! request fails (`ConnectionLimitReached`). Connections of an unlisted client still hold their
-//! permits until they close, so a client kept alive by a request that never ends cannot hold
-//! more than the plugin's permits either.
+//! way to closing are fewer than those waiting, it unlists another origin, the one used least
+//! recently that has connections: its client is dropped, which closes its idle connections once
+//! no request holds the client any more, and those still answering once their answer is read. A
+//! connection is counted on to close for [`PATIENCE`] after its origin was unlisted (or opened
+//! for a request that held its client then), and no longer after that: one still answering, or
+//! whose client a request waiting for its answer still holds, may stay open longer. So the
+//! connections waiting unlist origins until about as many connections are closing as they need
+//! permits (whole origins: there may be more), and again for each second in which those do not
+//! close. A connection waits within the 10 s it may take to open; without a permit its request
+//! fails (`ConnectionLimitReached`). Connections of an unlisted client still hold their permits
+//! until they close, so a client kept alive by a request that never ends cannot hold more than
+//! the plugin's permits either.
 //!
 //! The next request to an unlisted origin lists it again: with the same client while a request
 //! still holds that one, so the connections it keeps open (and their permits) serve the origin
-//! again instead of waiting beside a new client's; with a new client otherwise, beside which the
-//! old one's connections are still counted on to close.
+//! again instead of waiting beside a new client's; with a new client otherwise. The old client's
+//! connections are then counted apart, by client, until they close, and counted on to close for
+//! what is left of the second after the unlisting.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -50,9 +53,12 @@ struct Kept<T> {
     /// Unlisted clients gone whose origins were listed again with new clients, while their
     /// connections are open, by id: at most `limit`, each holding a permit.
     replaced: HashMap<u64, Unlisted<T>>,
-    /// The unlistings of origins with connections in the last [`PATIENCE`], oldest first: their
-    /// connections, those still unlisted and open, are counted on to close.
+    /// The unlistings in the last [`PATIENCE`] of origins with connections or whose client a
+    /// request held, oldest first: their connections, those still unlisted and open, are counted
+    /// on to close.
     recent: VecDeque<Recent>,
+    /// How many `recent` there may be before those that can no longer count are dropped.
+    prune_at: usize,
     /// Numbers unlistings.
     unlistings: u64,
     /// How many `unlisted` there may be before those whose client is gone and whose connections
@@ -92,6 +98,19 @@ struct Recent {
     unlisting: u64,
 }
 
+impl Recent {
+    /// What this unlisting left, while it is still unlisted: by origin, or by client once the
+    /// origin got a new one.
+    fn of<'a, T>(
+        &self,
+        unlisted: &'a HashMap<Arc<str>, Unlisted<T>>,
+        replaced: &'a HashMap<u64, Unlisted<T>>,
+    ) -> Option<&'a Unlisted<T>> {
+        let this = |u: &&Unlisted<T>| u.unlisting == self.unlisting;
+        unlisted.get(&self.origin).filter(this).or_else(|| replaced.get(&self.id).filter(this))
+    }
+}
+
 impl<T> Origins<T> {
     pub(super) fn new(limit: usize) -> Arc<Origins<T>> {
         let limit = limit.clamp(1, Semaphore::MAX_PERMITS);
@@ -101,6 +120,7 @@ impl<T> Origins<T> {
             unlisted: HashMap::new(),
             replaced: HashMap::new(),
             recent: VecDeque::new(),
+            prune_at: limit,
             unlistings: 0,
             sweep_at: limit,
             waiting: 0,
@@ -194,7 +214,17 @@ impl<T> Kept<T> {
         self.unlistings += 1;
         let unlisting = self.unlistings;
         self.forget_lapsed(at);
-        if open > 0 {
+        // A client a request holds may open connections yet (one may be waiting for a permit).
+        if open > 0 || Arc::strong_count(&client) > 1 {
+            if self.recent.len() >= self.prune_at {
+                // Bounded by the unlisted entries that still count, not by how fast a plugin
+                // unlists: each counts once, and has connections or a request holding its client.
+                let (unlisted, replaced) = (&self.unlisted, &self.replaced);
+                self.recent.retain(|recent| {
+                    recent.of(unlisted, replaced).is_some_and(|u| u.open > 0 || u.client.strong_count() > 0)
+                });
+                self.prune_at = (self.recent.len() * 2).max(self.limit);
+            }
             self.recent.push_back(Recent { at, origin: origin.clone(), id, unlisting });
         }
         self.unlisted.insert(origin, Unlisted { client: Arc::downgrade(&client), id, open, unlisting });
@@ -205,12 +235,8 @@ impl<T> Kept<T> {
     /// that are still unlisted (an origin listed again with its client keeps its connections).
     fn closing(&mut self, now: Instant) -> usize {
         self.forget_lapsed(now);
-        let open = |recent: &Recent| {
-            let this = |unlisted: &&Unlisted<T>| unlisted.unlisting == recent.unlisting;
-            let unlisted = self.unlisted.get(&recent.origin).filter(this);
-            unlisted.or_else(|| self.replaced.get(&recent.id).filter(this)).map_or(0, |unlisted| unlisted.open)
-        };
-        self.recent.iter().map(open).sum()
+        let (unlisted, replaced) = (&self.unlisted, &self.replaced);
+        self.recent.iter().map(|recent| recent.of(unlisted, replaced).map_or(0, |u| u.open)).sum()
     }
 
     fn forget_lapsed(&mut self, now: Instant) {
@@ -423,6 +449,39 @@ mod tests {
             assert!(waiting.await.unwrap(), "a permit once the connections close");
         }
         assert_eq!(origins.counts(), (7, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_connection_opened_for_a_request_after_its_origin_was_unlisted_is_counted_on_to_close() {
+        let origins = Origins::new(2);
+        let (a, a_listing) = client(&origins, "http://a");
+        let _b_open = client(&origins, "http://b").1.unwrap().open(SOON).await.unwrap();
+        // `c` unlists `a`, without connections, while a request holds its client.
+        let c_listing = client(&origins, "http://c").1.unwrap();
+        assert_eq!(origins.counts(), (2, 1, 1));
+        // The request's connection opens only now; it closes once its answer is in.
+        let a_open = a_listing.unwrap().open(SOON).await.unwrap();
+        assert_eq!(closing(&origins), 1);
+        let waiting = tokio::spawn(async move { c_listing.open(Duration::from_secs(5)).await.is_some() });
+        tokio::time::sleep(SOON).await;
+        assert_eq!(origins.counts(), (2, 1, 1), "`c` waits for `a`'s connection; `b` keeps its own");
+        drop((a, a_open));
+        assert!(waiting.await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn unlistings_that_no_longer_count_are_not_kept_however_fast_origins_are_unlisted() {
+        let origins = Origins::new(2);
+        let mut held = VecDeque::new();
+        // Each origin's client is held (by a request) while it is unlisted, and let go right after.
+        for n in 0..100 {
+            held.push_back(client(&origins, &format!("http://{n}")).0);
+            if held.len() > 3 {
+                held.pop_front();
+            }
+        }
+        let recent = origins.lock().recent.len();
+        assert!(recent <= 8, "{recent} unlistings kept, of 98");
     }
 
     #[tokio::test]

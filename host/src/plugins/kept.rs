@@ -90,6 +90,13 @@ struct Unlisted<T> {
     unlisting: u64,
 }
 
+impl<T> Unlisted<T> {
+    /// Whether it still matters: its connections are open, or a request may open more.
+    fn live(&self) -> bool {
+        self.open > 0 || self.client.strong_count() > 0
+    }
+}
+
 /// An unlisting whose connections are counted on to close for [`PATIENCE`] after `at`.
 struct Recent {
     at: Instant,
@@ -208,7 +215,7 @@ impl<T> Kept<T> {
         let origin = origin.clone();
         let Listed { client, id, open, .. } = self.origins.remove(&origin)?;
         if self.unlisted.len() >= self.sweep_at {
-            self.unlisted.retain(|_, unlisted| unlisted.open > 0 || unlisted.client.strong_count() > 0);
+            self.unlisted.retain(|_, unlisted| unlisted.live());
             self.sweep_at = (self.unlisted.len() * 2).max(self.limit);
         }
         self.unlistings += 1;
@@ -220,9 +227,7 @@ impl<T> Kept<T> {
                 // Bounded by the unlisted entries that still count, not by how fast a plugin
                 // unlists: each counts once, and has connections or a request holding its client.
                 let (unlisted, replaced) = (&self.unlisted, &self.replaced);
-                self.recent.retain(|recent| {
-                    recent.of(unlisted, replaced).is_some_and(|u| u.open > 0 || u.client.strong_count() > 0)
-                });
+                self.recent.retain(|recent| recent.of(unlisted, replaced).is_some_and(Unlisted::live));
                 self.prune_at = (self.recent.len() * 2).max(self.limit);
             }
             self.recent.push_back(Recent { at, origin: origin.clone(), id, unlisting });
@@ -258,7 +263,7 @@ impl<T> Kept<T> {
         }
         if let Some(unlisted) = self.unlisted.get_mut(origin).filter(|unlisted| unlisted.id == id) {
             step(&mut unlisted.open);
-            if unlisted.open == 0 && unlisted.client.strong_count() == 0 {
+            if !unlisted.live() {
                 self.unlisted.remove(origin);
             }
             return true;

@@ -358,6 +358,88 @@ async fn a_processing_row_without_a_lease_is_recovered(db: TestDb) {
     assert_eq!(row.status, Status::Processing, "a lease as long as ferry takes runs on");
 }
 
+/// Whatever `claimed_by` a stuck row holds (on SQLite a blob, or text that is not UTF-8; on
+/// either a name of megabytes or one with a line break) it is recovered with the
+/// rest: the name comes back as text safe to log and at most `MAX_CLAIMANT` bytes, and the
+/// message written names it when it is printable ASCII of that size, and otherwise gives its size. Before, one such row
+/// failed the recovery statement, and with it every stuck claim of every route stayed held.
+async fn stuck_rows_are_recovered_whatever_their_claimant(db: TestDb) {
+    let s = stepped(db).await;
+    let mut claimants = vec![
+        ("NULL", None, "(claimed by ?)"),
+        ("'inst-a'", Some("inst-a".to_string()), "(claimed by inst-a)"),
+        ("'a' || chr(10) || 'b'", Some("a\\nb".into()), "(claimed by an instance name of 3 bytes)"),
+    ];
+    let long = match s.db.backend {
+        Backend::Sqlite => "printf('%.*c', 3000000, 'x')",
+        Backend::Postgres => "repeat('x', 3000000)",
+    };
+    claimants.push((long, None, "(claimed by an instance name of 3000000 bytes)"));
+    if s.db.backend == Backend::Sqlite {
+        claimants[2].0 = "'a' || char(10) || 'b'";
+        // SQLite keeps a blob as a blob in any column (a number given to this TEXT column is
+        // stored as text), and does not check that text is UTF-8.
+        claimants.push((
+            "x'ff00fe'",
+            Some("\u{fffd}\\u{0}\u{fffd}".into()),
+            "(claimed by an instance name of 3 bytes)",
+        ));
+        claimants.push(("CAST(x'ff41' AS TEXT)", Some("\u{fffd}A".into()), "(claimed by an instance name of 2 bytes)"));
+    }
+    let mut stuck = Vec::new();
+    for (value, _, _) in &claimants {
+        stuck
+            .push(insert_edited(&s, &format!("status = 'PROCESSING', lease_until = NULL, claimed_by = {value}")).await);
+    }
+    // Two at a time, oldest first, as the relay's passes of RECOVER_BATCH go.
+    let mut recovered = Vec::new();
+    loop {
+        let pass = s.db.store.recover_expired(s.clock.now(), 2).await.expect("recovery reads every row");
+        assert!(pass.len() <= 2, "{pass:?}");
+        if pass.is_empty() {
+            break;
+        }
+        recovered.extend(pass);
+    }
+    assert_eq!(recovered.iter().map(|r| r.id).collect::<Vec<_>>(), stuck);
+    for ((value, name, message), (r, id)) in claimants.iter().zip(recovered.iter().zip(&stuck)) {
+        assert_eq!(r.claimed_by.as_ref(), name.as_ref(), "claimed_by = {value}");
+        let row = s.db.store.get(*id).await.unwrap().unwrap();
+        assert_eq!(row.status, Status::Pending, "claimed_by = {value}");
+        let error = row.last_error.unwrap_or_default();
+        assert!(
+            error.starts_with("claim lease expired while PROCESSING ") && error.contains(message),
+            "{value}: {error}"
+        );
+        assert!(error.len() < 200, "claimed_by = {value}: {} bytes", error.len());
+    }
+    s.ferry.relay.cycle(&CancellationToken::new()).await.expect("the cycle completes");
+    for id in stuck {
+        assert_eq!(s.db.store.get(id).await.unwrap().unwrap().status, Status::Sent, "event {id}");
+    }
+}
+
+/// A crash can leave more stuck claims than one recovery statement takes (`RECOVER_BATCH`): the
+/// relay's recovery goes on until none is left, each statement bounded.
+async fn more_stuck_claims_than_one_pass_takes_are_all_recovered(db: TestDb) {
+    let s = stepped(db).await;
+    let n = ferry::store::RECOVER_BATCH as usize * 2 + 500;
+    let fill = match s.db.backend {
+        Backend::Sqlite => format!(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {n})
+             INSERT INTO ferry_events (route, event_type, payload, status, claimed_by) SELECT 's', 'ok', '{{}}', 'PROCESSING', 'gone' FROM n"
+        ),
+        Backend::Postgres => format!(
+            "INSERT INTO ferry_events (route, event_type, payload, status, claimed_by)
+             SELECT 's', 'ok', '{{}}'::bytea, 'PROCESSING', 'gone' FROM generate_series(1, {n})"
+        ),
+    };
+    assert_eq!(sql(&s.db, &fill).await.unwrap(), n as u64);
+    assert_eq!(s.ferry.relay.recover().await.unwrap(), n);
+    let stats = s.db.store.stats(s.clock.now(), None, false).await.unwrap();
+    assert_eq!((stats.stuck, s.db.store.recover_expired(s.clock.now(), 10).await.unwrap().len()), (0, 0));
+}
+
 /// A PENDING row whose `next_attempt_at` was edited into something the claim cannot compare with
 /// a time (text or a blob on SQLite, `infinity` on PostgreSQL) is never due: housekeeping makes it
 /// due now, and it is delivered, rather than waiting forever.
@@ -456,8 +538,16 @@ async fn names_and_headers_too_long_to_load_fail_alone(db: TestDb) {
         let row = s.db.store.get(id).await.unwrap().unwrap();
         assert_eq!(row.status, Status::Sent, "event {id}: {:?}", row.last_error);
     }
-    for (id, column) in edits {
-        let row = s.db.store.get(id).await.unwrap().unwrap();
+    // An error, a claimant and a token written by SQL past what ferry writes, on the first.
+    let edit = format!(
+        "UPDATE ferry_events SET last_error = {}, claimed_by = {}, claim_token = {} WHERE id = {}",
+        repeat('e', 100_000),
+        repeat('b', 5000),
+        repeat('t', 1025),
+        edits[0].0
+    );
+    for (id, column) in &edits {
+        let row = s.db.store.get(*id).await.unwrap().unwrap();
         let error = row.last_error.unwrap_or_default();
         assert_eq!((row.status, row.failure_reason), (Status::Failed, Some(FailureReason::InvalidEvent)), "{error}");
         assert_eq!(row.attempts, 1, "event {id}");
@@ -466,6 +556,7 @@ async fn names_and_headers_too_long_to_load_fail_alone(db: TestDb) {
             "{column}: {error}"
         );
     }
+    assert_eq!(sql(&s.db, &edit).await.unwrap(), 1, "{edit}");
     // Listed, the long values are shown as their size: a page of such rows is not loaded whole.
     let config = s.db.dir.path().join("list.toml");
     std::fs::write(&config, format!("[database]\nurl = {:?}\n", s.db.url)).unwrap();
@@ -475,6 +566,9 @@ async fn names_and_headers_too_long_to_load_fail_alone(db: TestDb) {
     let events = page["events"].as_array().unwrap();
     assert_eq!(events.len(), kinds, "{page}");
     assert_eq!(events[0]["route"], "(1025 bytes, not loaded)");
+    assert_eq!(events[0]["last_error"], "(100000 bytes, not loaded)");
+    assert_eq!(events[0]["claimed_by"], "(5000 bytes, not loaded)");
+    assert_eq!(events[0]["claim_token"], "(1025 bytes, not loaded)");
     assert_eq!(events[2]["ordering_key"], "(5000 bytes, not loaded)", "{}", events[2]);
     let headers = events[4]["headers"].as_str().unwrap_or_default();
     assert!(headers.ends_with(" bytes, not loaded)") && headers.starts_with("(3000"), "{headers}");
@@ -575,6 +669,8 @@ crate::both_backends!(
     random_column_values_never_stop_the_relay,
     a_malformed_breaker_row_holds_only_its_route,
     a_processing_row_without_a_lease_is_recovered,
+    stuck_rows_are_recovered_whatever_their_claimant,
+    more_stuck_claims_than_one_pass_takes_are_all_recovered,
     names_and_headers_too_long_to_load_fail_alone,
     a_row_the_database_refuses_to_claim_fails_alone,
     a_breaker_count_edited_to_its_top_still_counts,

@@ -221,9 +221,21 @@ async fn a_plugin_sees_only_its_own_directories() {
         assert!(row.last_error.as_deref().unwrap().starts_with(&format!("read {outside}: ")), "{:?}", row.last_error);
     }
     // Climbing out of a granted directory reaches the host, which refuses and says so.
-    let log = log.text();
-    assert!(log.contains("denied access to a path outside its directories"), "{log}");
-    assert!(log.contains("plugin=scripted") && log.contains("../../etc/hostname"), "{log}");
+    let text = log.text();
+    assert!(text.contains("denied access to a path outside its directories"), "{text}");
+    assert!(text.contains("plugin=scripted") && text.contains("../../etc/hostname"), "{text}");
+    // The plugin chooses the path the refusal shows: it is cut and its line breaks escaped, so it
+    // can neither forge a log line nor write one of megabytes.
+    let forged = Captured::default();
+    // Within the 4 096 bytes a path may have, each name within 255.
+    let path = format!("/data/../x\nERROR forged line\n{}", format!("{}/", "a".repeat(200)).repeat(15));
+    let row = s.deliver_beside_a_healthy_route(read(&path)).with_subscriber(forged.subscriber()).await;
+    assert_eq!(row.status, Status::Failed);
+    let text = forged.text();
+    assert!(text.contains("denied access to a path outside its directories"), "{text}");
+    assert!(text.contains("x\\nERROR forged line\\na") && text.contains("more bytes)"), "{text}");
+    assert!(!text.lines().any(|line| line.starts_with("ERROR forged")), "{text}");
+    assert!(text.len() < 4096, "{} bytes logged", text.len());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -140,8 +140,8 @@ async fn writes_of_a_recovered_claim_are_fenced_off(db: TestDb) {
     first.lease_until = t0() + secs(5);
     assert_eq!(s.claim(&first).await.unwrap().len(), 1);
 
-    assert!(s.recover_expired(t0() + secs(5)).await.unwrap().is_empty(), "lease not yet expired");
-    let recovered = s.recover_expired(t0() + secs(6)).await.unwrap();
+    assert!(s.recover_expired(t0() + secs(5), 10).await.unwrap().is_empty(), "lease not yet expired");
+    let recovered = s.recover_expired(t0() + secs(6), 10).await.unwrap();
     assert_eq!(recovered.len(), 1);
     assert_eq!((recovered[0].id, recovered[0].claimed_by.as_deref()), (id, Some("test-instance")));
     let row = s.get(id).await.unwrap().unwrap();

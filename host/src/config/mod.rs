@@ -548,6 +548,16 @@ impl Config {
         if !(1..=64).contains(&self.relay.workers) {
             return Err(format!("relay.workers must be between 1 and 64, got {}", self.relay.workers));
         }
+        // Written into every claimed row and into the message of a recovered one, and logged.
+        let instance = &self.relay.instance_id;
+        if instance.len() > crate::store::MAX_CLAIMANT as usize || instance.chars().any(char::is_control) {
+            return Err(format!(
+                "relay.instance_id must be at most {} bytes without control characters, got {} bytes starting {:?}",
+                crate::store::MAX_CLAIMANT,
+                instance.len(),
+                instance.chars().take(40).collect::<String>()
+            ));
+        }
         for (table, limits) in self.plugin_tables() {
             if limits.timeout.is_zero() {
                 return Err(format!("{table}.timeout must be greater than 0"));

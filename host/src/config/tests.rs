@@ -113,6 +113,15 @@ fn errors_name_the_file_and_key() {
     assert!(e.contains("relay.lease"), "{e}");
     let e = err("[relay]\nlease = \"25h\"");
     assert!(e.contains("relay.lease (90000s) must be at most 24h"), "{e}");
+    // Written into every claim and logged: a line break would forge log lines.
+    let e = err(&format!("[relay]\ninstance_id = \"{}\"", "i".repeat(1025)));
+    assert!(
+        e.contains("relay.instance_id must be at most 1024 bytes without control characters, got 1025 bytes"),
+        "{e}"
+    );
+    let e = err("[relay]\ninstance_id = \"a\\nb\"");
+    assert!(e.contains("relay.instance_id") && e.contains("starting \"a\\nb\""), "{e}");
+    assert!(Config::from_toml_str(&format!("[relay]\ninstance_id = \"{}\"", "i".repeat(1024)), "t").is_ok());
     let e = err("[route.a]\nplugin = \"log\"\nretry = { max_attempts = 0 }");
     assert!(e.contains("max_attempts"), "{e}");
     let e = err("[route.a]\nplugin = \"log\"\nretry = { jitter_percent = 150 }");

@@ -50,7 +50,7 @@ pub(super) fn guard_file_access(linker: &mut Linker<HostState>) -> anyhow::Resul
                     Err(e) => Err(fs.convert_error_code(e)?),
                 };
                 if let Err(ErrorCode::NotPermitted | ErrorCode::Access) = &result {
-                    tracing::warn!(plugin = %plugin, path = %path, "plugin denied access to a path outside its directories");
+                    tracing::warn!(plugin = %plugin, path = %shown(&path), "plugin denied access to a path outside its directories");
                 }
                 Ok((result,))
             })
@@ -61,7 +61,7 @@ pub(super) fn guard_file_access(linker: &mut Linker<HostState>) -> anyhow::Resul
             Box::new(async move {
                 let state = store.data_mut();
                 if !link_target_stays_inside(&target) {
-                    tracing::warn!(plugin = %state.plugin, target = %target, link = %link, "plugin denied a symbolic link to a target outside its directories");
+                    tracing::warn!(plugin = %state.plugin, target = %shown(&target), link = %shown(&link), "plugin denied a symbolic link to a target outside its directories");
                     return Ok((Err(ErrorCode::NotPermitted),));
                 }
                 let mut fs = state.filesystem();
@@ -76,13 +76,23 @@ pub(super) fn guard_file_access(linker: &mut Linker<HostState>) -> anyhow::Resul
     types
         .func_wrap_async("[method]descriptor.link-at", |store, (_, _, target, _, link): LinkArgs| {
             Box::new(async move {
-                tracing::warn!(plugin = %store.data().plugin, target = %target, link = %link, "plugin denied a hard link; plugins may not make them");
+                tracing::warn!(plugin = %store.data().plugin, target = %shown(&target), link = %shown(&link), "plugin denied a hard link; plugins may not make them");
                 Ok((Err::<(), _>(ErrorCode::NotPermitted),))
             })
         })
         .map_err(anyhow::Error::from)?;
     linker.allow_shadowing(false);
     Ok(())
+}
+
+/// The longest path of a plugin's that a refusal's log line shows.
+const MAX_SHOWN_PATH: usize = 512;
+
+/// A path a plugin named, as a log line shows it: a plugin chooses every byte of it (up to its
+/// memory's size), so it is cut and its control characters escaped, or a line break in it would
+/// forge log lines.
+fn shown(path: &str) -> String {
+    crate::untrusted::clean(path, MAX_SHOWN_PATH)
 }
 
 /// Whether a symbolic link with this target, made anywhere inside a granted directory, resolves

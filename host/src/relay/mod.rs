@@ -31,7 +31,7 @@ mod trace;
 
 pub use self::health::RelayHealth;
 use crate::plugins::{Cutoff, RouteTransport};
-use crate::store::{Breaker, Claim, Store, StoreError, SweepWindow};
+use crate::store::{Breaker, Claim, RECOVER_BATCH, Store, StoreError, SweepWindow};
 
 /// What one relay cycle did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -366,17 +366,24 @@ impl Relay {
         failed.map_or(Ok(purged), Err)
     }
 
-    /// Hands PROCESSING events with an expired lease back to PENDING.
+    /// Hands PROCESSING events with an expired lease back to PENDING, [`RECOVER_BATCH`] at a
+    /// time until none is left; returns how many.
     pub async fn recover(&self) -> Result<usize, StoreError> {
-        let recovered = self.store.recover_expired(self.clock.now()).await?;
-        for r in &recovered {
-            tracing::warn!(
-                event = r.id,
-                claimed_by = r.claimed_by.as_deref().unwrap_or("?"),
-                "claim lease expired; event handed back to PENDING"
-            );
+        let mut total = 0;
+        loop {
+            let recovered = self.store.recover_expired(self.clock.now(), RECOVER_BATCH).await?;
+            for r in &recovered {
+                tracing::warn!(
+                    event = r.id,
+                    claimed_by = r.claimed_by.as_deref().unwrap_or("?"),
+                    "claim lease expired; event handed back to PENDING"
+                );
+            }
+            total += recovered.len();
+            if recovered.len() < RECOVER_BATCH as usize {
+                return Ok(total);
+            }
         }
-        Ok(recovered.len())
     }
 
     /// One claim → deliver → record round, waiting for every delivery of the batch (the workers

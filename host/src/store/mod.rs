@@ -221,22 +221,33 @@ impl FailedFilter {
     }
 }
 
-/// A name column as lists and the failed summary select it, on both backends: itself, or its size
-/// when it is longer than a claim loads (1024 bytes, `MAX_CLAIMED_NAME`; written by SQL past
-/// `emit`'s limits), so a page of such rows is not loaded whole. (`octet_length` is in the SQLite
-/// ferry links, 3.46.)
-macro_rules! shown_name {
-    ($column:literal) => {
+/// A text column as lists select it: itself, or its size when it is longer than `$max` bytes,
+/// so a page of rows written by SQL past what ferry writes is not loaded whole. (`octet_length`
+/// is in the SQLite ferry links, 3.46.)
+macro_rules! shown_text {
+    ($column:literal, $max:literal) => {
         concat!(
             "CASE WHEN octet_length(",
             $column,
-            ") <= 1024 THEN ",
+            ") <= ",
+            $max,
+            " THEN ",
             $column,
             " ELSE '(' || octet_length(",
             $column,
             ") || ' bytes, not loaded)' END AS ",
             $column
         )
+    };
+}
+pub(crate) use shown_text;
+
+/// A name column as lists and the failed summary select it, on both backends: itself, or its size
+/// when it is longer than a claim loads (1024 bytes, `MAX_CLAIMED_NAME`; written by SQL past
+/// `emit`'s limits).
+macro_rules! shown_name {
+    ($column:literal) => {
+        crate::store::shown_text!($column, "1024")
     };
 }
 pub(crate) use shown_name;
@@ -260,6 +271,25 @@ macro_rules! listed_names {
     };
 }
 pub(crate) use listed_names;
+
+/// The columns of a list after its headers, on both backends. The error, the claimant and the
+/// token are shown as their size when longer than ferry writes them (its errors are cut to
+/// `untrusted::MAX_REASON`, 2048 bytes, before a prefix of names; an instance name is at most
+/// `MAX_CLAIMANT`, 1024): written so by SQL, a page of them would otherwise be loaded whole.
+macro_rules! listed_tail {
+    () => {
+        concat!(
+            "status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, ",
+            crate::store::shown_text!("last_error", "16384"),
+            ", failure_reason, ",
+            crate::store::shown_name!("claimed_by"),
+            ", ",
+            crate::store::shown_name!("claim_token"),
+            ", lease_until, parent_id"
+        )
+    };
+}
+pub(crate) use listed_tail;
 
 /// The columns [`Store::failed_groups`] selects, in the order its rows decode from.
 pub(crate) const FAILED_GROUP_COLUMNS: &str = concat!(
@@ -377,7 +407,34 @@ pub fn lease_ceiling(now: DateTime<Utc>) -> DateTime<Utc> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recovered {
     pub id: i64,
+    /// The instance that held it, as its row says: made safe to log (control characters
+    /// escaped, cut to [`MAX_CLAIMANT`] bytes). A row written by SQL can hold anything there (on
+    /// SQLite a blob, a number or text that is not UTF-8); what cannot be read as text is shown
+    /// with its bytes' invalid sequences replaced.
     pub claimed_by: Option<String>,
+}
+
+/// The longest instance name a recovery writes into `last_error` and hands back: longer ones,
+/// which no ferry writes (an instance's name is its host's, its process id and a random part),
+/// are described by their size, so a row given a name of a gigabyte by SQL neither makes the
+/// statement fail (the message would pass the database's largest value) nor reaches the log.
+pub const MAX_CLAIMANT: i64 = 1024;
+
+/// How many stuck claims one recovery statement hands back at most; [`Relay::recover`] runs it
+/// again while it comes back full, so each statement stays short (on SQLite it holds the one
+/// writing connection, which every worker's outcomes wait for) and so does what it returns.
+///
+/// [`Relay::recover`]: crate::relay::Relay::recover
+pub const RECOVER_BATCH: u32 = 1000;
+
+impl Recovered {
+    /// The instance name a recovery statement returned: at most [`MAX_CLAIMANT`] bytes of it, as
+    /// text when it is UTF-8.
+    pub(crate) fn new(id: i64, claimed_by: Option<Vec<u8>>) -> Recovered {
+        let claimed_by =
+            claimed_by.map(|name| crate::untrusted::clean(&String::from_utf8_lossy(&name), MAX_CLAIMANT as usize));
+        Recovered { id, claimed_by }
+    }
 }
 
 /// Where one step of retention's sweep looks: up to `limit` events in id order from id `from`
@@ -457,8 +514,11 @@ pub trait Store: std::fmt::Debug + Send + Sync {
     async fn release(&self, token: &str, ids: &[i64], now: DateTime<Utc>) -> Result<u64, StoreError>;
 
     /// Moves PROCESSING events whose lease expired before `now` back to PENDING, and those whose
-    /// lease no ferry could have taken (none, one it cannot read, one past [`lease_ceiling`]).
-    async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError>;
+    /// lease no ferry could have taken (none, one it cannot read, one past [`lease_ceiling`]): up
+    /// to `limit` of them, the oldest first. Each one's `last_error` names the instance that held
+    /// it if that name is printable ASCII of at most [`MAX_CLAIMANT`] bytes (as every name a
+    /// ferry writes from a host name is), and otherwise gives its size.
+    async fn recover_expired(&self, now: DateTime<Utc>, limit: u32) -> Result<Vec<Recovered>, StoreError>;
 
     /// Makes due at `now` the PENDING events whose `next_attempt_at` was edited into a time the
     /// claim cannot compare (text or a blob on SQLite, `infinity` on PostgreSQL): never due, they
@@ -1231,6 +1291,14 @@ mod tests {
             assert!(sql.contains(&format!("ferry_headers_text(headers, {headers})")), "{sql}");
         }
         assert!(super::sqlite::LIST_COLUMNS.contains(&format!("octet_length(headers) <= {headers} THEN headers")));
+        // What ferry writes into the tail's columns is listed whole.
+        assert!(super::MAX_CLAIMANT <= name && crate::untrusted::MAX_REASON + 2 * name as usize <= 16384);
+        for sql in [super::postgres::LIST_COLUMNS, super::sqlite::LIST_COLUMNS] {
+            for column in ["claimed_by", "claim_token"] {
+                assert!(sql.contains(&format!("octet_length({column}) <= {name} THEN {column}")), "{column}: {sql}");
+            }
+            assert!(sql.contains("octet_length(last_error) <= 16384 THEN last_error"), "{sql}");
+        }
         let migration = include_str!("../../../migrations/postgres/0011_header_size.sql");
         assert_eq!(migration.matches(&format!("> {headers}")).count(), 4, "the trigger's checks and message");
     }

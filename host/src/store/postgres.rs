@@ -18,10 +18,11 @@ use ferry_outbox::Outbox;
 
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
-    FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
-    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
-    SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_events, complete_batch, copies, copy_dead_letters,
-    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, lease_ceiling, refund, stats_from,
+    FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_CLAIMANT, MAX_DELIVERIES_SHOWN, Partitioned,
+    ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint,
+    SweepStep, SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, calls_of, claimed_events, complete_batch, copies,
+    copy_dead_letters, counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, lease_ceiling,
+    refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -483,13 +484,8 @@ pub(super) const EVENT_COLUMNS: &str = concat!(
 /// The columns of a list: every one but the payload, which lists do not show. A name or headers
 /// longer than a claim loads (written by SQL past `emit`'s limits) is shown as its size: a page
 /// of such rows would otherwise be loaded whole.
-pub(super) const LIST_COLUMNS: &str = concat!(
-    super::listed_names!("'\\x'::bytea"),
-    shown_headers!(),
-    ",
-     status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, processed_at, \
-     last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id"
-);
+pub(super) const LIST_COLUMNS: &str =
+    concat!(super::listed_names!("'\\x'::bytea"), shown_headers!(), ", ", super::listed_tail!());
 
 /// Binds a claim's parameters, $1 to $12, to a query on `CLAIM_SQL`, `CLAIM_ONE_SQL` (which binds
 /// the event, $13, after them) or `DUE_SQL`.
@@ -611,29 +607,39 @@ impl Store for PostgresStore {
         Ok(ids_in_order(done))
     }
 
-    async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
+    async fn recover_expired(&self, now: DateTime<Utc>, limit: u32) -> Result<Vec<Recovered>, StoreError> {
         let rows = sqlx::query(
             "WITH expired AS (
-                 SELECT id, claimed_by FROM ferry_events
+                 SELECT id, CASE WHEN octet_length(claimed_by) <= $4 THEN claimed_by END AS claimed_by,
+                        octet_length(claimed_by) AS claimed_by_size,
+                        -- What the message names: printable ASCII, as every name ferry writes.
+                        CASE WHEN octet_length(claimed_by) <= $4 AND claimed_by ~ '^[ -~]*$' THEN claimed_by END AS shown
+                 FROM ferry_events
                  -- A row left PROCESSING without a lease a ferry took (none, an infinite time,
                  -- one past the ceiling) would otherwise be held for as long as it says.
                  WHERE status = 'PROCESSING'
                    AND (lease_until < $1 OR lease_until > $2 OR lease_until IS NULL OR NOT isfinite(lease_until))
+                 ORDER BY id
+                 LIMIT $3
                  FOR UPDATE SKIP LOCKED
              )
              UPDATE ferry_events e
              SET status = 'PENDING', last_status_at = $1, next_attempt_at = $1, claim_token = NULL,
                  lease_until = NULL,
-                 last_error = 'claim lease expired while PROCESSING (claimed by ' || COALESCE(expired.claimed_by, '?') || ')'
+                 last_error = 'claim lease expired while PROCESSING (claimed by '
+                     || COALESCE(expired.shown, 'an instance name of ' || expired.claimed_by_size || ' bytes', '?')
+                     || ')'
              FROM expired WHERE e.id = expired.id
-             RETURNING e.id, expired.claimed_by",
+             RETURNING e.id, convert_to(expired.claimed_by, 'UTF8') AS claimed_by",
         )
         .bind(now)
         .bind(lease_ceiling(now))
+        .bind(i64::from(limit))
+        .bind(MAX_CLAIMANT)
         .fetch_all(&self.pool)
         .await?;
         rows.iter()
-            .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
+            .map(|row| Ok(Recovered::new(row.try_get("id")?, row.try_get("claimed_by")?)))
             .collect::<Result<_, sqlx::Error>>()
             .map_err(Into::into)
     }

@@ -20,10 +20,11 @@ use ferry_outbox::Outbox;
 
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
-    FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_DELIVERIES_SHOWN, Partitioned, ROUTE_COUNTS_SQL,
-    ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint, SweepStep,
-    SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_events, complete_batch, copies, copy_dead_letters,
-    counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, lease_ceiling, refund, stats_from,
+    FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_CLAIMANT, MAX_DELIVERIES_SHOWN, Partitioned,
+    ROUTE_COUNTS_SQL, ReasonFilter, RecordOutcomes, Recovered, SentCall, Stats, Store, StoreError, StoredEndpoint,
+    SweepStep, SweepWindow, UNFINISHED_COUNTS_SQL, WATCH_SQL, claimed_events, complete_batch, copies,
+    copy_dead_letters, counts_by_status, dead_letters, deferrals_written, duration_ms, ids_in_order, lease_ceiling,
+    refund, stats_from,
 };
 use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEvent, Status, StoredRow};
 
@@ -524,9 +525,8 @@ const EVENT_COLUMNS: &str = "id, route, event_type, ordering_key, CAST(payload A
 pub(super) const LIST_COLUMNS: &str = concat!(
     super::listed_names!("x''"),
     "CASE WHEN octet_length(headers) <= 131072 THEN headers
-          ELSE '(' || octet_length(headers) || ' bytes, not loaded)' END AS headers,
-     status, attempts, max_attempts, event_time, created_at, last_status_at, next_attempt_at, \
-     processed_at, last_error, failure_reason, claimed_by, claim_token, lease_until, parent_id"
+          ELSE '(' || octet_length(headers) || ' bytes, not loaded)' END AS headers, ",
+    super::listed_tail!()
 );
 
 /// Records one outcome kind for the rows of the JSON array ?1 still held by claim ?3, at ?2;
@@ -735,26 +735,41 @@ impl Store for SqliteStore {
         Ok(ids_in_order(done))
     }
 
-    async fn recover_expired(&self, now: DateTime<Utc>) -> Result<Vec<Recovered>, StoreError> {
+    async fn recover_expired(&self, now: DateTime<Utc>, limit: u32) -> Result<Vec<Recovered>, StoreError> {
         let mut writing = self.writing().await?;
+        // `claimed_by` can hold any value here: text (not always UTF-8), a number or a blob. It
+        // is returned as bytes, and written into the message only as printable ASCII text of at
+        // most ?4 bytes (`[^ -~]` is any other character, or a byte that is not UTF-8).
         let rows = sqlx::query(
             "UPDATE ferry_events
              SET status = 'PENDING', last_status_at = ?1, next_attempt_at = ?1, claim_token = NULL,
                  lease_until = NULL,
-                 last_error = 'claim lease expired while PROCESSING (claimed by ' || COALESCE(claimed_by, '?') || ')'
-             WHERE status = 'PROCESSING'
-               -- A row left PROCESSING without a lease a ferry took (NULL, text, one past the
-               -- ceiling) would otherwise be held for as long as it says.
-               AND (lease_until < ?1 OR lease_until > ?2 OR typeof(lease_until) NOT IN ('integer', 'real'))
-             RETURNING id, claimed_by",
+                 last_error = 'claim lease expired while PROCESSING (claimed by '
+                     || CASE WHEN claimed_by IS NULL THEN '?'
+                             WHEN typeof(claimed_by) = 'text' AND octet_length(claimed_by) <= ?4
+                                  AND claimed_by NOT GLOB '*[^ -~]*' THEN claimed_by
+                             ELSE 'an instance name of ' || octet_length(claimed_by) || ' bytes' END
+                     || ')'
+             WHERE id IN (
+                 SELECT id FROM ferry_events
+                 WHERE status = 'PROCESSING'
+                   -- A row left PROCESSING without a lease a ferry took (NULL, text, one past the
+                   -- ceiling) would otherwise be held for as long as it says.
+                   AND (lease_until < ?1 OR lease_until > ?2 OR typeof(lease_until) NOT IN ('integer', 'real'))
+                 ORDER BY id
+                 LIMIT ?3
+             )
+             RETURNING id, CASE WHEN octet_length(claimed_by) <= ?4 THEN CAST(claimed_by AS BLOB) END AS claimed_by",
         )
         .bind(ms(now))
         .bind(ms(lease_ceiling(now)))
+        .bind(i64::from(limit))
+        .bind(MAX_CLAIMANT)
         .fetch_all(&mut *writing)
         .await?;
         writing.finish();
         rows.iter()
-            .map(|row| Ok(Recovered { id: row.try_get("id")?, claimed_by: row.try_get("claimed_by")? }))
+            .map(|row| Ok(Recovered::new(row.try_get("id")?, row.try_get("claimed_by")?)))
             .collect::<Result<_, sqlx::Error>>()
             .map_err(Into::into)
     }

@@ -32,6 +32,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::spread::{Spread, rounds_note, thousandths};
 use common::{Backend, Running, TestDb, plugins_dir, repo_root};
 use ferry::event::{AttemptLog, CallLog, Completion, Disposition, Status};
 use ferry::metrics::{PluginLabels, RouteLabels};
@@ -397,26 +398,15 @@ struct Measured {
 }
 
 impl Measured {
-    /// The median of one rate over the rounds.
-    fn median(&self, rate: impl Fn(&Round) -> f64) -> f64 {
-        median(&sorted(self.rounds.iter().map(rate).collect()))
+    /// The spread of one rate over the rounds.
+    fn rate(&self, rate: impl Fn(&Round) -> f64) -> Spread {
+        Spread::of(self.rounds.iter().map(rate))
     }
 
-    /// Ferry's rate over the floor `of` in each round, sorted.
-    fn ratios(&self, of: impl Fn(&Round) -> f64) -> Vec<f64> {
-        sorted(self.rounds.iter().map(|r| r.ferry.rate / of(r)).collect())
+    /// The spread of ferry's rate over the floor `of`, each round's ratio taken within the round.
+    fn ratio(&self, of: impl Fn(&Round) -> f64) -> Spread {
+        Spread::of(self.rounds.iter().map(|r| r.ferry.rate / of(r)))
     }
-}
-
-fn sorted(mut values: Vec<f64>) -> Vec<f64> {
-    values.sort_by(f64::total_cmp);
-    values
-}
-
-/// The median of sorted `values` (the mean of the middle two when their number is even).
-fn median(values: &[f64]) -> f64 {
-    let n = values.len();
-    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -457,47 +447,42 @@ async fn main() {
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &results {
-        let (to_minimal, to_own) = (r.ratios(|x| x.minimal), r.ratios(|x| x.own));
+        let (to_minimal, to_own) = (r.ratio(|x| x.minimal), r.ratio(|x| x.own));
         println!(
             "| {} | {} | {:.0} | {:.0} | {:.0} | **{:.2}×** ({:.2}–{:.2}) | {:.2}× ({:.2}–{:.2}) |",
             r.database,
             r.batch,
-            r.median(|x| x.minimal),
-            r.median(|x| x.own),
-            r.median(|x| x.ferry.rate),
-            median(&to_minimal),
-            to_minimal[0],
-            to_minimal[to_minimal.len() - 1],
-            median(&to_own),
-            to_own[0],
-            to_own[to_own.len() - 1],
+            r.rate(|x| x.minimal).median,
+            r.rate(|x| x.own).median,
+            r.rate(|x| x.ferry.rate).median,
+            to_minimal.median,
+            to_minimal.low,
+            to_minimal.high,
+            to_own.median,
+            to_own.low,
+            to_own.high,
         );
     }
     println!();
-    println!(
-        "median of {} rounds: each rate is the median of its own, each ratio the median of the rounds' own ratios \
-         (with their range), so a ratio need not equal the quotient of the rates beside it",
-        options.rounds
-    );
-    let ratio = |x: f64| (x * 1000.0).round() / 1000.0;
+    println!("{}", rounds_note(options.rounds));
     // Milliseconds, to the microsecond.
-    let round_ms = ratio;
+    let round_ms = thousandths;
     let json = serde_json::json!({
         "events": options.events,
         "workers": options.workers.unwrap_or(ferry::config::Config::defaults().relay.workers),
         "rounds_run": options.rounds,
         "results": results.iter().map(|r| {
-            let (to_minimal, to_own) = (r.ratios(|x| x.minimal), r.ratios(|x| x.own));
+            let (to_minimal, to_own) = (r.ratio(|x| x.minimal), r.ratio(|x| x.own));
             serde_json::json!({
                 "database": r.database,
                 "batch_size": r.batch,
-                "minimal_floor_events_per_second": r.median(|x| x.minimal).round(),
-                "floor_events_per_second": r.median(|x| x.own).round(),
-                "ferry_events_per_second": r.median(|x| x.ferry.rate).round(),
-                "ratio_to_minimal_floor": ratio(median(&to_minimal)),
-                "ratio_to_minimal_floor_range": [ratio(to_minimal[0]), ratio(to_minimal[to_minimal.len() - 1])],
-                "ratio": ratio(median(&to_own)),
-                "ratio_range": [ratio(to_own[0]), ratio(to_own[to_own.len() - 1])],
+                "minimal_floor_events_per_second": r.rate(|x| x.minimal).median.round(),
+                "floor_events_per_second": r.rate(|x| x.own).median.round(),
+                "ferry_events_per_second": r.rate(|x| x.ferry.rate).median.round(),
+                "ratio_to_minimal_floor": thousandths(to_minimal.median),
+                "ratio_to_minimal_floor_range": to_minimal.range_json(),
+                "ratio": thousandths(to_own.median),
+                "ratio_range": to_own.range_json(),
                 "rounds": r.rounds.iter().map(|x| serde_json::json!({
                     "minimal_floor_events_per_second": x.minimal.round(),
                     "floor_events_per_second": x.own.round(),

@@ -1,25 +1,31 @@
 //! Events per second through ferry on PostgreSQL, for each bundled transport delivering to a real
 //! receiver on this machine: `log` into a file, `http` into nginx (keep-alive, 204), `kafka` into a
 //! tansu broker, and `kafka-tls` into a tansu broker behind a TLS front (stunnel), with lz4
-//! compression and the idempotent producer; and, in the same run, the accept-all `scripted` test transport, which answers
-//! success without sending anything: each transport's figure is also given as a ratio to it.
+//! compression and the idempotent producer; and, in the same rounds, the accept-all `scripted`
+//! test transport, which answers success without sending anything: each transport's figure is
+//! also given as a ratio to it. Where `http` and accept-all both run, a plain HTTP client into
+//! nginx (no ferry, no database) runs beside them and bounds what one request per event allows.
 //!
-//! Run: `cargo bench --bench transports [-- --events N --batch-size N --only PLUGIN,PLUGIN]`
+//! Run: `cargo bench --bench transports [-- --events N --batch-size N --only PLUGIN,PLUGIN --rounds N]`
 //! (needs PostgreSQL as for the tests, the built plugins from `scripts/build-plugins`, tansu from
 //! `scripts/ensure-tansu` and Debian's nginx, which `scripts/bench` installs). Each figure is the
 //! time from the commit of N events to the moment the last of them is SENT, with ferry already
-//! running and its plugins loaded. Prints a markdown table and writes `target/bench/transports.json`.
+//! running and its plugins loaded. The measurements run one after the other in rounds (3 by
+//! default), each round starting one place further along; every ratio is taken within a round,
+//! and the report gives the median of the rounds' ratios with their range, as the throughput
+//! benchmark does. Prints markdown tables and writes `target/bench/transports.json`.
 
 use ferry_testkit as common;
 
 use std::time::{Duration, Instant};
 
 use common::broker::broker;
+use common::spread::{Spread, rounds_note, thousandths};
 use common::{Running, TestDb, plugins_dir};
 use ferry::NewEvent;
 use ferry::event::Status;
 
-/// `cargo bench --bench transports -- [--events N] [--batch-size N] [--only PLUGIN]`
+/// `cargo bench --bench transports -- [--events N] [--batch-size N] [--only PLUGIN,PLUGIN] [--rounds N]`
 #[derive(clap::Parser)]
 struct Options {
     /// Events per plugin.
@@ -34,6 +40,11 @@ struct Options {
     /// client's connections).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     http_concurrency: u32,
+    /// Rounds of the measurements. Each round measures every route (and the plain client) once,
+    /// so its ratios compare measurements taken minutes apart at most; the report gives their
+    /// median and range.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
     /// Passed by `cargo bench` to every benchmark binary.
     #[arg(long, hide = true)]
     bench: bool,
@@ -176,38 +187,108 @@ async fn plain_client(options: &Options) -> Measured {
     Measured { rate, receiver_cpu: Some(per_request(&receiver, receiver_before, events)) }
 }
 
+/// What one round measures in turn: a plugin's route, or the plain client.
+#[derive(Clone, Copy, PartialEq)]
+enum Subject {
+    Plugin(&'static str),
+    PlainClient,
+}
+
+/// The rounds' measurements: `rounds[r][s]` is subject `s` of `subjects` in round `r`.
+struct Rounds {
+    subjects: Vec<Subject>,
+    rounds: Vec<Vec<Measured>>,
+}
+
+impl Rounds {
+    /// Each round measures every subject once, one after the other, and starts one place further
+    /// along the list than the round before, so each subject takes every place in turn and no
+    /// route always meets the machine's first (or last) moment.
+    async fn run(subjects: Vec<Subject>, options: &Options) -> Rounds {
+        let mut rounds = Vec::new();
+        for round in 0..options.rounds as usize {
+            let mut measured: Vec<Option<Measured>> = subjects.iter().map(|_| None).collect();
+            for turn in 0..subjects.len() {
+                let at = (round + turn) % subjects.len();
+                let m = match subjects[at] {
+                    Subject::Plugin(plugin) => measure(plugin, options).await,
+                    Subject::PlainClient => plain_client(options).await,
+                };
+                let name = match subjects[at] {
+                    Subject::Plugin(plugin) => plugin,
+                    Subject::PlainClient => "plain client",
+                };
+                eprintln!("round {}: {name}: {:.0}/s", round + 1, m.rate);
+                measured[at] = Some(m);
+            }
+            rounds.push(measured.into_iter().map(|m| m.expect("every subject is measured in each round")).collect());
+        }
+        Rounds { subjects, rounds }
+    }
+
+    fn index(&self, subject: Subject) -> Option<usize> {
+        self.subjects.iter().position(|s| *s == subject)
+    }
+
+    /// One figure of each round, computed from that round's measurements, and their spread.
+    fn spread(&self, figure: impl Fn(&[Measured]) -> f64) -> Spread {
+        Spread::of(self.rounds.iter().map(|round| figure(round)))
+    }
+}
+
+/// `median× (low–high)`.
+fn shown(ratio: &Spread) -> String {
+    format!("{:.2}× ({:.2}–{:.2})", ratio.median, ratio.low, ratio.high)
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let options = options();
-    let plugins: Vec<&str> = ["accept-all", "log", "http", "kafka", "kafka-tls"]
+    let mut subjects: Vec<Subject> = ["accept-all", "log", "http", "kafka", "kafka-tls"]
         .into_iter()
         .filter(|p| options.only.as_deref().is_none_or(|o| o.split(',').any(|o| o.trim() == *p)))
+        .map(Subject::Plugin)
         .collect();
-    let mut results = Vec::new();
-    for plugin in plugins {
-        let measured = measure(plugin, &options).await;
-        eprintln!("{plugin}: {:.0} events/s", measured.rate);
-        results.push((plugin, measured));
+    // The plain client bounds the `http` route against accept-all, so it runs where both do.
+    let http = Subject::Plugin("http");
+    let accept_all = Subject::Plugin("accept-all");
+    if subjects.contains(&http) && subjects.contains(&accept_all) {
+        subjects.push(Subject::PlainClient);
     }
-    let accept_all = results.iter().find(|(p, _)| *p == "accept-all").map(|(_, m)| m.rate);
-    let thousandths = |x: f64| (x * 1000.0).round() / 1000.0;
-    let ratio = |rate: f64| accept_all.map(|a| thousandths(rate / a));
+    let rounds = Rounds::run(subjects, &options).await;
+    let accept_all = rounds.index(accept_all);
+    // Each ratio is taken within a round, between measurements minutes apart at most, and the
+    // report gives the median of the rounds' ratios, not the ratio of the medians.
+    let ratio = |at: usize| accept_all.map(|a| rounds.spread(|r| r[at].rate / r[a].rate));
     println!(
-        "| plugin | receiver | events | batch size | events/s | ÷ accept-all |\n| --- | --- | ---: | ---: | ---: | ---: |"
+        "| plugin | receiver | events | batch size | events/s | ÷ accept-all (range) |\n| --- | --- | ---: | ---: | ---: | ---: |"
     );
-    for (plugin, measured) in &results {
-        let receiver = match *plugin {
+    let mut results = Vec::new();
+    for (at, subject) in rounds.subjects.iter().enumerate() {
+        let Subject::Plugin(plugin) = *subject else { continue };
+        let receiver = match plugin {
             "accept-all" => "none (answers success)",
             "log" => "JSON lines file",
             "http" => "nginx, keep-alive, 204",
             "kafka-tls" => "tansu behind stunnel (TLS), 3 partitions, lz4",
             _ => "tansu broker, 3 partitions",
         };
-        let shown = ratio(measured.rate).map_or("–".to_string(), |r| format!("{r:.2}×"));
+        let rate = rounds.spread(|r| r[at].rate);
+        let to_accept_all = ratio(at);
         println!(
-            "| {plugin} | {receiver} | {} | {} | {:.0} | {shown} |",
-            options.events, options.batch_size, measured.rate
+            "| {plugin} | {receiver} | {} | {} | {:.0} | {} |",
+            options.events,
+            options.batch_size,
+            rate.median,
+            to_accept_all.as_ref().map_or("–".to_string(), shown)
         );
+        results.push(serde_json::json!({
+            "plugin": plugin,
+            "events_per_second": rate.median.round(),
+            "ratio_to_accept_all": to_accept_all.map(|r| thousandths(r.median)),
+            "ratio_to_accept_all_range": to_accept_all.map(|r| r.range_json()),
+            "rounds_events_per_second": rounds.rounds.iter().map(|r| r[at].rate.round()).collect::<Vec<_>>(),
+        }));
     }
     // With accept-all and http measured: how close http comes to what the machine allows. When the
     // cores are the limit (as on the two-core machine of BENCHMARKS.md, where PostgreSQL, ferry
@@ -218,52 +299,58 @@ async fn main() {
     // sender, however cheap: with accept-all's cost per event taken as the cores ÷ its rate, a
     // route of one request per event reaches at most 1 / (1 + receiver CPU per request × rate ÷
     // cores) of it.
-    let http = results.iter().find(|(p, _)| *p == "http").map(|(_, m)| m);
-    let bound = match (accept_all, http) {
-        (Some(accept_all), Some(http)) => {
-            let plain = plain_client(&options).await;
-            eprintln!("plain client: {:.0} requests/s", plain.rate);
-            let bound = plain.rate / (accept_all + plain.rate);
-            let to_bound = http.rate / accept_all / bound;
+    let bound = match (accept_all, rounds.index(http), rounds.index(Subject::PlainClient)) {
+        (Some(a), Some(h), Some(p)) => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
             let micros = |cpu: Option<Duration>| cpu.map_or(f64::NAN, |cpu| cpu.as_secs_f64() * 1e6);
-            let (receiver_http, receiver_plain) = (micros(http.receiver_cpu), micros(plain.receiver_cpu));
-            let receiver_bound = 1.0 / (1.0 + receiver_http * 1e-6 * accept_all / cores);
+            let bound_of = |r: &[Measured]| r[p].rate / (r[a].rate + r[p].rate);
+            let plain = rounds.spread(|r| r[p].rate);
+            let bound = rounds.spread(bound_of);
+            let to_bound = rounds.spread(|r| r[h].rate / r[a].rate / bound_of(r));
+            let receiver_http = rounds.spread(|r| micros(r[h].receiver_cpu));
+            let receiver_plain = rounds.spread(|r| micros(r[p].receiver_cpu));
+            let receiver_bound = rounds.spread(|r| 1.0 / (1.0 + micros(r[h].receiver_cpu) * 1e-6 * r[a].rate / cores));
             println!();
-            println!("| http against what the machine allows | |\n| --- | ---: |");
+            println!("| http against what the machine allows | median (range) |\n| --- | ---: |");
             println!(
-                "| plain client into nginx, {} connections, requests/s | {:.0} |",
-                options.http_concurrency, plain.rate
-            );
-            println!("| most an `http` route can reach, ÷ accept-all: plain ÷ (accept-all + plain) | {bound:.2}× |");
-            println!("| `http` ÷ that bound | {to_bound:.2} |");
-            println!(
-                "| nginx's CPU per request, µs: from `http` / from the plain client | {receiver_http:.1} / {receiver_plain:.1} |"
+                "| plain client into nginx, {} connections, requests/s | {:.0} ({:.0}–{:.0}) |",
+                options.http_concurrency, plain.median, plain.low, plain.high
             );
             println!(
-                "| most any sender can reach into this receiver on {cores} cores, ÷ accept-all | {receiver_bound:.2}× |"
+                "| most an `http` route can reach, ÷ accept-all: plain ÷ (accept-all + plain) | {} |",
+                shown(&bound)
+            );
+            println!("| `http` ÷ that bound | {:.2} ({:.2}–{:.2}) |", to_bound.median, to_bound.low, to_bound.high);
+            println!(
+                "| nginx's CPU per request, µs: from `http` / from the plain client | {:.1} / {:.1} |",
+                receiver_http.median, receiver_plain.median
+            );
+            println!(
+                "| most any sender can reach into this receiver on {cores} cores, ÷ accept-all | {} |",
+                shown(&receiver_bound)
             );
             Some(serde_json::json!({
                 "connections": options.http_concurrency,
-                "plain_client_requests_per_second": plain.rate.round(),
-                "http_bound_ratio_to_accept_all": thousandths(bound),
-                "http_ratio_to_bound": thousandths(to_bound),
-                "receiver_cpu_us_per_request_http": thousandths(receiver_http),
-                "receiver_cpu_us_per_request_plain_client": thousandths(receiver_plain),
-                "receiver_bound_ratio_to_accept_all": thousandths(receiver_bound),
+                "plain_client_requests_per_second": plain.median.round(),
+                "http_bound_ratio_to_accept_all": thousandths(bound.median),
+                "http_bound_ratio_to_accept_all_range": bound.range_json(),
+                "http_ratio_to_bound": thousandths(to_bound.median),
+                "http_ratio_to_bound_range": to_bound.range_json(),
+                "receiver_cpu_us_per_request_http": thousandths(receiver_http.median),
+                "receiver_cpu_us_per_request_plain_client": thousandths(receiver_plain.median),
+                "receiver_bound_ratio_to_accept_all": thousandths(receiver_bound.median),
                 "cores": cores,
             }))
         }
         _ => None,
     };
+    println!();
+    println!("{}", rounds_note(options.rounds));
     let json = serde_json::json!({
         "events": options.events,
         "batch_size": options.batch_size,
-        "results": results.iter().map(|(p, r)| serde_json::json!({
-            "plugin": p,
-            "events_per_second": r.rate.round(),
-            "ratio_to_accept_all": ratio(r.rate),
-        })).collect::<Vec<_>>(),
+        "rounds_run": options.rounds,
+        "results": results,
         "http_bound": bound,
     });
     let out = common::repo_root().join("target/bench");

@@ -6,6 +6,7 @@ pub mod broker;
 pub mod chaos;
 pub mod fleet;
 pub mod nginx;
+pub mod spread;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -16,6 +16,7 @@ use ferry::ops::{FrontEnd, Ops};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use tracing::instrument::WithSubscriber as _;
 
 use crate::common::{Backend, Receiver, Stepped, TestDb, eventually, fleet, plugins_dir};
 use crate::http::policy;
@@ -438,10 +439,64 @@ async fn an_endpoint_row_that_cannot_be_read_costs_that_endpoint_only_and_loses_
     assert_eq!(received(&receiver, "/good"), ["order.created", "order.paid"], "the other endpoint got nothing twice");
 }
 
+/// Rows written by SQL past what ferry writes cost only themselves. A body over
+/// `MAX_STORED_BODY` is not loaded: its endpoint is held as unreadable and says the body's size.
+/// A route's endpoints past `MAX_PER_ROUTE` by id are not read into the table the relay reads
+/// every second, and one log line says so. The route's other endpoints and the plain route are
+/// delivered as before.
+async fn endpoint_rows_past_what_ferry_writes_cost_only_themselves(db: TestDb) {
+    let receiver = Receiver::start().await;
+    let row = |n: usize, path: &str, types: &str| ferry::store::StoredEndpoint {
+        id: format!("ep_{n:020x}"),
+        route: "hooks".into(),
+        body: format!(
+            r#"{{"url":"{}","secret":"whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=","enabled":true,"event_types":["{types}"],
+                "created_at":"2026-01-01T00:00:00Z","updated_at":"2026-01-01T00:00:00Z"}}"#,
+            receiver.url(path)
+        ),
+        unreadable: None,
+    };
+    let limit = ferry::endpoints::MAX_PER_ROUTE;
+    // The first by id, one whose body is made too long, those that fill the route up to its
+    // limit (subscribed to nothing sent here), and two past it.
+    let mut rows = vec![row(0, "/good", "order.*"), row(1, "/huge", "order.*")];
+    rows.extend((2..limit).map(|n| row(n, "/quiet", "none.*")));
+    rows.extend((limit..limit + 2).map(|n| row(n, "/over", "order.*")));
+    for endpoint in &rows {
+        assert!(db.store.insert_endpoint(endpoint).await.unwrap());
+    }
+    let spaces = match db.backend {
+        Backend::Sqlite => "printf('%.*c', 2000000, ' ')",
+        Backend::Postgres => "repeat(' ', 2000000)",
+    };
+    let huge = &rows[1].id;
+    let edit = format!("UPDATE ferry_endpoints SET body = body || {spaces} WHERE id = '{huge}'");
+    assert_eq!(crate::rows::sql(&db, &edit).await.unwrap(), 1);
+    let size = rows[1].body.len() + 2_000_000;
+
+    let hooks = Hooks::start(db, &receiver).await;
+    tokio::time::sleep(REFRESH + Duration::from_millis(100)).await;
+    let event = NewEvent::new("hooks", "order.created", r#"{"type":"order.created"}"#);
+    hooks.s.db.store.insert(&event, hooks.s.clock.now()).await.unwrap();
+    let plain = hooks.s.db.store.insert(&NewEvent::new("plain", "t", "{}"), hooks.s.clock.now()).await.unwrap();
+    let log = crate::common::Captured::default();
+    hooks.cycles().with_subscriber(log.subscriber()).await;
+    assert_eq!(received(&receiver, "/good"), ["order.created"]);
+    assert!(received(&receiver, "/over").is_empty() && received(&receiver, "/huge").is_empty());
+    assert_eq!(hooks.s.db.store.get(plain).await.unwrap().unwrap().status, Status::Sent, "the plain route too");
+    let log = log.text();
+    assert!(log.contains(&format!("route hooks has more than {limit} endpoints")), "{log}");
+    assert!(log.contains(&format!("its body is {size} bytes, more than the 1048576 ferry writes")), "{log}");
+    let (status, error) = hooks.get(&format!("/v1/endpoints/{huge}")).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{error}");
+    assert!(error.to_string().contains(&format!("its body is {size} bytes")), "{error}");
+}
+
 crate::both_backends!(
     endpoints_are_managed_at_run_time,
     each_endpoint_keeps_the_order_of_a_key,
-    an_endpoint_row_that_cannot_be_read_costs_that_endpoint_only_and_loses_it_nothing
+    an_endpoint_row_that_cannot_be_read_costs_that_endpoint_only_and_loses_it_nothing,
+    endpoint_rows_past_what_ferry_writes_cost_only_themselves
 );
 
 /// Two instances share the outbox. One hands events on to an endpoint created a moment ago; the

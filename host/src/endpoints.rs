@@ -45,6 +45,7 @@ const MAX_EVENT_TYPES: usize = 100;
 const MAX_EVENT_TYPE: usize = 200;
 /// Most static headers per endpoint, and the longest value.
 const MAX_HEADERS: usize = 50;
+const MAX_HEADER_NAME: usize = 256;
 const MAX_HEADER_VALUE: usize = 4096;
 const MAX_DESCRIPTION: usize = 500;
 /// How the signing secrets ferry makes and accepts begin (the Standard Webhooks format).
@@ -305,7 +306,14 @@ fn check_headers(headers: &BTreeMap<String, String>) -> Result<BTreeMap<String, 
     for (name, value) in headers {
         let lower = name.to_ascii_lowercase();
         if lower.is_empty() || !lower.chars().all(token) {
-            return Err(format!("headers: {name:?} is not a header name"));
+            return Err(format!("headers: {:?} is not a header name", crate::untrusted::clean(name, 100)));
+        }
+        if lower.len() > MAX_HEADER_NAME {
+            return Err(format!(
+                "headers: a header name is at most {MAX_HEADER_NAME} bytes, got one of {} starting {:?}",
+                lower.len(),
+                &lower[..40]
+            ));
         }
         let forbidden = wasmtime_wasi_http::DEFAULT_FORBIDDEN_HEADERS.iter().any(|h| h.as_str() == lower);
         if forbidden || RESERVED_HEADERS.contains(&lower.as_str()) || lower.starts_with("webhook-") {
@@ -580,11 +588,25 @@ impl EndpointTable {
     pub fn build(settings: &Settings, stored: &[StoredEndpoint], now: DateTime<Utc>) -> (EndpointTable, Vec<String>) {
         let mut table = EndpointTable::default();
         let mut unusable = Vec::new();
+        let mut per_route: HashMap<&str, usize> = HashMap::new();
         for row in stored {
             let Some(endpoints) = settings.fan_outs.get(&row.route).and_then(|f| f.endpoints.as_ref()) else {
                 continue;
             };
             let Some(template) = settings.routes.get(&endpoints.template) else { continue };
+            // Rows come in id order; the store reads one past the limit to tell this.
+            let seen = per_route.entry(row.route.as_str()).or_default();
+            *seen += 1;
+            if *seen > MAX_PER_ROUTE {
+                if *seen == MAX_PER_ROUTE + 1 {
+                    unusable.push(format!(
+                        "route {} has more than {MAX_PER_ROUTE} endpoints, the most ferry creates (rows written by SQL?): \
+                         only its first {MAX_PER_ROUTE} by id are used; delete the others (`ferry endpoints delete ID`)",
+                        row.route
+                    ));
+                }
+                continue;
+            }
             let live = match Endpoint::decode(row) {
                 Ok(endpoint) => LiveEndpoint {
                     id: endpoint.id.clone(),
@@ -597,7 +619,9 @@ impl EndpointTable {
                         .map(|()| Arc::from(endpoint.plugin_config(&template.plugin_config, now))),
                 },
                 Err(why) if is_id(&row.id) => {
-                    unusable.push(why.clone());
+                    unusable.push(format!(
+                        "{why}; its deliveries, of every event of its route, wait until it is fixed or deleted"
+                    ));
                     let delivery_route = format!("{}{DESTINATION_SEPARATOR}{}", row.route, row.id);
                     LiveEndpoint {
                         id: row.id.clone(),
@@ -677,6 +701,32 @@ impl EndpointTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The store reads no body longer than `MAX_STORED_BODY`: every body ferry's checks accept
+    /// must fit, each field at its longest in the characters JSON writes longest (a quote takes
+    /// two bytes, a control character six).
+    #[test]
+    fn the_largest_body_ferry_accepts_is_one_the_store_loads() {
+        let quotes = |n: usize| "\"".repeat(n);
+        let secret = format!("whsec_{}", "A".repeat(MAX_SECRET_BYTES * 4 / 3 + 4));
+        let body = EndpointBody {
+            url: quotes(MAX_URL),
+            description: quotes(MAX_DESCRIPTION),
+            event_types: vec!["\u{1}".repeat(MAX_EVENT_TYPE); MAX_EVENT_TYPES],
+            headers: (0..MAX_HEADERS).map(|i| (format!("{i:0>MAX_HEADER_NAME$}"), quotes(MAX_HEADER_VALUE))).collect(),
+            secret: secret.clone(),
+            previous_secret: Some(secret),
+            previous_secret_until: Some(DateTime::<Utc>::MAX_UTC),
+            enabled: true,
+            created_at: DateTime::<Utc>::MAX_UTC,
+            updated_at: DateTime::<Utc>::MAX_UTC,
+        };
+        let written = serde_json::to_string(&body).unwrap().len();
+        assert!(written <= crate::store::MAX_STORED_BODY, "{written} bytes");
+        let name = "h".repeat(MAX_HEADER_NAME + 1);
+        let err = check_headers(&BTreeMap::from([(name, "v".into())])).unwrap_err();
+        assert!(err.contains("a header name is at most 256 bytes, got one of 257"), "{err}");
+    }
 
     #[test]
     fn urls_must_match_the_route_origins() {

@@ -830,9 +830,7 @@ impl Relay {
         let mut logged = self.unusable_endpoints.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if *logged != unusable {
             for why in &unusable {
-                tracing::error!(
-                    "{why}; its deliveries, of every event of its route, wait until it is fixed or deleted"
-                );
+                tracing::error!("{why}");
             }
             *logged = unusable;
         }

@@ -718,22 +718,59 @@ where
     R: Row,
     &'static str: ColumnIndex<R>,
     Lenient<String>: Decode<'r, R::Database> + Type<R::Database>,
+    Lenient<Option<String>>: Decode<'r, R::Database> + Type<R::Database>,
+    Option<i64>: Decode<'r, R::Database> + Type<R::Database>,
 {
     fn from_row(row: &'r R) -> Result<Self, sqlx::Error> {
         let mut defects = Vec::new();
         let mut column = |name: &'static str| -> Result<String, sqlx::Error> {
             Ok(row.try_get::<Lenient<String>, _>(name)?.or(name, String::new(), &mut defects))
         };
-        let (id, route, body) = (column("id")?, column("route")?, column("body")?);
+        let (id, route) = (column("id")?, column("route")?);
+        // NULL when longer than ferry writes: not loaded.
+        let body =
+            match row.try_get::<Lenient<Option<String>>, _>("body")?.or("body", Some(String::new()), &mut defects) {
+                Some(body) => body,
+                None => {
+                    let size = row.try_get::<Option<i64>, _>("body_size")?.unwrap_or_default();
+                    defects.push(format!("its body is {size} bytes, more than the {MAX_STORED_BODY} ferry writes"));
+                    String::new()
+                }
+            };
         Ok(Self { id, route, body, unreadable: (!defects.is_empty()).then(|| defects.join("; ")) })
     }
 }
 
+/// The longest endpoint body ferry writes is well under this (a unit test of `endpoints` builds
+/// the largest one its checks accept); a row's body written longer by SQL is not loaded, and the
+/// endpoint is held as unreadable.
+pub const MAX_STORED_BODY: usize = 1 << 20;
+
 /// The endpoint statements, written once with `$n` parameters (SQLite reads them too).
 pub(crate) mod endpoint_sql {
-    pub const LIST_ALL: &str = "SELECT id, route, body FROM ferry_endpoints ORDER BY id";
-    pub const LIST_ROUTE: &str = "SELECT id, route, body FROM ferry_endpoints WHERE route = $1 ORDER BY id";
-    pub const ONE: &str = "SELECT id, route, body FROM ferry_endpoints WHERE id = $1";
+    /// What each read selects: a body longer than [`MAX_STORED_BODY`](super::MAX_STORED_BODY)
+    /// (1 MiB) comes as NULL beside its size, not loaded.
+    macro_rules! columns {
+        () => {
+            "f.id, f.route, CASE WHEN octet_length(f.body) <= 1048576 THEN f.body END AS body,
+             CAST(octet_length(f.body) AS BIGINT) AS body_size"
+        };
+    }
+    /// Every route's first [`MAX_PER_ROUTE`](crate::endpoints::MAX_PER_ROUTE) endpoints by id, and
+    /// one more, which tells that a route has more than ferry creates (rows written by SQL): the
+    /// table a relay reads every second stays bounded however many rows there are.
+    pub const LIST_ALL: &str = concat!(
+        "SELECT ",
+        columns!(),
+        " FROM ferry_endpoints f
+         JOIN (SELECT id, ROW_NUMBER() OVER (PARTITION BY route ORDER BY id) AS nth FROM ferry_endpoints) r
+           ON r.id = f.id
+         WHERE r.nth <= 1001
+         ORDER BY f.id"
+    );
+    pub const LIST_ROUTE: &str =
+        concat!("SELECT ", columns!(), " FROM ferry_endpoints f WHERE f.route = $1 ORDER BY f.id LIMIT 1001");
+    pub const ONE: &str = concat!("SELECT ", columns!(), " FROM ferry_endpoints f WHERE f.id = $1");
     /// Binds id, route, body.
     pub const INSERT: &str =
         "INSERT INTO ferry_endpoints (id, route, body) VALUES ($1, $2, $3) ON CONFLICT (id) DO NOTHING";

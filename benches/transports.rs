@@ -210,13 +210,9 @@ impl Rounds {
             let mut measured: Vec<Option<Measured>> = subjects.iter().map(|_| None).collect();
             for turn in 0..subjects.len() {
                 let at = (round + turn) % subjects.len();
-                let m = match subjects[at] {
-                    Subject::Plugin(plugin) => measure(plugin, options).await,
-                    Subject::PlainClient => plain_client(options).await,
-                };
-                let name = match subjects[at] {
-                    Subject::Plugin(plugin) => plugin,
-                    Subject::PlainClient => "plain client",
+                let (name, m) = match subjects[at] {
+                    Subject::Plugin(plugin) => (plugin, measure(plugin, options).await),
+                    Subject::PlainClient => ("plain client", plain_client(options).await),
                 };
                 eprintln!("round {}: {name}: {:.0}/s", round + 1, m.rate);
                 measured[at] = Some(m);

@@ -474,6 +474,139 @@ async fn postgres_a_connection_dropped_while_idle_is_replaced() {
     assert_eq!(row.map(|r| r.id), Some(id));
 }
 
+/// The events of a backlog of `n`, inserted in one statement on the store's own pool.
+async fn backlog(db: &TestDb, n: i64) {
+    let payload = format!("{{\"padding\":\"{}\"}}", "x".repeat(200));
+    match (&db.postgres, &db.sqlite) {
+        (Some(pg), _) => sqlx::query(
+            "INSERT INTO ferry_events (route, event_type, payload)
+             SELECT 'r', 't', convert_to($2, 'UTF8') FROM generate_series(1, $1)",
+        )
+        .bind(n)
+        .bind(&payload)
+        .execute(pg.pool())
+        .await
+        .map(drop),
+        (_, Some(lite)) => sqlx::query(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+             INSERT INTO ferry_events (route, event_type, payload) SELECT 'r', 't', ?2 FROM n",
+        )
+        .bind(n)
+        .bind(payload.into_bytes())
+        .execute(lite.pool())
+        .await
+        .map(drop),
+        _ => unreachable!("a test database has a backend"),
+    }
+    .expect("insert the backlog");
+}
+
+/// Claims and records as SENT batches of `batch` from `store` until none is left, on `claimers`
+/// tasks at once, as relay workers do; their first claims start together.
+async fn drain(store: Arc<dyn ferry::store::Store>, claimers: usize, batch: u32) {
+    let start = Arc::new(tokio::sync::Barrier::new(claimers));
+    let tasks: Vec<_> = (0..claimers)
+        .map(|worker| {
+            let (store, start) = (store.clone(), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                for round in 0.. {
+                    let token = format!("w{worker}-{round}");
+                    let claimed = store.claim(&claim(Utc::now(), batch, &token)).await.expect("claim");
+                    if claimed.is_empty() {
+                        return;
+                    }
+                    let items: Vec<Completion> = claimed.iter().map(|e| done(e.id, Disposition::Sent)).collect();
+                    store.complete(&token, Utc::now(), &items).await.expect("record");
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("a claimer ran to its end");
+    }
+}
+
+/// The backends of connections named `name` whose last statement was a claim, with when each
+/// connection was opened.
+async fn claiming_backends(db: &TestDb, name: &str) -> Vec<(i32, DateTime<Utc>)> {
+    sqlx::query_as(
+        "SELECT pid, backend_start FROM pg_stat_activity
+         WHERE application_name = $1 AND query LIKE 'WITH picked AS%' ORDER BY pid",
+    )
+    .bind(name)
+    .fetch_all(db.postgres.as_ref().unwrap().pool())
+    .await
+    .unwrap()
+}
+
+/// The relay's claims and outcome writes run on `relay_connections` connections of their own: at
+/// most that many, however many claim at once; kept from one statement to the next rather than
+/// opened again; and never waiting for the pool, which an application's transactions may hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_the_relays_statements_run_on_its_own_few_connections() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let name = format!("ferry-lanes-{}-{}", std::process::id(), Utc::now().timestamp_nanos_opt().unwrap_or_default());
+    let store = ferry::store::PostgresStore::connect(&format!("{}&application_name={name}", db.url), 2).await.unwrap();
+    let held = [store.pool().acquire().await.unwrap(), store.pool().acquire().await.unwrap()];
+    let store: Arc<dyn ferry::store::Store> = Arc::new(store.with_relay_connections(2));
+    let within = std::time::Duration::from_secs(60);
+    backlog(&db, 3000).await;
+    tokio::time::timeout(within, drain(store.clone(), 6, 50)).await.expect("claimed and recorded beside a full pool");
+    let first = claiming_backends(&db, &name).await;
+    assert!(
+        (1..=2).contains(&first.len()),
+        "six claimers starting at once: the claims ran on {} connections, not at most the relay's two: {first:?}",
+        first.len()
+    );
+    backlog(&db, 1000).await;
+    tokio::time::timeout(within, drain(store.clone(), 6, 50)).await.expect("claimed and recorded again");
+    let again = claiming_backends(&db, &name).await;
+    assert!(
+        first.iter().all(|kept| again.contains(kept)),
+        "the relay's connections were kept: {first:?}, then {again:?}"
+    );
+    drop(held);
+    assert_eq!(db.store.counts().await.unwrap()[&Status::Sent], 4000);
+}
+
+/// A relay connection the server dropped between statements fails at most the one statement that
+/// meets it, which the relay tries again (a claim at its next cycle, outcomes at once): the next
+/// opens a new connection. One that sat idle for a second is checked first, so nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_relay_connection_dropped_between_statements_is_replaced() {
+    use ferry::store::Store as _;
+    let db = TestDb::new(Backend::Postgres).await;
+    let name =
+        format!("ferry-lane-drop-{}-{}", std::process::id(), Utc::now().timestamp_nanos_opt().unwrap_or_default());
+    let store = ferry::store::PostgresStore::connect(&format!("{}&application_name={name}", db.url), 2).await.unwrap();
+    let store = store.with_relay_connections(1);
+    let admin = db.postgres.as_ref().unwrap().pool();
+    let drop_relay_connection = || async {
+        let dropped: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE application_name = $1 AND query LIKE 'WITH picked AS%'",
+        )
+        .bind(&name)
+        .fetch_all(admin)
+        .await
+        .unwrap();
+        assert_eq!(dropped, vec![true], "the relay's one connection was dropped");
+    };
+    for _ in 0..3 {
+        store.insert(&NewEvent::new("r", "t", "{}"), t0()).await.unwrap();
+    }
+    assert_eq!(store.claim(&claim(t0(), 1, "a")).await.unwrap().len(), 1);
+    drop_relay_connection().await;
+    // Taken again at once, the dropped connection fails its statement, and is closed for it.
+    let failed = store.claim(&claim(t0(), 1, "b")).await;
+    assert!(failed.is_err(), "a statement on the dropped connection fails: {failed:?}");
+    assert_eq!(store.claim(&claim(t0(), 1, "c")).await.unwrap().len(), 1, "the next opens a new connection");
+    drop_relay_connection().await;
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    assert_eq!(store.claim(&claim(t0(), 1, "d")).await.unwrap().len(), 1, "an idle one is checked before use");
+}
+
 async fn breakers_count_open_probe_and_close(db: TestDb) {
     let s = &db.store;
     let t0 = t0();
@@ -1071,6 +1204,29 @@ fn the_sqlite_cost_model_still_runs_ferrys_statements() {
 
 /// SQLite is compiled without memory statistics (`.cargo/config.toml`), so its allocations take
 /// no global mutex; a build that lost the setting would be slower without failing anything else.
+/// The relay's writes leave the write-ahead log's checkpoints to a connection of their own, and
+/// the log still starts again from its beginning under a steady stream of writes: the `-wal`
+/// file, as large as the log has ever been, stays near SQLite's own checkpoint size (1 000 pages)
+/// after many times that was written through it. Without the restarts it grows with every write
+/// (a passive checkpoint alone leaves the log to grow while writes keep coming), and the writing
+/// connection's own checkpoint is far past this bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_the_log_stays_small_under_a_stream_of_relay_writes() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    backlog(&db, 40_000).await;
+    // The backlog's one transaction grew the log; it starts again from an empty file.
+    let pool = db.sqlite.as_ref().unwrap().pool();
+    sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)").execute(pool).await.unwrap();
+    let wal = db.dir.path().join("ferry.db-wal");
+    assert_eq!(std::fs::metadata(&wal).expect("the -wal file").len(), 0);
+    // About 55 MB of log: some 170 pages per batch of 500, 80 batches.
+    drain(db.store.clone(), 2, 500).await;
+    assert_eq!(db.store.counts().await.unwrap()[&Status::Sent], 40_000);
+    let largest = std::fs::metadata(&wal).expect("the -wal file").len();
+    let bound = 3 * 1000 * 4096;
+    assert!(largest <= bound, "the log reached {largest} bytes, over {bound}");
+}
+
 #[tokio::test]
 async fn sqlite_is_compiled_without_memory_statistics() {
     let db = TestDb::new(Backend::Sqlite).await;

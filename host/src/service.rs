@@ -431,7 +431,7 @@ pub async fn open_existing_store(config: &Config) -> anyhow::Result<Arc<dyn Stor
 
 async fn open(config: &Config, create: bool) -> anyhow::Result<Arc<dyn Store>> {
     let url = &config.database.url;
-    let store = store::connect(url, config.database.max_connections, create).await?;
+    let store = store::open(&config.database, create).await?;
     store.migrate().await.with_context(|| format!("migrating {}", redact_url(url)))?;
     Ok(store)
 }

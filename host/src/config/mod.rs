@@ -156,7 +156,11 @@ impl AdminConfig {
 pub struct DatabaseConfig {
     /// `sqlite://PATH` or `postgres://…`.
     pub url: String,
+    /// The pool: emits, operators' commands, the admin API, LISTEN, housekeeping.
     pub max_connections: u32,
+    /// On PostgreSQL, the connections the relay's claims and outcome writes run on, apart from the
+    /// pool: as many of those statements run at once (SQLite writes through one connection).
+    pub relay_connections: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -512,6 +516,12 @@ impl Config {
             return Err(format!(
                 "database.max_connections must be between 1 and {MAX_DB_CONNECTIONS}, got {}",
                 self.database.max_connections
+            ));
+        }
+        if !(1..=MAX_DB_CONNECTIONS).contains(&self.database.relay_connections) {
+            return Err(format!(
+                "database.relay_connections must be between 1 and {MAX_DB_CONNECTIONS}, got {}",
+                self.database.relay_connections
             ));
         }
         if !(1..=10_000).contains(&self.relay.batch_size) {

@@ -311,32 +311,30 @@ fn a_postgres_pool_without_a_spare_connection_is_warned_about() {
             .expect("valid: a small pool is a warning, not an error")
             .pool_warning()
     };
-    assert_eq!(warning("", ""), None, "the defaults (4 workers, LISTEN, 8 connections) leave room");
-    assert_eq!(warning("", "workers = 6\n"), None, "six workers, LISTEN and one spare fill the 8");
-    let tight = warning("", "workers = 7\n").expect("no spare");
-    for part in [
-        "database.max_connections (8)",
-        "the 9 connections relay.workers (7) need",
-        "LISTEN",
-        "the admin API and readiness wait for a worker's connection",
-        "at least 9, or relay.workers to at most 6",
-    ] {
+    assert_eq!(warning("", ""), None, "the defaults (LISTEN, 8 connections) leave room");
+    // The relay's claims and outcome writes run on its own connections: workers take none.
+    assert_eq!(warning("max_connections = 3\n", "workers = 64\n"), None, "LISTEN, the relay's others, one spare");
+    let tight = warning("max_connections = 2\n", "").expect("no spare");
+    for part in ["database.max_connections (2)", "LISTEN holds one", "the admin API", "to at least 3"] {
         assert!(tight.contains(part), "{part:?} missing: {tight}");
     }
-    let starved = warning("max_connections = 4\n", "").expect("four workers and LISTEN in four connections");
-    assert!(starved.contains("workers wait for each other's connections"), "{starved}");
-    assert!(starved.contains("at least 6, or relay.workers to at most 2"), "{starved}");
-    let one = warning("max_connections = 2\n", "workers = 1\n").expect("LISTEN and one worker fill two");
-    assert!(one.ends_with("to at least 3"), "no number of workers fits: only the pool can grow: {one}");
-    assert_eq!(warning("max_connections = 9\n", "workers = 7\n"), None, "the fix the warning names");
-    assert_eq!(warning("", "workers = 7\nlisten = false\n"), None, "without LISTEN one fewer is needed");
-    let quiet = warning("", "workers = 8\nlisten = false\n").expect("no spare without LISTEN either");
-    assert!(quiet.contains("at least 9, or relay.workers to at most 7") && !quiet.contains("LISTEN"), "{quiet}");
-    let postgresql = "[database]\nurl = \"postgresql://db.internal/outbox\"\n[relay]\nworkers = 7\n";
+    assert_eq!(warning("max_connections = 2\n", "listen = false\n"), None, "without LISTEN one fewer is needed");
+    let quiet = warning("max_connections = 1\n", "listen = false\n").expect("no spare without LISTEN either");
+    assert!(quiet.ends_with("to at least 2") && !quiet.contains("LISTEN"), "{quiet}");
+    let postgresql = "[database]\nurl = \"postgresql://db.internal/outbox\"\nmax_connections = 2\n";
     assert!(Config::from_toml_str(postgresql, "t").unwrap().pool_warning().is_some(), "either URL scheme");
-    // SQLite's relay writes take turns on a connection of their own: more workers than connections is fine.
-    let sqlite = "[database]\nmax_connections = 2\n[relay]\nworkers = 16\n";
+    // SQLite's relay writes take turns on a connection of their own.
+    let sqlite = "[database]\nmax_connections = 1\n[relay]\nworkers = 16\n";
     assert_eq!(Config::from_toml_str(sqlite, "t").unwrap().pool_warning(), None);
+}
+
+#[test]
+fn relay_connections_are_bounded() {
+    let e = err("[database]\nrelay_connections = 0");
+    assert!(e.contains("database.relay_connections must be between 1 and 10000, got 0"), "{e}");
+    assert!(err("[database]\nrelay_connections = 10001").contains("database.relay_connections"));
+    let ok = Config::from_toml_str("[database]\nrelay_connections = 4", "t").unwrap();
+    assert_eq!(ok.database.relay_connections, 4);
 }
 
 #[test]

@@ -10,32 +10,24 @@ use super::{Config, format_duration};
 pub const LEASE_MARGIN: Duration = Duration::from_secs(1);
 
 impl Config {
-    /// A warning when, on PostgreSQL, `database.max_connections` leaves no connection spare beside
-    /// the relay's: each busy worker holds one for its statements and LISTEN holds one for good.
-    /// With fewer, workers wait for each other's connections, and the admin API and readiness
-    /// probe wait behind them under load. Nothing breaks, so it is not an error: a config that ran
-    /// with two workers keeps running with the default four. On SQLite the relay's writes take
-    /// turns on a connection of their own, so it needs none.
+    /// A warning when, on PostgreSQL, `database.max_connections` leaves no connection spare: LISTEN
+    /// holds one for good, and the relay's statements that do not run on its own connections
+    /// (`database.relay_connections`: claims, hand-ons, outcome writes) need one: breaker reads and
+    /// counts, hand-backs, probes, the endpoint table. With fewer, those and the admin API
+    /// and readiness probe wait for each other. Nothing breaks, so it is not an error. On SQLite
+    /// the relay writes through a connection of its own, so it needs none.
     pub fn pool_warning(&self) -> Option<String> {
-        let (pool, workers, listen) = (self.database.max_connections, self.relay.workers, u32::from(self.relay.listen));
-        let needed = workers + listen + 1;
+        let (pool, listen) = (self.database.max_connections, u32::from(self.relay.listen));
+        let needed = listen + 2;
         if !self.on_postgres() || pool >= needed {
             return None;
         }
-        let lower = match pool.checked_sub(listen + 1) {
-            Some(most) if most >= 1 => format!(", or relay.workers to at most {most}"),
-            _ => String::new(),
-        };
         Some(format!(
-            "database.max_connections ({pool}) is below the {needed} connections relay.workers ({workers}) need on PostgreSQL: \
-             one per busy worker{}, and one spare for the admin API and readiness; with fewer, {} under load. \
-             Set database.max_connections (FERRY_DATABASE_MAX_CONNECTIONS) to at least {needed}{lower}",
-            if listen == 1 { ", one that LISTEN holds (relay.listen)" } else { "" },
-            if pool < workers + listen {
-                "workers wait for each other's connections and the admin API and readiness wait behind them"
-            } else {
-                "the admin API and readiness wait for a worker's connection"
-            },
+            "database.max_connections ({pool}) leaves no connection spare on PostgreSQL: {}the relay's other \
+             statements (breakers, hand-backs, probes, the endpoint table) take one, and the admin API and \
+             readiness need one; with fewer, they wait for each other under load. Set database.max_connections \
+             (FERRY_DATABASE_MAX_CONNECTIONS) to at least {needed}",
+            if listen == 1 { "LISTEN holds one for good (relay.listen), " } else { "" },
         ))
     }
 

@@ -5,9 +5,11 @@
 //! database's own `now()`, except for defaults of rows that applications insert themselves.
 
 pub mod codec;
+mod lanes;
 mod postgres;
 mod sqlite;
 mod stats;
+mod writer;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -41,6 +43,7 @@ pub use self::{postgres::DUE_SQL as POSTGRES_DUE_SQL, sqlite::DUE_SQL as SQLITE_
 /// Each backend's step of retention's sweep: public so a test can check their plans.
 pub use self::{postgres::SWEEP_SQL as POSTGRES_SWEEP_SQL, sqlite::SWEEP_SQL as SQLITE_SWEEP_SQL};
 pub use crate::breaker::Breaker;
+use crate::config::DatabaseConfig;
 use crate::event::{
     AttemptRecord, CLAIMED_COLUMNS, CallLog, ClaimedEvent, ClaimedRow, Completion, EventRecord, FailureReason,
     NewEvent, Status,
@@ -846,13 +849,24 @@ pub fn mask_url(url: &str, whole_user: bool, mask: &str, secret: impl Fn(&str) -
     format!("{scheme}://{authority}{tail}")
 }
 
-/// Opens the store named by `url` (`sqlite://…` or `postgres://…`). A missing SQLite file is
-/// created when `create` is set, and an error naming the path otherwise. Does not migrate.
+/// Opens the store named by `url` (`sqlite://…` or `postgres://…`) with a pool of
+/// `max_connections` and, on PostgreSQL, the default relay connections. See [`open`].
 pub async fn connect(url: &str, max_connections: u32, create: bool) -> Result<Arc<dyn Store>, StoreError> {
+    let relay_connections = postgres::DEFAULT_RELAY_CONNECTIONS;
+    open(&DatabaseConfig { url: url.to_string(), max_connections, relay_connections }, create).await
+}
+
+/// Opens the store of `database` (`sqlite://…` or `postgres://…`). A missing SQLite file is
+/// created when `create` is set, and an error naming the path otherwise. Does not migrate.
+pub async fn open(database: &DatabaseConfig, create: bool) -> Result<Arc<dyn Store>, StoreError> {
+    let (url, pool) = (database.url.as_str(), database.max_connections);
     match (url.starts_with("sqlite:"), create) {
-        (true, true) => Ok(Arc::new(SqliteStore::connect(url, max_connections).await?)),
-        (true, false) => Ok(Arc::new(SqliteStore::connect_existing(url, max_connections).await?)),
-        (false, _) => Ok(Arc::new(PostgresStore::connect(url, max_connections).await?)),
+        (true, true) => Ok(Arc::new(SqliteStore::connect(url, pool).await?)),
+        (true, false) => Ok(Arc::new(SqliteStore::connect_existing(url, pool).await?)),
+        (false, _) => {
+            let store = PostgresStore::connect(url, pool).await?;
+            Ok(Arc::new(store.with_relay_connections(database.relay_connections)))
+        }
     }
 }
 
@@ -1295,6 +1309,12 @@ fn partition(items: &[Completion]) -> Partitioned<'_> {
 #[cfg(test)]
 mod tests {
     use super::redact_url;
+
+    #[test]
+    fn a_store_opened_without_settings_has_the_default_relay_connections() {
+        let defaults = crate::config::Config::defaults();
+        assert_eq!(defaults.database.relay_connections, super::postgres::DEFAULT_RELAY_CONNECTIONS);
+    }
 
     #[test]
     fn passwords_never_reach_a_message() {

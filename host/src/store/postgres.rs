@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use ferry_outbox::Outbox;
 
+use super::lanes::Lanes;
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_CLAIMANT, MAX_DELIVERIES_SHOWN, Partitioned,
@@ -29,8 +30,16 @@ use crate::event::{AttemptRecord, ClaimedEvent, Completion, EventRecord, NewEven
 /// The outbox in a PostgreSQL database.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
+    /// Everything but the relay's claims, hand-ons and outcome writes: emits, operators' commands,
+    /// the admin API, LISTEN, the relay's breaker reads and housekeeping.
     pool: PgPool,
+    /// The relay's claims, hand-ons and outcome writes, on connections of their own
+    /// ([`Lanes`]).
+    lanes: Arc<Lanes>,
 }
+
+/// The relay's connections when not configured: `database.relay_connections`' default.
+pub const DEFAULT_RELAY_CONNECTIONS: u32 = 2;
 
 impl PostgresStore {
     /// Connects to `url` with a pool of `max_connections`.
@@ -47,6 +56,7 @@ impl PostgresStore {
     /// Connects with explicit options (tests use them to pick a schema).
     pub async fn connect_with(options: PgConnectOptions, max_connections: u32) -> Result<Self, StoreError> {
         let options = options.options(SESSION_SETTINGS);
+        let lanes = Arc::new(Lanes::new(options.clone(), DEFAULT_RELAY_CONNECTIONS));
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(std::time::Duration::from_secs(10))
@@ -64,7 +74,15 @@ impl PostgresStore {
             })
             .connect_with(options)
             .await?;
-        Ok(Self { pool })
+        Ok(Self { pool, lanes })
+    }
+
+    /// Runs the relay's claims, hand-ons and outcome writes on `count` connections of their
+    /// own (`database.relay_connections`), opened as they are needed: at most `count` of those
+    /// statements run at once. For a store no relay has used yet.
+    pub fn with_relay_connections(self, count: u32) -> Self {
+        let options = self.pool.connect_options().as_ref().clone();
+        Self { lanes: Arc::new(Lanes::new(options, count.max(1))), ..self }
     }
 
     /// Wakes the relays listening on this database (every instance's), as an INSERT into the
@@ -104,7 +122,8 @@ impl RecordOutcomes for PostgresStore {
         parts: &Partitioned<'_>,
         by_token: Option<&[SentCall<'_>]>,
     ) -> Result<Option<u64>, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut lane = self.lanes.take().await?;
+        let mut tx = sqlx::Connection::begin(&mut *lane).await?;
         let mut updated: Vec<i64> = Vec::new();
         if !parts.retry.is_empty() {
             let ids: Vec<i64> = parts.retry.iter().map(|(c, _, _)| c.id).collect();
@@ -178,6 +197,7 @@ impl RecordOutcomes for PostgresStore {
                     let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
                     if !sent.write(&mut tx, sent_by_token(&statement, token, now, sent)).await? {
                         tx.rollback().await?;
+                        lane.done();
                         return Ok(None);
                     }
                     updated.extend(&sent.ids);
@@ -254,11 +274,14 @@ impl RecordOutcomes for PostgresStore {
             .await?;
         }
         tx.commit().await?;
+        lane.done();
         Ok(Some(updated.len() as u64))
     }
 
     async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError> {
-        let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, now, run).execute(&self.pool).await?;
+        let mut lane = self.lanes.take().await?;
+        let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, now, run).execute(&mut *lane).await?;
+        lane.done();
         Ok(done.rows_affected())
     }
 }
@@ -560,7 +583,10 @@ impl Store for PostgresStore {
             rows
         } else {
             let sql = if claim.filters_routes() { CLAIM_SQL } else { CLAIM_PLAIN_SQL };
-            bind_claim!(sqlx::query(sql), claim).fetch_all(&self.pool).await?
+            let mut lane = self.lanes.take().await?;
+            let rows = bind_claim!(sqlx::query(sql), claim).fetch_all(&mut *lane).await?;
+            lane.done();
+            rows
         };
         claimed_events(&rows, claim.max_payload, false)
     }
@@ -852,7 +878,8 @@ impl Store for PostgresStore {
         now: DateTime<Utc>,
         items: &[(i64, Vec<String>)],
     ) -> Result<Vec<i64>, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut lane = self.lanes.take().await?;
+        let mut tx = sqlx::Connection::begin(&mut *lane).await?;
         let ids: Vec<i64> = items.iter().map(|(id, _)| *id).collect();
         let handed: Vec<i64> = sqlx::query_scalar(
             "UPDATE ferry_events
@@ -875,6 +902,7 @@ impl Store for PostgresStore {
                 .await?;
         }
         tx.commit().await?;
+        lane.done();
         Ok(handed)
     }
 

@@ -14,10 +14,11 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Connection, Row, SqliteConnection, SqlitePool};
+use sqlx::{Connection, Row, SqlitePool};
 
 use ferry_outbox::Outbox;
 
+use super::writer::{Writer, Writing};
 use super::{
     ATTEMPTS_SQL, Breaker, Claim, Delivery, EndEvent, FAILED_GROUP_COLUMNS, FAILED_GROUP_ORDER, FailedFilter,
     FailedGroup, FailedGroupRow, LATENCY_SAMPLES, LATENCY_SQL, MAX_CLAIMANT, MAX_DELIVERIES_SHOWN, Partitioned,
@@ -34,66 +35,8 @@ pub struct SqliteStore {
     /// Reads, and the writes of commands and applications.
     pool: SqlitePool,
     /// The relay's writes (claims, outcomes, hand-backs and hand-ons, breakers, recovery,
-    /// retention), one at a time.
+    /// retention), one at a time, on a connection of their own ([`Writer`]).
     writer: Arc<Writer>,
-}
-
-/// The one connection the relay writes through. SQLite lets one connection write at a time, and a
-/// connection that finds the file locked sleeps in steps of milliseconds before trying again; the
-/// relay's writes queue here instead and start the moment the previous one ends. Writing through
-/// one connection also keeps its page cache, which SQLite empties on a connection whenever another
-/// one has written to the file, and its prepared statements; and it is not checked on its way back
-/// as a pooled one is (a round trip to its thread after every write). Other processes still wait
-/// on the busy timeout.
-#[derive(Debug)]
-struct Writer {
-    options: SqliteConnectOptions,
-    slot: tokio::sync::Mutex<WriterSlot>,
-}
-
-#[derive(Debug)]
-struct WriterSlot {
-    conn: SqliteConnection,
-    /// The last write through `conn` failed or was abandoned half-way: check the connection
-    /// before the next one (see [`SqliteStore::writing`]).
-    suspect: bool,
-}
-
-/// The writing connection, held for one write ([`SqliteStore::writing`]). Dropped before
-/// [`Writing::finish`] (an error returned with `?`, a cancelled task), it leaves the connection
-/// suspect.
-struct Writing<'a> {
-    slot: tokio::sync::MutexGuard<'a, WriterSlot>,
-    finished: bool,
-}
-
-impl Writing<'_> {
-    /// The write ran to its end (committed, or rolled back on purpose): the next one needs no
-    /// check.
-    fn finish(mut self) {
-        self.finished = true;
-    }
-}
-
-impl std::ops::Deref for Writing<'_> {
-    type Target = SqliteConnection;
-    fn deref(&self) -> &SqliteConnection {
-        &self.slot.conn
-    }
-}
-
-impl std::ops::DerefMut for Writing<'_> {
-    fn deref_mut(&mut self) -> &mut SqliteConnection {
-        &mut self.slot.conn
-    }
-}
-
-impl Drop for Writing<'_> {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.slot.suspect = true;
-        }
-    }
 }
 
 impl SqliteStore {
@@ -162,14 +105,12 @@ impl SqliteStore {
                 .connect_with(options.clone())
                 .await;
             let opened = match attempt {
-                Ok(pool) => SqliteConnection::connect_with(&options).await.map(|conn| (pool, conn)),
+                // An in-memory database keeps no log to checkpoint.
+                Ok(pool) => Writer::open(&options, !memory.in_memory).await.map(|writer| (pool, writer)),
                 Err(e) => Err(e),
             };
             match opened {
-                Ok((pool, conn)) => {
-                    let slot = tokio::sync::Mutex::new(WriterSlot { conn, suspect: false });
-                    return Ok(Self { pool, writer: Arc::new(Writer { options, slot }) });
-                }
+                Ok((pool, writer)) => return Ok(Self { pool, writer }),
                 Err(e) if is_locked(&e) && pause < Duration::from_secs(5) => {
                     tokio::time::sleep(pause).await;
                     pause *= 2;
@@ -184,29 +125,9 @@ impl SqliteStore {
         &self.pool
     }
 
-    /// Waits for the writing connection ([`Writer`]). After a write that failed or was abandoned
-    /// half-way, the connection is checked first, and opened again if it is not fit for the next.
+    /// Waits for the writing connection ([`Writer::writing`]).
     async fn writing(&self) -> Result<Writing<'_>, StoreError> {
-        let mut slot = self.writer.slot.lock().await;
-        if slot.suspect || slot.conn.is_in_transaction() {
-            // The round trip waits for what the last write left queued on the connection's thread
-            // (sqlx's rollback of a transaction dropped unfinished) and finds a thread that is gone.
-            // A transaction still counted open after it means SQLite had already ended it (a full
-            // disk, a trigger's `RAISE(ROLLBACK)`), so sqlx's rollback failed and still counts one:
-            // on that connection the next transaction would be a savepoint, whose rollback leaves
-            // every later write uncommitted and the file locked.
-            let unfit = match slot.conn.ping().await {
-                Err(e) => Some(e.to_string()),
-                Ok(()) if slot.conn.is_in_transaction() => Some("a transaction is still counted open".into()),
-                Ok(()) => None,
-            };
-            if let Some(why) = unfit {
-                tracing::warn!(why, "the SQLite writing connection is not fit for the next write; opening a new one");
-                slot.conn = SqliteConnection::connect_with(&self.writer.options).await?;
-            }
-            slot.suspect = false;
-        }
-        Ok(Writing { slot, finished: false })
+        self.writer.writing().await
     }
 }
 

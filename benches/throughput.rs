@@ -18,7 +18,8 @@
 //! Run: `cargo bench --bench throughput [-- --events N --only postgres|sqlite --batch N --workers N --rounds N]`
 //! (needs PostgreSQL and pgbench as for the tests, and the plugins from `scripts/build-plugins`).
 //! Every figure is N events divided by the time from the moment they are all committed to the
-//! moment the last is SENT. The three measurements run one after the other in rounds (3 by
+//! moment the last is SENT; on PostgreSQL the floors' time is pgbench's own, from the moment its
+//! connections are open, as ferry's connections are open before its clock starts. The three measurements run one after the other in rounds (3 by
 //! default, each round starting with the next of them); each rate reported is the median of its
 //! rounds, and each ratio the median of the rounds' own ratios, with their range: on a shared
 //! machine the floors themselves move by more than the differences measured. Prints a markdown

@@ -197,7 +197,7 @@ impl RecordOutcomes for PostgresStore {
                     let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
                     if !sent.write(&mut tx, sent_by_token(&statement, token, now, sent)).await? {
                         tx.rollback().await?;
-                        lane.done();
+                        lane.done().await;
                         return Ok(None);
                     }
                     updated.extend(&sent.ids);
@@ -274,14 +274,14 @@ impl RecordOutcomes for PostgresStore {
             .await?;
         }
         tx.commit().await?;
-        lane.done();
+        lane.done().await;
         Ok(Some(updated.len() as u64))
     }
 
     async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError> {
         let mut lane = self.lanes.take().await?;
         let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, now, run).execute(&mut *lane).await?;
-        lane.done();
+        lane.done().await;
         Ok(done.rows_affected())
     }
 }
@@ -585,7 +585,7 @@ impl Store for PostgresStore {
             let sql = if claim.filters_routes() { CLAIM_SQL } else { CLAIM_PLAIN_SQL };
             let mut lane = self.lanes.take().await?;
             let rows = bind_claim!(sqlx::query(sql), claim).fetch_all(&mut *lane).await?;
-            lane.done();
+            lane.done().await;
             rows
         };
         claimed_events(&rows, claim.max_payload, false)
@@ -902,7 +902,7 @@ impl Store for PostgresStore {
                 .await?;
         }
         tx.commit().await?;
-        lane.done();
+        lane.done().await;
         Ok(handed)
     }
 

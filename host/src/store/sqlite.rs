@@ -220,7 +220,7 @@ impl RecordOutcomes for SqliteStore {
             let statement = sent.statement(COMPLETE_SENT_BY_TOKEN);
             if !sent.write(&mut tx, sent_by_token(&statement, token, now, sent)).await? {
                 tx.rollback().await?;
-                writing.finish();
+                writing.finish().await;
                 return Ok(None);
             }
             updated.extend(&sent.ids);
@@ -252,14 +252,14 @@ impl RecordOutcomes for SqliteStore {
             .await?;
         }
         tx.commit().await?;
-        writing.finish();
+        writing.finish().await;
         Ok(Some(updated.len() as u64))
     }
 
     async fn record_run(&self, token: &str, now: DateTime<Utc>, run: &SentCall<'_>) -> Result<u64, StoreError> {
         let mut writing = self.writing().await?;
         let done = sent_by_token(COMPLETE_SENT_BY_TOKEN, token, ms(now), run).execute(&mut *writing).await?;
-        writing.finish();
+        writing.finish().await;
         Ok(done.rows_affected())
     }
 }
@@ -576,7 +576,7 @@ impl Store for SqliteStore {
             None => bind_claim!(sqlx::query(if claim.filters_routes() { CLAIM_SQL } else { CLAIM_PLAIN_SQL }), claim),
         };
         let rows = query.fetch_all(&mut *writing).await?;
-        writing.finish();
+        writing.finish().await;
         claimed_events(&rows, claim.max_payload, true)
     }
 
@@ -615,7 +615,7 @@ impl Store for SqliteStore {
             .await?;
         }
         tx.commit().await?;
-        writing.finish();
+        writing.finish().await;
         Ok(attempts.is_some())
     }
 
@@ -636,7 +636,7 @@ impl Store for SqliteStore {
         .bind(json!(ids).to_string())
         .execute(&mut *writing)
         .await?;
-        writing.finish();
+        writing.finish().await;
         Ok(done.rows_affected())
     }
 
@@ -652,7 +652,7 @@ impl Store for SqliteStore {
         .bind(json!(ids).to_string())
         .fetch_all(&mut *writing)
         .await?;
-        writing.finish();
+        writing.finish().await;
         Ok(ids_in_order(done))
     }
 
@@ -688,7 +688,7 @@ impl Store for SqliteStore {
         .bind(MAX_CLAIMANT)
         .fetch_all(&mut *writing)
         .await?;
-        writing.finish();
+        writing.finish().await;
         rows.iter()
             .map(|row| Ok(Recovered::new(row.try_get("id")?, row.try_get("claimed_by")?)))
             .collect::<Result<_, sqlx::Error>>()
@@ -707,7 +707,7 @@ impl Store for SqliteStore {
         .bind(ms(now))
         .fetch_all(&mut *writing)
         .await?;
-        writing.finish();
+        writing.finish().await;
         Ok(ids)
     }
 
@@ -782,7 +782,7 @@ impl Store for SqliteStore {
             }
             None => 0,
         };
-        writing.finish();
+        writing.finish().await;
         Ok(SweepStep {
             seen: u64::try_from(found.try_get::<i64, _>("seen")?).unwrap_or_default(),
             last,
@@ -807,7 +807,7 @@ impl Store for SqliteStore {
                     .bind(i64::MIN)
                     .execute(&mut *writing)
                     .await?;
-                writing.finish();
+                writing.finish().await;
                 tracing::warn!(
                     kind,
                     "ferry_sweep.next_id was not an integer (edited by hand?); retention starts a new sweep"
@@ -829,7 +829,7 @@ impl Store for SqliteStore {
         .bind(next)
         .execute(&mut *writing)
         .await?;
-        writing.finish();
+        writing.finish().await;
         Ok(done.rows_affected() == 1)
     }
 
@@ -930,7 +930,7 @@ impl Store for SqliteStore {
             sqlx::query(FAN_OUT_SQL).bind(Value::Array(rows).to_string()).bind(ms(now)).execute(&mut *tx).await?;
         }
         tx.commit().await?;
-        writing.finish();
+        writing.finish().await;
         Ok(handed)
     }
 
@@ -1021,7 +1021,7 @@ impl Store for SqliteStore {
         .bind(ms(now))
         .fetch_one(&mut *writing)
         .await?;
-        writing.finish();
+        writing.finish().await;
         Ok(row)
     }
 
@@ -1043,7 +1043,7 @@ impl Store for SqliteStore {
         .bind(ms(until))
         .execute(&mut *writing)
         .await?;
-        writing.finish();
+        writing.finish().await;
         Ok(done.rows_affected() == 1)
     }
 
@@ -1054,7 +1054,7 @@ impl Store for SqliteStore {
             .bind(ms(held_until))
             .execute(&mut *writing)
             .await?;
-        writing.finish();
+        writing.finish().await;
         Ok(())
     }
 

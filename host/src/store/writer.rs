@@ -36,8 +36,10 @@ const GATHER: Duration = Duration::from_millis(20);
 
 /// Pages of log (4 KiB each) past which a checkpoint finishes the log under the writing
 /// connection, so that the next write starts it again: SQLite's own checkpoint size, so the log
-/// stays about the size it would have without the checkpointer, and an application writing to
-/// the same file through its own connections seldom finds it past its own checkpoint size.
+/// stays about the size SQLite's default keeps it at. It is past that size for a moment in each
+/// turn (until the checkpointer's next run), as it is past it beside a default writer until that
+/// writer's commit ends; a commit through another connection (an emit, an application's) in that
+/// moment runs SQLite's own checkpoint, as it would beside a default writer.
 pub(super) const RESTART_AFTER: i64 = 1000;
 
 /// The writing connection's own checkpoint size (`wal_autocheckpoint`), in pages: reached only
@@ -67,7 +69,7 @@ struct Checkpoints {
     written: Arc<Notify>,
     stop: CancellationToken,
     /// Started with the first write, so commands that only read never open its connection.
-    started: std::sync::Once,
+    task: std::sync::OnceLock<tokio::task::JoinHandle<()>>,
     options: SqliteConnectOptions,
 }
 
@@ -87,7 +89,7 @@ impl Writer {
         let checkpoints = checkpoint_beside.then(|| Checkpoints {
             written: Arc::default(),
             stop: CancellationToken::new(),
-            started: std::sync::Once::new(),
+            task: std::sync::OnceLock::new(),
             options: options.clone(),
         });
         let slot = Mutex::new(WriterSlot { conn, suspect: false });
@@ -98,9 +100,9 @@ impl Writer {
     /// connection is checked first, and opened again if it is not fit for the next.
     pub(super) async fn writing(self: &Arc<Self>) -> Result<Writing<'_>, StoreError> {
         if let Some(checkpoints) = &self.checkpoints {
-            checkpoints.started.call_once(|| {
+            checkpoints.task.get_or_init(|| {
                 let (written, stop) = (checkpoints.written.clone(), checkpoints.stop.clone());
-                tokio::spawn(checkpoint_beside(Arc::downgrade(self), checkpoints.options.clone(), written, stop));
+                tokio::spawn(checkpoint_beside(Arc::downgrade(self), checkpoints.options.clone(), written, stop))
             });
         }
         let mut slot = self.slot.lock().await;
@@ -145,9 +147,12 @@ pub(super) struct Writing<'a> {
 
 impl Writing<'_> {
     /// The write ran to its end (committed, or rolled back on purpose): the next one needs no
-    /// check.
-    pub(super) fn finish(mut self) {
+    /// check. The worker waiting for the connection runs before this one goes on (see
+    /// [`handed_on`](super::handed_on)).
+    pub(super) async fn finish(mut self) {
         self.finished = true;
+        drop(self);
+        super::handed_on().await;
     }
 }
 
@@ -273,7 +278,7 @@ mod tests {
         .execute(&mut *writing)
         .await
         .unwrap();
-        writing.finish();
+        writing.finish().await;
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while std::fs::metadata(&file).unwrap().len() <= before + 500 * 2000 {
             assert!(std::time::Instant::now() < deadline, "the log was not copied into the database file");
@@ -281,7 +286,7 @@ mod tests {
         }
     }
 
-    /// Dropping the writer stops its checkpointer, which lets go of its connection.
+    /// Dropping the writer ends its checkpointer's task, which closes its connection on the way.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_checkpointer_stops_with_the_writer() {
         let dir = tempfile::tempdir().unwrap();
@@ -291,9 +296,15 @@ mod tests {
             .journal_mode(SqliteJournalMode::Wal);
         let writer = Writer::open(&options, true).await.unwrap();
         let writing = writer.writing().await.unwrap();
-        writing.finish();
-        let stop = writer.checkpoints.as_ref().unwrap().stop.clone();
+        writing.finish().await;
+        let task = writer.checkpoints.as_ref().unwrap().task.get().expect("started by the write").abort_handle();
+        tokio::time::sleep(GATHER * 3).await;
+        assert!(!task.is_finished(), "the checkpointer waits for the next write");
         drop(writer);
-        assert!(stop.is_cancelled());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !task.is_finished() {
+            assert!(std::time::Instant::now() < deadline, "the checkpointer outlived its writer");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Events per second through ferry on PostgreSQL, for each bundled transport delivering to a real
-//! receiver on this machine: `log` into a file, `http` into nginx (keep-alive, 204), `kafka` into a
-//! tansu broker, and `kafka-tls` into a tansu broker behind a TLS front (stunnel), with lz4
+//! receiver on this machine: `log` into a file, `http` into nginx (keep-alive, 204) with one
+//! request per event, `http-batched` the same with many events per request (CloudEvents batched
+//! mode), `kafka` into a tansu broker, and `kafka-tls` into a tansu broker behind a TLS front (stunnel), with lz4
 //! compression and the idempotent producer; and, in the same rounds, the accept-all `scripted`
 //! test transport, which answers success without sending anything: each transport's figure is
 //! also given as a ratio to it. Where `http` and accept-all both run, a plain HTTP client into
@@ -33,13 +34,16 @@ struct Options {
     events: usize,
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
-    /// Measure only these (comma-separated: accept-all, log, http, kafka, kafka-tls).
+    /// Measure only these (comma-separated: accept-all, log, http, http-batched, kafka, kafka-tls).
     #[arg(long)]
     only: Option<String>,
     /// The `http` plugin's `concurrency`: requests in flight at once within a batch (and the plain
     /// client's connections).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     http_concurrency: u32,
+    /// The `http-batched` route's `batch_size`: events in one request.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    http_batch_size: u32,
     /// Rounds of the measurements. Each round measures every route (and the plain client) once,
     /// so its ratios compare measurements taken minutes apart at most; the report gives their
     /// median and range.
@@ -66,11 +70,18 @@ async fn plugin_setup(plugin: &str, db: &TestDb, options: &Options) -> (String, 
             let out = db.dir.path().join("out");
             (format!("dirs = {{ \"/out\" = {out:?} }}"), "{ output = \"/out/events.jsonl\" }".into(), Box::new(()))
         }
-        "http" => {
+        "http" | "http-batched" => {
             let receiver = common::nginx::Nginx::start();
             let sandbox = format!("http = [\"http://{}\"]", receiver.addr);
-            let config =
-                format!("{{ url = \"{}\", concurrency = \"{}\" }}", receiver.url("/bench"), options.http_concurrency);
+            let batched = match plugin {
+                "http-batched" => format!(", cloudevents = \"batched\", batch_size = \"{}\"", options.http_batch_size),
+                _ => String::new(),
+            };
+            let config = format!(
+                "{{ url = \"{}\", concurrency = \"{}\"{batched} }}",
+                receiver.url("/bench"),
+                options.http_concurrency
+            );
             (sandbox, config, Box::new(receiver))
         }
         "kafka" => {
@@ -114,6 +125,7 @@ async fn measure(plugin: &str, options: &Options) -> Measured {
     let crate_name = match plugin {
         "accept-all" => "ferry_test_scripted".to_string(),
         "kafka-tls" => "ferry_transport_kafka".to_string(),
+        "http-batched" => "ferry_transport_http".to_string(),
         other => format!("ferry_transport_{other}"),
     };
     let plugins = plugins_dir(db.dir.path(), &[crate_name.as_str()]);
@@ -240,7 +252,7 @@ fn shown(ratio: &Spread) -> String {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let options = options();
-    let mut subjects: Vec<Subject> = ["accept-all", "log", "http", "kafka", "kafka-tls"]
+    let mut subjects: Vec<Subject> = ["accept-all", "log", "http", "http-batched", "kafka", "kafka-tls"]
         .into_iter()
         .filter(|p| options.only.as_deref().is_none_or(|o| o.split(',').any(|o| o.trim() == *p)))
         .map(Subject::Plugin)
@@ -262,10 +274,12 @@ async fn main() {
     let mut results = Vec::new();
     for (at, subject) in rounds.subjects.iter().enumerate() {
         let Subject::Plugin(plugin) = *subject else { continue };
+        let batched = format!("nginx, keep-alive, 204; CloudEvents batched, {} per request", options.http_batch_size);
         let receiver = match plugin {
             "accept-all" => "none (answers success)",
             "log" => "JSON lines file",
-            "http" => "nginx, keep-alive, 204",
+            "http" => "nginx, keep-alive, 204; a request per event",
+            "http-batched" => &batched,
             "kafka-tls" => "tansu behind stunnel (TLS), 3 partitions, lz4",
             _ => "tansu broker, 3 partitions",
         };
@@ -345,6 +359,7 @@ async fn main() {
     let json = serde_json::json!({
         "events": options.events,
         "batch_size": options.batch_size,
+        "http_batched_events_per_request": options.http_batch_size,
         "rounds_run": options.rounds,
         "results": results,
         "http_bound": bound,

@@ -141,6 +141,89 @@ async fn cloudevents_go_out_in_binary_or_structured_mode_with_the_trace_context(
     assert_eq!(r.header("webhook-signature"), Some(expected.as_str()), "the envelope, as sent, is signed");
 }
 
+/// Batched mode: a JSON array of structured envelopes per request, within the route's count and
+/// byte limits, signed as sent, each event's trace context in its envelope; one answer settles
+/// every event the request carried, and a retry of the same events is the same message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_cloudevents_carry_many_events_per_request_within_the_limits() {
+    let receiver = Receiver::start().await;
+    let many = format!(", cloudevents = \"batched\", batch_size = \"4\", secret = \"{SECRET}\"");
+    let routes = [
+        ("many", receiver.url("/many"), many.as_str()),
+        ("large", receiver.url("/large"), ", cloudevents = \"batched\", batch_bytes = \"2048\""),
+        ("failing", receiver.url("/fail"), ", cloudevents = \"batched\", \"header.x-tenant\" = \"acme\""),
+    ];
+    let s = setup(&receiver, "http://127.0.0.1:9", &routes).await;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut events: Vec<NewEvent> = (0..10)
+        .map(|i| NewEvent::new("many", "order.paid", format!("{{\"n\":{i}}}")).with_header("traceparent", traceparent))
+        .collect();
+    events.push(NewEvent::new("many", "blob", vec![0u8, 255]).with_content_type("application/octet-stream"));
+    // About 700 bytes each as envelopes: two fit in 2048 bytes, three do not.
+    let padding = "x".repeat(600);
+    events.extend((0..5).map(|i| NewEvent::new("large", "t", format!("{{\"n\":{i},\"pad\":\"{padding}\"}}"))));
+    events.extend((0..3).map(|i| NewEvent::new("failing", "t", format!("{{\"n\":{i}}}"))));
+    let rows = s.deliver(&events).await;
+    let got = receiver.requests();
+    let on = |path: &str| got.iter().filter(|r| r.path == path).collect::<Vec<_>>();
+
+    // 11 events in runs of at most 4: three requests, every event in exactly one, runs of
+    // consecutive events. (The requests are in flight at once, so they may arrive in any order.)
+    let mut sent = on("/many");
+    assert_eq!(sent.len(), 3, "11 events, 4 per request");
+    let many: Vec<&ferry::event::EventRecord> = rows.iter().filter(|r| r.route == "many").collect();
+    let place = |id: &serde_json::Value| many.iter().position(|r| r.id.to_string() == id.as_str().unwrap()).unwrap();
+    let array = |r: &&crate::common::Received| serde_json::from_slice::<Vec<serde_json::Value>>(&r.body).unwrap();
+    sent.sort_by_key(|r| place(&array(r)[0]["id"]));
+    let mut envelopes = Vec::new();
+    for r in &sent {
+        assert_eq!(r.header("content-type"), Some("application/cloudevents-batch+json"));
+        assert!(r.header("traceparent").is_none(), "no one event's headers on a request for several");
+        let (id, timestamp) =
+            (r.header("webhook-id").unwrap(), r.header("webhook-timestamp").unwrap().parse().unwrap());
+        let expected = policy::sign(&policy::secret_bytes(SECRET).unwrap(), id, timestamp, &r.body);
+        assert_eq!(r.header("webhook-signature"), Some(expected.as_str()), "the array, as sent, is signed");
+        let batch = array(r);
+        assert!((1..=4).contains(&batch.len()), "{} in one request", batch.len());
+        let carried: Vec<String> = batch.iter().map(|e| e["id"].as_str().unwrap().to_string()).collect();
+        assert_eq!(id, policy::batch_id(carried), "webhook-id names the events carried");
+        for envelope in &batch {
+            assert_eq!((&envelope["specversion"], &envelope["source"]), (&"1.0".into(), &"/ferry/many".into()));
+        }
+        envelopes.extend(batch);
+    }
+    let order: Vec<usize> = envelopes.iter().map(|e| place(&e["id"])).collect();
+    assert_eq!(order, (0..11).collect::<Vec<_>>(), "each event once, the runs consecutive");
+    assert!(many.iter().all(|r| r.status == Status::Sent), "{many:?}");
+    assert_eq!(envelopes[0]["data"], serde_json::json!({"n": 0}), "JSON payloads embedded as they are");
+    assert_eq!(envelopes[0]["traceparent"], traceparent, "the tracing extension carries the trace context");
+    assert_eq!(envelopes[10]["data_base64"], "AP8=", "bytes as base64");
+    assert!(envelopes[10].get("traceparent").is_none());
+
+    // By bytes: 5 envelopes of about 700 bytes, two per request of at most 2048.
+    let large = on("/large");
+    let mut sizes: Vec<usize> =
+        large.iter().map(|r| serde_json::from_slice::<Vec<serde_json::Value>>(&r.body).unwrap().len()).collect();
+    sizes.sort();
+    assert_eq!(sizes, [1, 2, 2], "runs by size");
+    assert!(large.iter().all(|r| r.body.len() <= 2048), "every body within batch_bytes");
+
+    // One answer settles all it carried: a 500 is a transient failure of each of the three.
+    let failing: Vec<_> = rows.iter().filter(|r| r.route == "failing").collect();
+    assert_eq!(on("/fail").len(), 1, "three events, one request");
+    assert_eq!(on("/fail")[0].header("x-tenant"), Some("acme"), "the route's headers go on the request");
+    for row in &failing {
+        assert_eq!((row.status, row.attempts), (Status::Pending, 1), "{row:?}");
+        assert_eq!(row.last_error.as_deref(), Some("HTTP 500"));
+    }
+    // Retried, the same three events are the same message.
+    s.clock.advance(std::time::Duration::from_secs(3600));
+    s.deliver(&[]).await;
+    let retried = receiver.requests().into_iter().filter(|r| r.path == "/fail").collect::<Vec<_>>();
+    assert_eq!(retried.len(), 2);
+    assert_eq!(retried[0].header("webhook-id"), retried[1].header("webhook-id"), "a retry keeps its webhook-id");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_answer_maps_to_its_outcome() {
     let receiver = Receiver::start().await;
@@ -547,6 +630,9 @@ async fn bad_route_config_is_refused_by_init() {
         ("typo", receiver.url("/ok"), ", secrett = \"x\""),
         ("limits", receiver.url("/ok"), ", rate_limited = \"wait\""),
         ("twice", receiver.url("/ok"), ", \"header.Webhook-Signature\" = \"v1,forged\""),
+        ("unbatched", receiver.url("/ok"), ", batch_size = \"10\""),
+        ("huge", receiver.url("/ok"), ", cloudevents = \"batched\", batch_size = \"100000\""),
+        ("mode", receiver.url("/ok"), ", cloudevents = \"bulk\""),
     ];
     let text_routes: Vec<(&str, String, &str)> = routes.to_vec();
     let s = setup(&receiver, "http://127.0.0.1:9", &text_routes).await;
@@ -558,6 +644,9 @@ async fn bad_route_config_is_refused_by_init() {
         "unknown config key \"secrett\"",
         "rate_limited: \"wait\" is neither",
         "header.webhook-signature: each request sets this header itself",
+        "batch_size: only with cloudevents = \"batched\"",
+        "batch_size: \"100000\" is not a whole number from 1 to 10000",
+        "cloudevents: \"bulk\" is not a mode; use binary, structured or batched",
     ];
     assert_eq!(rows.len(), needles.len());
     for (row, needle) in rows.iter().zip(needles) {

@@ -12,7 +12,11 @@
 //! - `header.NAME` — a static header added to every request;
 //! - `cloudevents` — `binary`: CloudEvents 1.0 attributes as `ce-` headers, the payload as the
 //!   body; `structured`: one `application/cloudevents+json` body holding attributes and payload;
-//!   absent: plain webhooks;
+//!   `batched`: one `application/cloudevents-batch+json` body, a JSON array of structured events,
+//!   carrying up to `batch_size` events; absent: plain webhooks;
+//! - `batch_size` — with `batched`, most events in one request, default 100 (at most 10000);
+//! - `batch_bytes` — with `batched`, most bytes in one request's body, default 1048576 (1024 to
+//!   67108864); an event whose envelope alone is larger goes in a request of its own;
 //! - `cloudevents_source` — the CloudEvents `source`, default `/ferry/ROUTE`;
 //! - `rate_limited` — what a 429 answer does: `defer` (default) the event, and the rest of the
 //!   batch without sending it, by `Retry-After` (else 5 s), no attempt counted; or `retry` it as a
@@ -23,10 +27,17 @@
 //! set, `webhook-signature`. Headers the request sets itself ([`policy::set_by_request`]) are the
 //! request's alone: an event's of the same name are left out, and `header.NAME` may not give them.
 //! Answers map to outcomes as in [`policy::judge`].
+//!
+//! A batched request carries no event's headers: each envelope holds its event's `traceparent`
+//! and `tracestate` as the CloudEvents tracing extension's attributes, and the request the
+//! route's `header.NAME` values. Its `webhook-id` is made from the ids of the events it carries,
+//! whatever their order ([`policy::batch_id`]), so a retry of the same events has the same one;
+//! receivers deduplicate by each envelope's `id`. The one answer is every carried event's
+//! outcome.
 
 pub mod policy;
 
-use ferry_plugin_sdk::cloudevents::CloudEvents;
+use ferry_plugin_sdk::cloudevents::{CloudEvents, Mode};
 use ferry_plugin_sdk::outcome::{deferred, permanent, success, transient_after};
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::{Target, Verdict};
@@ -40,6 +51,8 @@ struct Settings {
     concurrency: usize,
     headers: Vec<(String, String)>,
     cloudevents: Option<CloudEvents>,
+    /// In batched mode, how many events and bytes one request may carry.
+    batch: Option<policy::BatchLimits>,
     /// What a 429 answer becomes: a deferral (no attempt counted; `rate_limited = "defer"`, the
     /// default) or a transient failure (`"retry"`).
     defer_rate_limited: bool,
@@ -68,8 +81,15 @@ impl Transport for Settings {
         let concurrency = usize::try_from(config.positive_or("concurrency", 8)?).unwrap_or(usize::MAX);
         let headers: Vec<(String, String)> =
             config.prefixed("header.").into_iter().map(|(name, value)| (name.to_ascii_lowercase(), value)).collect();
-        let cloudevents = CloudEvents::from_config(config, true)?;
-        let binary = cloudevents.as_ref().is_some_and(|ce| ce.mode == ferry_plugin_sdk::cloudevents::Mode::Binary);
+        let cloudevents = CloudEvents::from_config(config, &[Mode::Binary, Mode::Structured, Mode::Batched])?;
+        let batched = cloudevents.as_ref().is_some_and(|ce| ce.mode == Mode::Batched);
+        let batch = match (config.optional("batch_size"), config.optional("batch_bytes")) {
+            (sized, bytes) if batched => Some(policy::BatchLimits::parse(sized.as_deref(), bytes.as_deref())?),
+            (Some(_), _) => return Err("batch_size: only with cloudevents = \"batched\"".into()),
+            (None, Some(_)) => return Err("batch_bytes: only with cloudevents = \"batched\"".into()),
+            (None, None) => None,
+        };
+        let binary = cloudevents.as_ref().is_some_and(|ce| ce.mode == Mode::Binary);
         if let Some((name, _)) = headers.iter().find(|(name, _)| policy::set_by_request(name, binary)) {
             return Err(format!("header.{name}: each request sets this header itself; leave it out"));
         }
@@ -80,21 +100,33 @@ impl Transport for Settings {
         };
         log::info(&format!("delivering to {}{}", target.authority, target.path_and_query));
         let timeout_ns = timeout_ms.saturating_mul(1_000_000);
-        Ok(Settings { target, method, secrets, timeout_ns, concurrency, headers, cloudevents, defer_rate_limited })
+        Ok(Settings {
+            target,
+            method,
+            secrets,
+            timeout_ns,
+            concurrency,
+            headers,
+            cloudevents,
+            batch,
+            defer_rate_limited,
+        })
     }
 
     fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
+        let requests = send::compose(self, &events);
         let mut outcomes = Vec::with_capacity(events.len());
         // Set once the receiver answered 429 and deferring is on: the rest of the batch is
         // deferred as long, unsent, rather than pressed on a receiver that asked to wait.
         let mut told_to_wait: Option<(String, u64)> = None;
-        for chunk in events.chunks(self.concurrency) {
+        for chunk in requests.chunks(self.concurrency) {
             if let Some((reason, delay)) = &told_to_wait {
-                outcomes.extend(chunk.iter().map(|_| deferred(format!("not sent: {reason}"), *delay)));
+                let unsent = chunk.iter().map(|r| r.events.len()).sum();
+                outcomes.extend((0..unsent).map(|_| deferred(format!("not sent: {reason}"), *delay)));
                 continue;
             }
-            for verdict in send::all(self, chunk) {
-                outcomes.push(match verdict {
+            for (request, verdict) in chunk.iter().zip(send::all(self, chunk)) {
+                let outcome = match verdict {
                     Verdict::Success => success(),
                     Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
                     Verdict::Permanent { reason } => permanent(reason),
@@ -104,7 +136,9 @@ impl Transport for Settings {
                         deferred(reason, delay)
                     }
                     Verdict::RateLimited { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
-                });
+                };
+                // A batched request's one answer is the outcome of every event it carried.
+                outcomes.extend(std::iter::repeat_n(outcome, request.events.len()));
             }
         }
         outcomes
@@ -127,20 +161,62 @@ mod send {
     use super::policy::{self, Verdict};
     use ferry_plugin_sdk::Event;
 
-    /// Sends `events` concurrently and returns one verdict each, in order: every request is
+    /// One request: the events it carries (one, or in batched mode up to the route's limits) and
+    /// its body.
+    pub struct Request<'a> {
+        pub events: &'a [Event],
+        body: Cow<'a, [u8]>,
+    }
+
+    /// The requests that deliver `events`, in order: one per event, or in batched mode as few
+    /// as the route's limits allow, each carrying a run of consecutive events.
+    pub fn compose<'a>(settings: &Settings, events: &'a [Event]) -> Vec<Request<'a>> {
+        let (Some(ce), Some(limits)) = (&settings.cloudevents, &settings.batch) else {
+            return events.chunks(1).map(|one| Request { events: one, body: body_of(settings, &one[0]) }).collect();
+        };
+        // Each envelope goes into its request's body as it is made, so a batch's bodies are the
+        // only copy of it besides the events.
+        let mut batcher = policy::Batcher::new(*limits);
+        let mut requests = Vec::new();
+        let mut start = 0;
+        let mut take = |(body, count): (Vec<u8>, usize)| {
+            requests.push(Request { events: &events[start..start + count], body: Cow::Owned(body) });
+            start += count;
+        };
+        for event in events {
+            let mut attributes = ce.attributes(event);
+            // The CloudEvents tracing extension: the trace context a request for several events
+            // cannot carry as headers.
+            for (name, value) in &event.headers {
+                for traced in ["traceparent", "tracestate"] {
+                    if name.eq_ignore_ascii_case(traced) && !attributes.iter().any(|(n, _)| *n == traced) {
+                        attributes.push((traced, value.clone()));
+                    }
+                }
+            }
+            if let Some(done) = batcher.add(&policy::structured(&attributes, &event.content_type, &event.payload)) {
+                take(done);
+            }
+        }
+        if let Some(done) = batcher.finish() {
+            take(done);
+        }
+        requests
+    }
+
+    /// Sends `requests` concurrently and returns one verdict each, in order: every request is
     /// started first (connections open in parallel), then the bodies not written yet are written,
     /// then the answers collected.
-    pub fn all(settings: &Settings, events: &[Event]) -> Vec<Verdict> {
-        let bodies: Vec<Cow<'_, [u8]>> = events.iter().map(|e| body_of(settings, e)).collect();
+    pub fn all(settings: &Settings, requests: &[Request<'_>]) -> Vec<Verdict> {
         let started: Vec<Result<(FutureIncomingResponse, Option<Unwritten>), Verdict>> =
-            events.iter().zip(&bodies).map(|(e, body)| start(settings, e, body)).collect();
+            requests.iter().map(|request| start(settings, request)).collect();
         let sent: Vec<Result<FutureIncomingResponse, Verdict>> = started
             .into_iter()
-            .zip(&bodies)
-            .map(|(pending, payload)| {
+            .zip(requests)
+            .map(|(pending, request)| {
                 let (response, rest) = pending?;
                 let Some(rest) = rest else { return Ok(response) };
-                match write_body(rest, payload) {
+                match write_body(rest, &request.body) {
                     Ok(()) => Ok(response),
                     // The request already failed (refused, denied): its answer says why.
                     Err(_) => Err(finish(&response)),
@@ -155,7 +231,8 @@ mod send {
             .collect()
     }
 
-    /// What a request carries: the payload, or in CloudEvents structured mode the envelope.
+    /// What a request for one event carries: the payload, or in CloudEvents structured mode the
+    /// envelope.
     fn body_of<'a>(settings: &Settings, event: &'a Event) -> Cow<'a, [u8]> {
         match &settings.cloudevents {
             Some(ce) if ce.mode == Mode::Structured => {
@@ -165,14 +242,13 @@ mod send {
         }
     }
 
-    /// Hands `event`'s request to the host with as much of its body as the body stream takes at
-    /// once; what is left is returned, to be written once every request is started.
+    /// Hands `request` to the host with as much of its body as the body stream takes at once;
+    /// what is left is returned, to be written once every request is started.
     fn start(
         settings: &Settings,
-        event: &Event,
-        body: &[u8],
+        request: &Request<'_>,
     ) -> Result<(FutureIncomingResponse, Option<Unwritten>), Verdict> {
-        let id = event.id.to_string();
+        let body: &[u8] = &request.body;
         let timestamp = now_seconds();
         let headers = Fields::new();
         let add = |name: &str, value: &str| {
@@ -180,22 +256,33 @@ mod send {
                 .append(name, value.as_bytes())
                 .map_err(|e| Verdict::Permanent { reason: format!("header {name:?} cannot be sent: {e:?}") })
         };
-        match &settings.cloudevents {
-            Some(ce) if ce.mode == Mode::Structured => add("content-type", "application/cloudevents+json")?,
-            Some(ce) => {
-                add("content-type", &event.content_type)?;
-                for (name, value) in ce.attributes(event) {
-                    add(&format!("ce-{name}"), &policy::header_value(&value))?;
-                }
+        let batched = settings.cloudevents.as_ref().is_some_and(|ce| ce.mode == Mode::Batched);
+        let (id, event_headers) = match request.events {
+            events if batched => {
+                add("content-type", "application/cloudevents-batch+json")?;
+                (policy::batch_id(events.iter().map(|e| e.id.to_string())), &[][..])
             }
-            None => add("content-type", &event.content_type)?,
-        }
+            [event] => {
+                match &settings.cloudevents {
+                    Some(ce) if ce.mode == Mode::Structured => add("content-type", "application/cloudevents+json")?,
+                    Some(ce) => {
+                        add("content-type", &event.content_type)?;
+                        for (name, value) in ce.attributes(event) {
+                            add(&format!("ce-{name}"), &policy::header_value(&value))?;
+                        }
+                    }
+                    None => add("content-type", &event.content_type)?,
+                }
+                (event.id.to_string(), event.headers.as_slice())
+            }
+            _ => return Err(Verdict::Permanent { reason: "a request carries one event unless batched".into() }),
+        };
         // A known length lets the body go out in one piece rather than chunked.
         add("content-length", &body.len().to_string())?;
         // The event's headers of the names the request sets itself are left out.
         let binary = settings.cloudevents.as_ref().is_some_and(|ce| ce.mode == Mode::Binary);
         let own = |(name, _): &&(String, String)| policy::set_by_request(name, binary);
-        for (name, value) in event.headers.iter().filter(|h| !own(h)).chain(&settings.headers) {
+        for (name, value) in event_headers.iter().filter(|h| !own(h)).chain(&settings.headers) {
             add(name, value)?;
         }
         add("webhook-id", &id)?;
@@ -203,7 +290,7 @@ mod send {
         if !settings.secrets.is_empty() {
             add("webhook-signature", &policy::signature_header(&settings.secrets, &id, timestamp, body))?;
         }
-        let request = OutgoingRequest::new(headers);
+        let outgoing_request = OutgoingRequest::new(headers);
         let method = match settings.method.as_str() {
             "POST" => Method::Post,
             "PUT" => Method::Put,
@@ -211,16 +298,16 @@ mod send {
             other => Method::Other(other.to_string()),
         };
         let bad = |what: &str| Verdict::Permanent { reason: format!("invalid request: {what}") };
-        request.set_method(&method).map_err(|()| bad("method"))?;
+        outgoing_request.set_method(&method).map_err(|()| bad("method"))?;
         let scheme = if settings.target.https { Scheme::Https } else { Scheme::Http };
-        request.set_scheme(Some(&scheme)).map_err(|()| bad("scheme"))?;
-        request.set_authority(Some(&settings.target.authority)).map_err(|()| bad("authority"))?;
-        request.set_path_with_query(Some(&settings.target.path_and_query)).map_err(|()| bad("path"))?;
+        outgoing_request.set_scheme(Some(&scheme)).map_err(|()| bad("scheme"))?;
+        outgoing_request.set_authority(Some(&settings.target.authority)).map_err(|()| bad("authority"))?;
+        outgoing_request.set_path_with_query(Some(&settings.target.path_and_query)).map_err(|()| bad("path"))?;
         let options = RequestOptions::new();
         let _ = options.set_connect_timeout(Some(settings.timeout_ns));
         let _ = options.set_first_byte_timeout(Some(settings.timeout_ns));
         let _ = options.set_between_bytes_timeout(Some(settings.timeout_ns));
-        let outgoing = request.body().map_err(|()| bad("body"))?;
+        let outgoing = outgoing_request.body().map_err(|()| bad("body"))?;
         let stream = outgoing.write().map_err(|()| bad("body stream"))?;
         // As much of the body as the stream takes without waiting (the host's buffer: 16 KiB in
         // ferry) is written before the request is handed over, so that it goes out with the head
@@ -243,7 +330,7 @@ mod send {
         } else {
             Some(Unwritten { stream, body: outgoing, written })
         };
-        let response = outgoing_handler::handle(request, Some(options)).map_err(|e| network(&e))?;
+        let response = outgoing_handler::handle(outgoing_request, Some(options)).map_err(|e| network(&e))?;
         Ok((response, rest))
     }
 

@@ -176,6 +176,93 @@ pub fn structured(attributes: &[(&str, String)], content_type: &str, payload: &[
     out
 }
 
+/// How much one batched request may carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    pub events: usize,
+    pub bytes: usize,
+}
+
+impl BatchLimits {
+    pub const DEFAULT_EVENTS: usize = 100;
+    pub const MAX_EVENTS: usize = 10_000;
+    pub const DEFAULT_BYTES: usize = 1 << 20;
+    pub const MAX_BYTES: usize = 64 << 20;
+    /// Below this a request would hold hardly more than one envelope's attributes.
+    pub const MIN_BYTES: usize = 1024;
+
+    /// `batch_size` and `batch_bytes` as a route gives them (unset: the defaults).
+    pub fn parse(events: Option<&str>, bytes: Option<&str>) -> Result<BatchLimits, String> {
+        let number = |key: &str, value: Option<&str>, default: usize, range: std::ops::RangeInclusive<usize>| {
+            let Some(value) = value else { return Ok(default) };
+            value.trim().parse::<usize>().ok().filter(|n| range.contains(n)).ok_or_else(|| {
+                format!("{key}: {value:?} is not a whole number from {} to {}", range.start(), range.end())
+            })
+        };
+        Ok(BatchLimits {
+            events: number("batch_size", events, Self::DEFAULT_EVENTS, 1..=Self::MAX_EVENTS)?,
+            bytes: number("batch_bytes", bytes, Self::DEFAULT_BYTES, Self::MIN_BYTES..=Self::MAX_BYTES)?,
+        })
+    }
+}
+
+/// Builds the bodies of batched requests from envelopes added in order: JSON arrays of at most
+/// `events` envelopes and `bytes` bytes, except that an envelope longer than `bytes` alone is an
+/// array by itself. Every envelope goes in exactly one array, in order.
+#[derive(Debug)]
+pub struct Batcher {
+    limits: BatchLimits,
+    body: Vec<u8>,
+    count: usize,
+}
+
+impl Batcher {
+    pub fn new(limits: BatchLimits) -> Batcher {
+        Batcher { limits, body: Vec::new(), count: 0 }
+    }
+
+    /// Adds `envelope` (a JSON object). When it does not fit the array being built, that array
+    /// is returned, with how many envelopes it holds, and the next one starts with `envelope`.
+    pub fn add(&mut self, envelope: &[u8]) -> Option<(Vec<u8>, usize)> {
+        // The array so far, a comma, the envelope and the closing bracket.
+        let longer = self.body.len() + 1 + envelope.len() + 1;
+        let full = self.count > 0 && (self.count == self.limits.events || longer > self.limits.bytes);
+        let done = if full { self.finish() } else { None };
+        self.body.push(if self.count == 0 { b'[' } else { b',' });
+        self.body.extend_from_slice(envelope);
+        self.count += 1;
+        done
+    }
+
+    /// The array being built, if it holds any envelope.
+    pub fn finish(&mut self) -> Option<(Vec<u8>, usize)> {
+        if self.count == 0 {
+            return None;
+        }
+        let mut body = std::mem::take(&mut self.body);
+        body.push(b']');
+        Some((body, std::mem::replace(&mut self.count, 0)))
+    }
+}
+
+/// The `webhook-id` of a batched request: a digest of the ids of the events it carries, in any
+/// order (a retry's claim may order them differently), so a retry of the same events is
+/// recognisably the same message.
+pub fn batch_id(ids: impl IntoIterator<Item = String>) -> String {
+    use sha2::Digest as _;
+    let mut ids: Vec<String> = ids.into_iter().collect();
+    ids.sort_unstable();
+    let mut digest = Sha256::new();
+    for id in ids {
+        // Length-prefixed, so no two lists of ids make the same input.
+        digest.update((id.len() as u64).to_le_bytes());
+        digest.update(id.as_bytes());
+    }
+    let hash = digest.finalize();
+    let hex: String = hash[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("batch_{hex}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +348,75 @@ mod tests {
         assert_eq!(header_value("50% off \"now\" – é"), "50%25%20off%20%22now%22%20%E2%80%93%20%C3%A9");
         let value: serde_json::Value = serde_json::from_str(&binary).unwrap();
         assert_eq!(value["id"], "7");
+    }
+
+    /// The arrays a batcher makes of envelopes of these sizes (`{`, `x`s, `}`), checked to hold
+    /// every envelope once, in order, each array valid JSON with the count the batcher gave.
+    fn batched(limits: BatchLimits, sizes: &[usize]) -> Vec<Vec<u8>> {
+        let envelope = |n: &usize| format!("{{{}}}", "x".repeat(n - 2)).into_bytes();
+        let mut batcher = Batcher::new(limits);
+        let mut arrays: Vec<(Vec<u8>, usize)> = sizes.iter().filter_map(|n| batcher.add(&envelope(n))).collect();
+        arrays.extend(batcher.finish());
+        assert!(batcher.finish().is_none(), "a finished batcher is empty");
+        let mut carried = Vec::new();
+        for (body, count) in &arrays {
+            let text = String::from_utf8(body.clone()).unwrap();
+            let parsed: Vec<serde_json::Value> = serde_json::from_str(&text.replace('x', "")).unwrap();
+            assert_eq!(parsed.len(), *count, "{text}");
+            carried.extend(text[1..text.len() - 1].split(',').map(|e| e.as_bytes().to_vec()));
+        }
+        assert_eq!(carried, sizes.iter().map(envelope).collect::<Vec<_>>(), "{sizes:?}: each once, in order");
+        arrays.into_iter().map(|(body, _)| body).collect()
+    }
+
+    #[test]
+    fn batches_keep_to_their_limits_and_lose_nothing() {
+        let limits = BatchLimits { events: 3, bytes: 30 };
+        let count = |array: &Vec<u8>| array.iter().filter(|b| **b == b'{').count();
+        let counts = |sizes: &[usize]| batched(limits, sizes).iter().map(count).collect::<Vec<_>>();
+        // By count: runs of three.
+        assert_eq!(counts(&[5; 7]), [3, 3, 1]);
+        // By bytes: [a,b] is 1 + 10 + 1 + 10 + 1 = 23; a third of 10 would make 34 > 30.
+        assert_eq!(counts(&[10; 4]), [2, 2]);
+        // Exactly at the limit stays in: 1 + 14 + 1 + 13 + 1 = 30.
+        assert_eq!(counts(&[14, 13, 2]), [2, 1]);
+        // An envelope longer than the limit goes alone, and what follows starts afresh.
+        assert_eq!(counts(&[4, 100, 4, 4]), [1, 1, 2]);
+        assert!(counts(&[]).is_empty());
+        for sizes in [vec![2; 50], vec![29, 2, 28, 2, 31, 2], vec![40; 5]] {
+            for array in batched(limits, &sizes) {
+                let text = String::from_utf8_lossy(&array);
+                assert!(count(&array) <= 3 && (array.len() <= 30 || count(&array) == 1), "{sizes:?}: {text}");
+            }
+        }
+    }
+
+    #[test]
+    fn batch_settings_are_checked() {
+        assert_eq!(BatchLimits::parse(None, None), Ok(BatchLimits { events: 100, bytes: 1 << 20 }));
+        assert_eq!(BatchLimits::parse(Some(" 500 "), Some("65536")), Ok(BatchLimits { events: 500, bytes: 65536 }));
+        for (events, bytes, key) in [
+            (Some("0"), None, "batch_size"),
+            (Some("10001"), None, "batch_size"),
+            (Some("many"), None, "batch_size"),
+            (None, Some("100"), "batch_bytes"),
+            (None, Some("-1"), "batch_bytes"),
+        ] {
+            let error = BatchLimits::parse(events, bytes).unwrap_err();
+            assert!(error.starts_with(key) && error.contains("whole number"), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_batch_id_is_the_same_for_the_same_events_only() {
+        let ids = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let one = batch_id(ids(&["a", "b"]));
+        assert_eq!(one, batch_id(ids(&["a", "b"])));
+        assert_eq!(one, batch_id(ids(&["b", "a"])), "the same events in another order");
+        assert!(one.starts_with("batch_") && one.len() == "batch_".len() + 32, "{one}");
+        for other in [&["a"][..], &["ab"], &["a", "b", "c"], &["a,b"]] {
+            assert_ne!(one, batch_id(ids(other)), "{other:?}");
+        }
     }
 
     #[test]

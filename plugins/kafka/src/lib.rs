@@ -50,7 +50,7 @@ use kafka_protocol::records::{
 };
 
 use client::{Auth, Connection, Connections, NetError};
-use ferry_plugin_sdk::cloudevents::CloudEvents;
+use ferry_plugin_sdk::cloudevents::{CloudEvents, Mode};
 use ferry_plugin_sdk::outcome::{permanent, transient};
 use ferry_plugin_sdk::{Config, Event, Outcome, Transport, log};
 use policy::Class;
@@ -144,7 +144,7 @@ fn parse_settings(config: &mut Config) -> Result<Settings, String> {
         (false, None) => None,
         (false, Some(_)) => return Err("tls_server_name: needs tls = true".into()),
     };
-    let cloudevents = CloudEvents::from_config(config, false)?;
+    let cloudevents = CloudEvents::from_config(config, &[Mode::Binary])?;
     Ok(Settings {
         auth,
         tls,

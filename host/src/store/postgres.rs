@@ -383,12 +383,17 @@ macro_rules! route_filters {
 
 /// The events a claim picks, in its order (`CLAIM_SQL`, `DUE_SQL`), `$one` narrowing them to one
 /// (`CLAIM_ONE_SQL`), tested by `$filters` (`route_filters!()`, or `""` for none).
+///
+/// Ferry's clock reads whole milliseconds ($1), while PostgreSQL's `now()`, which an emit or a
+/// plain INSERT takes as the due time, keeps microseconds: an event is due for a claim in the
+/// millisecond it becomes due. Compared with `<= $1`, an event committed in the same millisecond
+/// as the claim its notification set off was not, and waited for the next wake-up.
 macro_rules! due_sql {
     ($one:literal, $($filters:tt)*) => {
         concat!(
             "
          SELECT e.id FROM ferry_events e
-         WHERE e.status = 'PENDING' AND e.next_attempt_at <= $1",
+         WHERE e.status = 'PENDING' AND e.next_attempt_at < $1::timestamptz + interval '1 millisecond'",
             $($filters)*,
             $one,
             "

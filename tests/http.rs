@@ -224,6 +224,35 @@ async fn batched_cloudevents_carry_many_events_per_request_within_the_limits() {
     assert_eq!(retried[0].header("webhook-id"), retried[1].header("webhook-id"), "a retry keeps its webhook-id");
 }
 
+/// A batched request the receiver refuses (4xx) is sent again event by event, so the one event it
+/// could not take fails alone and the others are delivered: a bad event fails only itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_batch_is_sent_again_event_by_event_and_only_the_bad_event_fails() {
+    let receiver = Receiver::start().await;
+    let routes = [("picky", receiver.url("/picky"), ", cloudevents = \"batched\", batch_size = \"4\"")];
+    let s = setup(&receiver, "http://127.0.0.1:9", &routes).await;
+    let events: Vec<NewEvent> = (0..8)
+        .map(|i| NewEvent::new("picky", "t", if i == 5 { "\"poison\"".to_string() } else { format!("{{\"n\":{i}}}") }))
+        .collect();
+    let rows = s.deliver(&events).await;
+    for (i, row) in rows.iter().enumerate() {
+        if i == 5 {
+            assert_eq!(row.status, Status::Failed, "{row:?}");
+            assert_eq!(row.last_error.as_deref(), Some("HTTP 422: poison refused."));
+        } else {
+            assert_eq!(row.status, Status::Sent, "event {i} travelled with the bad one: {row:?}");
+        }
+    }
+    // Two arrays of four; the refused one again as four arrays of one.
+    let sizes: Vec<usize> = receiver
+        .requests()
+        .iter()
+        .map(|r| serde_json::from_slice::<Vec<serde_json::Value>>(&r.body).unwrap().len())
+        .collect();
+    assert_eq!((sizes.len(), sizes.iter().filter(|n| **n == 4).count()), (6, 2), "{sizes:?}");
+    assert_eq!(sizes.iter().sum::<usize>(), 12, "four events sent twice, four once: {sizes:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_answer_maps_to_its_outcome() {
     let receiver = Receiver::start().await;

@@ -108,7 +108,7 @@ impl NewEvent {
         self
     }
 
-    /// Defers delivery until `at`.
+    /// Defers delivery until `at`, to the millisecond (ferry's clock keeps no finer time).
     pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
         self.not_before = Some(at);
         self

@@ -495,8 +495,9 @@ impl Received {
 }
 
 /// A real HTTP/1.1 server on 127.0.0.1 that records every request and answers by path:
-/// `/fail` → 500, `/busy` → 429 with `Retry-After: 7`, `/reject` → 400 with a body, `/hang` →
-/// no answer for 30 s, `/slow` → 200 after half a second, anything else → 200.
+/// `/fail` → 500, `/busy` → 429 with `Retry-After: 7`, `/reject` → 400 with a body, `/picky` →
+/// 422 when the body holds `poison` (else 200), `/hang` → no answer for 30 s, `/slow` → 200 after
+/// half a second, anything else → 200.
 pub struct Receiver {
     pub addr: std::net::SocketAddr,
     requests: Arc<std::sync::Mutex<Vec<Received>>>,
@@ -586,11 +587,14 @@ async fn serve_connection(mut socket: tokio::net::TcpStream, log: Arc<std::sync:
         }
         let body = buf[head_end..head_end + length].to_vec();
         buf.drain(..head_end + length);
-        log.lock().unwrap().push(Received { method, path: path.clone(), headers, body });
+        log.lock().unwrap().push(Received { method, path: path.clone(), headers, body: body.clone() });
         let answer: &[u8] = match path.as_str() {
             "/fail" => b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n",
             "/busy" => b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 0\r\n\r\n",
             "/reject" => b"HTTP/1.1 400 Bad Request\r\ncontent-length: 20\r\n\r\nmissing field: total",
+            "/picky" if body.windows(6).any(|w| w == b"poison") => {
+                b"HTTP/1.1 422 Unprocessable Content\r\ncontent-length: 15\r\n\r\npoison refused."
+            }
             "/hang" => {
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 return;

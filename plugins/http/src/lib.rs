@@ -1,5 +1,6 @@
-//! The `http` transport: sends each event to the route's webhook URL through wasi:http, signed the
-//! Standard Webhooks way, several requests at once.
+//! The `http` transport: sends events to the route's webhook URL through wasi:http, one request
+//! per event or (CloudEvents batched mode) many, signed the Standard Webhooks way, several
+//! requests at once.
 //!
 //! Route configuration:
 //! - `url` (required) — `http://` or `https://` endpoint; its origin must be in the plugin's
@@ -16,15 +17,15 @@
 //!   carrying up to `batch_size` events; absent: plain webhooks;
 //! - `batch_size` — with `batched`, most events in one request, default 100 (at most 10000);
 //! - `batch_bytes` — with `batched`, most bytes in one request's body, default 1048576 (1024 to
-//!   67108864); an event whose envelope alone is larger goes in a request of its own;
+//!   16777216); an event whose envelope alone is larger goes in a request of its own;
 //! - `cloudevents_source` — the CloudEvents `source`, default `/ferry/ROUTE`;
 //! - `rate_limited` — what a 429 answer does: `defer` (default) the event, and the rest of the
 //!   batch without sending it, by `Retry-After` (else 5 s), no attempt counted; or `retry` it as a
 //!   transient failure.
 //!
-//! Each request carries the payload as its body, the event's content type and headers, and
-//! `webhook-id` (the event id, stable across retries), `webhook-timestamp` and, when a secret is
-//! set, `webhook-signature`. Headers the request sets itself ([`policy::set_by_request`]) are the
+//! Each request for one event carries the payload as its body, the event's content type and
+//! headers, and `webhook-id` (the event id, stable across retries), `webhook-timestamp` and, when
+//! a secret is set, `webhook-signature`. Headers the request sets itself ([`policy::set_by_request`]) are the
 //! request's alone: an event's of the same name are left out, and `header.NAME` may not give them.
 //! Answers map to outcomes as in [`policy::judge`].
 //!
@@ -33,7 +34,9 @@
 //! route's `header.NAME` values. Its `webhook-id` is made from the ids of the events it carries,
 //! whatever their order ([`policy::batch_id`]), so a retry of the same events has the same one;
 //! receivers deduplicate by each envelope's `id`. The one answer is every carried event's
-//! outcome.
+//! outcome, but for a refusal (a permanent answer, such as 400, 413 or 422) of several events:
+//! those are sent again each in an array of its own, so that an event the receiver cannot take
+//! fails alone.
 
 pub mod policy;
 
@@ -114,31 +117,71 @@ impl Transport for Settings {
     }
 
     fn deliver(&mut self, events: Vec<Event>) -> Vec<Outcome> {
-        let requests = send::compose(self, &events);
         let mut outcomes = Vec::with_capacity(events.len());
         // Set once the receiver answered 429 and deferring is on: the rest of the batch is
         // deferred as long, unsent, rather than pressed on a receiver that asked to wait.
         let mut told_to_wait: Option<(String, u64)> = None;
-        for chunk in requests.chunks(self.concurrency) {
+        // Composed a chunk at a time, so only the bodies in flight are in memory at once.
+        let mut requests = send::compose(self, &events, self.batch);
+        loop {
+            let chunk: Vec<send::Request<'_>> = requests.by_ref().take(self.concurrency).collect();
+            if chunk.is_empty() {
+                break;
+            }
             if let Some((reason, delay)) = &told_to_wait {
                 let unsent = chunk.iter().map(|r| r.events.len()).sum();
                 outcomes.extend((0..unsent).map(|_| deferred(format!("not sent: {reason}"), *delay)));
                 continue;
             }
-            for (request, verdict) in chunk.iter().zip(send::all(self, chunk)) {
-                let outcome = match verdict {
-                    Verdict::Success => success(),
-                    Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
-                    Verdict::Permanent { reason } => permanent(reason),
-                    Verdict::RateLimited { reason, retry_after_ms } if self.defer_rate_limited => {
-                        let delay = retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS);
-                        told_to_wait.get_or_insert_with(|| (reason.clone(), delay));
-                        deferred(reason, delay)
+            for (request, verdict) in chunk.iter().zip(send::all(self, &chunk)) {
+                match verdict {
+                    // A receiver that refuses an array may be refusing one envelope in it (or
+                    // its size): each event is sent again by itself, so that one bad event
+                    // fails alone rather than every event it travelled with.
+                    Verdict::Permanent { .. } if request.events.len() > 1 => {
+                        outcomes.extend(self.one_by_one(request.events, &mut told_to_wait));
                     }
-                    Verdict::RateLimited { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
-                };
-                // A batched request's one answer is the outcome of every event it carried.
-                outcomes.extend(std::iter::repeat_n(outcome, request.events.len()));
+                    // A batched request's one answer is the outcome of every event it carried.
+                    verdict => {
+                        let outcome = self.outcome(verdict, &mut told_to_wait);
+                        outcomes.extend(std::iter::repeat_n(outcome, request.events.len()));
+                    }
+                }
+            }
+        }
+        outcomes
+    }
+}
+
+impl Settings {
+    /// The outcome `verdict` makes; a 429 to be deferred also sets `told_to_wait`.
+    fn outcome(&self, verdict: Verdict, told_to_wait: &mut Option<(String, u64)>) -> Outcome {
+        match verdict {
+            Verdict::Success => success(),
+            Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
+            Verdict::Permanent { reason } => permanent(reason),
+            Verdict::RateLimited { reason, retry_after_ms } if self.defer_rate_limited => {
+                let delay = retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS);
+                told_to_wait.get_or_insert_with(|| (reason.clone(), delay));
+                deferred(reason, delay)
+            }
+            Verdict::RateLimited { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
+        }
+    }
+
+    /// `events`, whose batched request was refused, sent again each in an array of its own,
+    /// `concurrency` at a time: one outcome each, in order.
+    fn one_by_one(&self, events: &[Event], told_to_wait: &mut Option<(String, u64)>) -> Vec<Outcome> {
+        let alone = policy::BatchLimits { events: 1, bytes: policy::BatchLimits::MAX_BYTES };
+        let singles: Vec<send::Request<'_>> = send::compose(self, events, Some(alone)).collect();
+        let mut outcomes = Vec::with_capacity(events.len());
+        for chunk in singles.chunks(self.concurrency) {
+            if let Some((reason, delay)) = told_to_wait.as_ref() {
+                outcomes.extend(chunk.iter().map(|_| deferred(format!("not sent: {reason}"), *delay)));
+                continue;
+            }
+            for verdict in send::all(self, chunk) {
+                outcomes.push(self.outcome(verdict, told_to_wait));
             }
         }
         outcomes
@@ -152,7 +195,7 @@ mod send {
 
     use std::borrow::Cow;
 
-    use ferry_plugin_sdk::cloudevents::Mode;
+    use ferry_plugin_sdk::cloudevents::{CloudEvents, Mode};
     use wasi::http::outgoing_handler::{self, FutureIncomingResponse};
     use wasi::http::types::{ErrorCode, Fields, Method, OutgoingBody, OutgoingRequest, RequestOptions, Scheme};
     use wasi::io::streams::{OutputStream, StreamError};
@@ -168,40 +211,68 @@ mod send {
         body: Cow<'a, [u8]>,
     }
 
-    /// The requests that deliver `events`, in order: one per event, or in batched mode as few
-    /// as the route's limits allow, each carrying a run of consecutive events.
-    pub fn compose<'a>(settings: &Settings, events: &'a [Event]) -> Vec<Request<'a>> {
-        let (Some(ce), Some(limits)) = (&settings.cloudevents, &settings.batch) else {
-            return events.chunks(1).map(|one| Request { events: one, body: body_of(settings, &one[0]) }).collect();
-        };
-        // Each envelope goes into its request's body as it is made, so a batch's bodies are the
-        // only copy of it besides the events.
-        let mut batcher = policy::Batcher::new(*limits);
-        let mut requests = Vec::new();
-        let mut start = 0;
-        let mut take = |(body, count): (Vec<u8>, usize)| {
-            requests.push(Request { events: &events[start..start + count], body: Cow::Owned(body) });
-            start += count;
-        };
-        for event in events {
-            let mut attributes = ce.attributes(event);
-            // The CloudEvents tracing extension: the trace context a request for several events
-            // cannot carry as headers.
-            for (name, value) in &event.headers {
-                for traced in ["traceparent", "tracestate"] {
-                    if name.eq_ignore_ascii_case(traced) && !attributes.iter().any(|(n, _)| *n == traced) {
-                        attributes.push((traced, value.clone()));
-                    }
+    /// The requests that deliver `events`, in order, made as they are asked for: one per event,
+    /// or in batched mode (`batch` set: the route's limits, or others to split a refused request)
+    /// as few as those limits allow, each carrying a run of consecutive events.
+    pub fn compose<'s, 'a>(
+        settings: &'s Settings,
+        events: &'a [Event],
+        batch: Option<policy::BatchLimits>,
+    ) -> Compose<'s, 'a> {
+        let batcher = settings.cloudevents.as_ref().filter(|ce| ce.mode == Mode::Batched).and(batch);
+        Compose { settings, events, added: 0, taken: 0, batcher: batcher.map(policy::Batcher::new) }
+    }
+
+    /// The requests of [`compose`], made one at a time.
+    pub struct Compose<'s, 'a> {
+        settings: &'s Settings,
+        events: &'a [Event],
+        /// Events whose envelope the batcher has.
+        added: usize,
+        /// Events in the requests made so far.
+        taken: usize,
+        batcher: Option<policy::Batcher>,
+    }
+
+    impl<'a> Iterator for Compose<'_, 'a> {
+        type Item = Request<'a>;
+
+        fn next(&mut self) -> Option<Request<'a>> {
+            let events: &'a [Event] = self.events;
+            let Some(batcher) = self.batcher.as_mut() else {
+                let event = events.get(self.taken)?;
+                self.taken += 1;
+                return Some(Request { events: std::slice::from_ref(event), body: body_of(self.settings, event) });
+            };
+            let ce = self.settings.cloudevents.as_ref()?;
+            // Each envelope goes into its request's body as it is made, so the bodies being sent
+            // are the only copy of the events besides the events themselves.
+            let done = loop {
+                let Some(event) = events.get(self.added) else { break batcher.finish() };
+                self.added += 1;
+                if let Some(done) = batcher.add(&envelope(ce, event)) {
+                    break Some(done);
+                }
+            };
+            let (body, count) = done?;
+            let carried = events.get(self.taken..self.taken + count)?;
+            self.taken += count;
+            Some(Request { events: carried, body: Cow::Owned(body) })
+        }
+    }
+
+    /// `event` as a structured CloudEvent for a batch, with the CloudEvents tracing extension's
+    /// attributes: the trace context a request for several events cannot carry as headers.
+    fn envelope(ce: &CloudEvents, event: &Event) -> Vec<u8> {
+        let mut attributes = ce.attributes(event);
+        for (name, value) in &event.headers {
+            for traced in ["traceparent", "tracestate"] {
+                if name.eq_ignore_ascii_case(traced) && !attributes.iter().any(|(n, _)| *n == traced) {
+                    attributes.push((traced, value.clone()));
                 }
             }
-            if let Some(done) = batcher.add(&policy::structured(&attributes, &event.content_type, &event.payload)) {
-                take(done);
-            }
         }
-        if let Some(done) = batcher.finish() {
-            take(done);
-        }
-        requests
+        policy::structured(&attributes, &event.content_type, &event.payload)
     }
 
     /// Sends `requests` concurrently and returns one verdict each, in order: every request is

@@ -187,7 +187,9 @@ impl BatchLimits {
     pub const DEFAULT_EVENTS: usize = 100;
     pub const MAX_EVENTS: usize = 10_000;
     pub const DEFAULT_BYTES: usize = 1 << 20;
-    pub const MAX_BYTES: usize = 64 << 20;
+    /// A quarter of a plugin's default memory (`plugins.memory`, 64 MiB), which also holds the
+    /// batch's events and the requests in flight.
+    pub const MAX_BYTES: usize = 16 << 20;
     /// Below this a request would hold hardly more than one envelope's attributes.
     pub const MIN_BYTES: usize = 1024;
 
@@ -207,8 +209,8 @@ impl BatchLimits {
 }
 
 /// Builds the bodies of batched requests from envelopes added in order: JSON arrays of at most
-/// `events` envelopes and `bytes` bytes, except that an envelope longer than `bytes` alone is an
-/// array by itself. Every envelope goes in exactly one array, in order.
+/// `events` envelopes and `bytes` bytes, except that an array of one envelope holds it whatever
+/// its length. Every envelope goes in exactly one array, in order.
 #[derive(Debug)]
 pub struct Batcher {
     limits: BatchLimits,

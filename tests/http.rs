@@ -253,6 +253,30 @@ async fn a_refused_batch_is_sent_again_event_by_event_and_only_the_bad_event_fai
     assert_eq!(sizes.iter().sum::<usize>(), 12, "four events sent twice, four once: {sizes:?}");
 }
 
+/// A receiver that refuses an array and then, sent its events one by one, asks to wait is not sent
+/// the rest: the remaining events, of the split request and of the batch, are deferred unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_asked_for_while_a_refused_batch_is_split_holds_back_the_rest() {
+    let receiver = Receiver::start().await;
+    let config = ", cloudevents = \"batched\", batch_size = \"4\", concurrency = \"1\"";
+    let s = setup(&receiver, "http://127.0.0.1:9", &[("choosy", receiver.url("/choosy"), config)]).await;
+    let events: Vec<NewEvent> = (0..8).map(|i| NewEvent::new("choosy", "t", format!("{{\"n\":{i}}}"))).collect();
+    let rows = s.deliver(&events).await;
+    let sizes: Vec<usize> = receiver
+        .requests()
+        .iter()
+        .map(|r| serde_json::from_slice::<Vec<serde_json::Value>>(&r.body).unwrap().len())
+        .collect();
+    assert_eq!(sizes, [4, 1], "the array of four (413), its first event alone (429), then nothing");
+    let now = s.clock.now();
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!((row.status, row.attempts), (Status::Pending, 0), "event {i}: {row:?}");
+        assert_eq!(row.next_attempt_at, now + chrono::Duration::seconds(7), "event {i} waits as asked");
+        let expected = if i == 0 { "HTTP 429" } else { "not sent: HTTP 429" };
+        assert_eq!(row.last_error.as_deref(), Some(expected), "event {i}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_answer_maps_to_its_outcome() {
     let receiver = Receiver::start().await;

@@ -496,8 +496,9 @@ impl Received {
 
 /// A real HTTP/1.1 server on 127.0.0.1 that records every request and answers by path:
 /// `/fail` → 500, `/busy` → 429 with `Retry-After: 7`, `/reject` → 400 with a body, `/picky` →
-/// 422 when the body holds `poison` (else 200), `/hang` → no answer for 30 s, `/slow` → 200 after
-/// half a second, anything else → 200.
+/// 422 when the body holds `poison` (else 200), `/choosy` → 413 for a JSON array of several
+/// objects and else 429 as `/busy`, `/hang` → no answer for 30 s, `/slow` → 200 after half a
+/// second, anything else → 200.
 pub struct Receiver {
     pub addr: std::net::SocketAddr,
     requests: Arc<std::sync::Mutex<Vec<Received>>>,
@@ -595,6 +596,10 @@ async fn serve_connection(mut socket: tokio::net::TcpStream, log: Arc<std::sync:
             "/picky" if body.windows(6).any(|w| w == b"poison") => {
                 b"HTTP/1.1 422 Unprocessable Content\r\ncontent-length: 15\r\n\r\npoison refused."
             }
+            "/choosy" if body.windows(3).any(|w| w == b"},{") => {
+                b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 0\r\n\r\n"
+            }
+            "/choosy" => b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 0\r\n\r\n",
             "/hang" => {
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 return;

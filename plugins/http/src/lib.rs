@@ -34,9 +34,9 @@
 //! route's `header.NAME` values. Its `webhook-id` is made from the ids of the events it carries,
 //! whatever their order ([`policy::batch_id`]), so a retry of the same events has the same one;
 //! receivers deduplicate by each envelope's `id`. The one answer is every carried event's
-//! outcome, but for a refusal (a permanent answer, such as 400, 413 or 422) of several events:
-//! those are sent again each in an array of its own, so that an event the receiver cannot take
-//! fails alone.
+//! outcome, but for a refusal of several events (400, 413 or 422: an answer about the body): those
+//! are sent again each in an array of its own, so that an event the receiver cannot take fails
+//! alone.
 
 pub mod policy;
 
@@ -124,26 +124,38 @@ impl Transport for Settings {
         // Composed a chunk at a time, so only the bodies in flight are in memory at once.
         let mut requests = send::compose(self, &events, self.batch);
         loop {
+            if let Some(wait) = &told_to_wait {
+                outcomes.extend(unsent(wait, events.len() - outcomes.len()));
+                break;
+            }
             let chunk: Vec<send::Request<'_>> = requests.by_ref().take(self.concurrency).collect();
             if chunk.is_empty() {
                 break;
             }
-            if let Some((reason, delay)) = &told_to_wait {
-                let unsent = chunk.iter().map(|r| r.events.len()).sum();
-                outcomes.extend((0..unsent).map(|_| deferred(format!("not sent: {reason}"), *delay)));
-                continue;
+            let verdicts = send::all(self, &chunk);
+            // A 429 anywhere in the chunk holds back what would be sent again below.
+            for verdict in &verdicts {
+                self.note_wait(verdict, &mut told_to_wait);
             }
-            for (request, verdict) in chunk.iter().zip(send::all(self, &chunk)) {
+            // A receiver that refuses an array may be refusing one envelope in it (or its size):
+            // the events of each refused request of several are sent again each by itself, all
+            // of the chunk's together, so that a bad event fails alone rather than with every
+            // event it travelled with.
+            let refused: Vec<&[Event]> = chunk
+                .iter()
+                .zip(&verdicts)
+                .filter(|(request, verdict)| matches!(verdict, Verdict::Refused { .. }) && request.events.len() > 1)
+                .map(|(request, _)| request.events)
+                .collect();
+            let mut alone = self.one_by_one(&refused, &mut told_to_wait).into_iter();
+            for (request, verdict) in chunk.iter().zip(verdicts) {
                 match verdict {
-                    // A receiver that refuses an array may be refusing one envelope in it (or
-                    // its size): each event is sent again by itself, so that one bad event
-                    // fails alone rather than every event it travelled with.
-                    Verdict::Permanent { .. } if request.events.len() > 1 => {
-                        outcomes.extend(self.one_by_one(request.events, &mut told_to_wait));
+                    Verdict::Refused { .. } if request.events.len() > 1 => {
+                        outcomes.extend(alone.by_ref().take(request.events.len()));
                     }
                     // A batched request's one answer is the outcome of every event it carried.
                     verdict => {
-                        let outcome = self.outcome(verdict, &mut told_to_wait);
+                        let outcome = self.outcome(verdict);
                         outcomes.extend(std::iter::repeat_n(outcome, request.events.len()));
                     }
                 }
@@ -153,35 +165,54 @@ impl Transport for Settings {
     }
 }
 
+/// The outcomes of `count` events left unsent because the receiver asked to wait.
+fn unsent((reason, delay): &(String, u64), count: usize) -> impl Iterator<Item = Outcome> + '_ {
+    (0..count).map(move |_| deferred(format!("not sent: {reason}"), *delay))
+}
+
 impl Settings {
-    /// The outcome `verdict` makes; a 429 to be deferred also sets `told_to_wait`.
-    fn outcome(&self, verdict: Verdict, told_to_wait: &mut Option<(String, u64)>) -> Outcome {
+    /// Keeps the first 429's reason and wait in `told_to_wait`, when 429s defer.
+    fn note_wait(&self, verdict: &Verdict, told_to_wait: &mut Option<(String, u64)>) {
+        if let Verdict::RateLimited { reason, retry_after_ms } = verdict
+            && self.defer_rate_limited
+        {
+            told_to_wait.get_or_insert_with(|| (reason.clone(), retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS)));
+        }
+    }
+
+    /// The outcome `verdict` makes for each event it answers.
+    fn outcome(&self, verdict: Verdict) -> Outcome {
         match verdict {
             Verdict::Success => success(),
             Verdict::Transient { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
-            Verdict::Permanent { reason } => permanent(reason),
+            Verdict::Permanent { reason } | Verdict::Refused { reason } => permanent(reason),
             Verdict::RateLimited { reason, retry_after_ms } if self.defer_rate_limited => {
-                let delay = retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS);
-                told_to_wait.get_or_insert_with(|| (reason.clone(), delay));
-                deferred(reason, delay)
+                deferred(reason, retry_after_ms.unwrap_or(RATE_LIMITED_DELAY_MS))
             }
             Verdict::RateLimited { reason, retry_after_ms } => transient_after(reason, retry_after_ms),
         }
     }
 
-    /// `events`, whose batched request was refused, sent again each in an array of its own,
-    /// `concurrency` at a time: one outcome each, in order.
-    fn one_by_one(&self, events: &[Event], told_to_wait: &mut Option<(String, u64)>) -> Vec<Outcome> {
+    /// The events of `refused` requests sent again, each in an array of its own, `concurrency`
+    /// at a time: one outcome each, in order. Once the receiver asks to wait (`told_to_wait`,
+    /// perhaps already set), the rest are deferred unsent.
+    fn one_by_one(&self, refused: &[&[Event]], told_to_wait: &mut Option<(String, u64)>) -> Vec<Outcome> {
+        let total: usize = refused.iter().map(|events| events.len()).sum();
         let alone = policy::BatchLimits { events: 1, bytes: policy::BatchLimits::MAX_BYTES };
-        let singles: Vec<send::Request<'_>> = send::compose(self, events, Some(alone)).collect();
-        let mut outcomes = Vec::with_capacity(events.len());
-        for chunk in singles.chunks(self.concurrency) {
-            if let Some((reason, delay)) = told_to_wait.as_ref() {
-                outcomes.extend(chunk.iter().map(|_| deferred(format!("not sent: {reason}"), *delay)));
-                continue;
+        let mut singles = refused.iter().flat_map(|events| send::compose(self, events, Some(alone)));
+        let mut outcomes = Vec::with_capacity(total);
+        loop {
+            if let Some(wait) = told_to_wait.as_ref() {
+                outcomes.extend(unsent(wait, total - outcomes.len()));
+                break;
             }
-            for verdict in send::all(self, chunk) {
-                outcomes.push(self.outcome(verdict, told_to_wait));
+            let chunk: Vec<send::Request<'_>> = singles.by_ref().take(self.concurrency).collect();
+            if chunk.is_empty() {
+                break;
+            }
+            for verdict in send::all(self, &chunk) {
+                self.note_wait(&verdict, told_to_wait);
+                outcomes.push(self.outcome(verdict));
             }
         }
         outcomes

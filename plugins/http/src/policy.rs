@@ -18,6 +18,11 @@ pub enum Verdict {
     Permanent {
         reason: String,
     },
+    /// 400, 413 or 422: permanent too, but an answer about the body, so for a batched request
+    /// perhaps about one event in it (or its size) rather than all of them.
+    Refused {
+        reason: String,
+    },
     /// HTTP 429: the receiver is up but asks to slow down, perhaps with a delay (milliseconds).
     RateLimited {
         reason: String,
@@ -41,8 +46,8 @@ pub fn set_by_request(name: &str, binary: bool) -> bool {
 }
 
 /// 2xx → success; 429 → rate limited; 408, 425 and 5xx → transient (both honouring
-/// `Retry-After` in seconds); anything else → permanent, with the status and the start of the
-/// body in the reason.
+/// `Retry-After` in seconds); 400, 413 and 422 → refused; anything else → permanent; with the
+/// status and the start of the body in the reason.
 pub fn judge(status: u16, retry_after: Option<&str>, body: &[u8]) -> Verdict {
     let excerpt = excerpt(body);
     let reason = if excerpt.is_empty() { format!("HTTP {status}") } else { format!("HTTP {status}: {excerpt}") };
@@ -50,6 +55,7 @@ pub fn judge(status: u16, retry_after: Option<&str>, body: &[u8]) -> Verdict {
         200..=299 => Verdict::Success,
         429 => Verdict::RateLimited { reason, retry_after_ms: retry_after.and_then(parse_retry_after) },
         408 | 425 | 500..=599 => Verdict::Transient { reason, retry_after_ms: retry_after.and_then(parse_retry_after) },
+        400 | 413 | 422 => Verdict::Refused { reason },
         _ => Verdict::Permanent { reason },
     }
 }
@@ -280,8 +286,11 @@ mod tests {
             assert!(transient(s), "{s} is transient");
         }
         assert!(matches!(judge(429, None, b""), Verdict::RateLimited { retry_after_ms: None, .. }));
-        for s in [100, 301, 304, 400, 401, 403, 404, 409, 410, 413, 422, 451] {
+        for s in [100, 301, 304, 401, 403, 404, 405, 409, 410, 451] {
             assert!(permanent(s), "{s} is permanent");
+        }
+        for s in [400, 413, 422] {
+            assert!(matches!(judge(s, None, b""), Verdict::Refused { .. }), "{s} refuses the body");
         }
     }
 
@@ -296,7 +305,7 @@ mod tests {
             Verdict::Transient { reason: "HTTP 503".into(), retry_after_ms: None }
         );
         let long = "x".repeat(500);
-        let Verdict::Permanent { reason } = judge(400, None, long.as_bytes()) else { panic!() };
+        let Verdict::Refused { reason } = judge(400, None, long.as_bytes()) else { panic!() };
         assert_eq!(reason.chars().count(), "HTTP 400: ".len() + BODY_EXCERPT + 1);
         assert!(reason.ends_with('…'));
         assert_eq!(excerpt(b"line\nbreak"), "line break");

@@ -19,8 +19,9 @@
 //! (needs PostgreSQL and pgbench as for the tests, and the plugins from `scripts/build-plugins`).
 //! Every figure is N events divided by the time from the moment they are all committed to the
 //! moment the last is SENT; on PostgreSQL the floors' time is pgbench's own, from the moment its
-//! connections are open, as ferry's connections are open before its clock starts. The three measurements run one after the other in rounds (3 by
-//! default, each round starting with the next of them); each rate reported is the median of its
+//! connections are open, as ferry's connections are open before its clock starts. The three
+//! measurements run one after the other in rounds (3 by default, each round starting with the
+//! next of them); each rate reported is the median of its
 //! rounds, and each ratio the median of the rounds' own ratios, with their range: on a shared
 //! machine the floors themselves move by more than the differences measured. Prints a markdown
 //! table and writes `target/bench/throughput.json`; for each measurement through ferry it also
@@ -249,12 +250,13 @@ async fn floor(backend: Backend, batch: u32, events: usize) -> f64 {
 fn pgbench(script: &str, batch: u32, events: usize, url: &str, settings: &str) -> f64 {
     let per_client = events.div_ceil(batch as usize).div_ceil(2);
     let settings = settings.replace(' ', "%20").replace('=', "%3D");
+    let with = |url: &str, parameter: &str| format!("{url}{}{parameter}", if url.contains('?') { '&' } else { '?' });
     let url = match url.split_once("options=") {
         _ if settings.is_empty() => url.to_string(),
         Some((head, options)) => format!("{head}options={settings}%20{options}"),
-        None => format!("{url}{}options={settings}", if url.contains('?') { '&' } else { '?' }),
+        None => with(url, &format!("options={settings}")),
     };
-    let url = format!("{url}{}sslmode=disable", if url.contains('?') { '&' } else { '?' });
+    let url = with(&url, "sslmode=disable");
     let out = Command::new("pgbench")
         .args(["-n", "-c", "2", "-j", "2", "-t", &per_client.to_string(), "-D", &format!("batch={batch}"), "-f"])
         .arg(repo_root().join("benches/sql").join(script))

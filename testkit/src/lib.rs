@@ -588,18 +588,15 @@ async fn serve_connection(mut socket: tokio::net::TcpStream, log: Arc<std::sync:
         }
         let body = buf[head_end..head_end + length].to_vec();
         buf.drain(..head_end + length);
-        log.lock().unwrap().push(Received { method, path: path.clone(), headers, body: body.clone() });
+        let poison = body.windows(6).any(|w| w == b"poison");
+        let several = body.windows(3).any(|w| w == b"},{");
+        log.lock().unwrap().push(Received { method, path: path.clone(), headers, body });
         let answer: &[u8] = match path.as_str() {
             "/fail" => b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n",
-            "/busy" => b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 0\r\n\r\n",
+            "/choosy" if several => b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 0\r\n\r\n",
+            "/busy" | "/choosy" => b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 0\r\n\r\n",
             "/reject" => b"HTTP/1.1 400 Bad Request\r\ncontent-length: 20\r\n\r\nmissing field: total",
-            "/picky" if body.windows(6).any(|w| w == b"poison") => {
-                b"HTTP/1.1 422 Unprocessable Content\r\ncontent-length: 15\r\n\r\npoison refused."
-            }
-            "/choosy" if body.windows(3).any(|w| w == b"},{") => {
-                b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 0\r\n\r\n"
-            }
-            "/choosy" => b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 7\r\ncontent-length: 0\r\n\r\n",
+            "/picky" if poison => b"HTTP/1.1 422 Unprocessable Content\r\ncontent-length: 15\r\n\r\npoison refused.",
             "/hang" => {
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 return;

@@ -390,18 +390,20 @@ async fn connections_are_reused_and_capped_per_origin() {
 
 /// A plugin's connections over all its origins are bounded by `http_open_connections`: here 4.
 /// Route `b`'s origin keeps the one connection its event opened until route `wide` sends a batch
-/// 8 requests at a time to another origin; the connections that needs find no permit, so `b`'s,
-/// the origin used least recently, is closed to make room, and `wide` keeps no more than 4.
+/// 8 requests at a time to another origin, each answered after half a second (so no connection is
+/// free for the next request before all 8 have gone out, as one answered at once could be); the
+/// connections that needs find no permit, so `b`'s, the origin used least recently, is closed to
+/// make room, and `wide` keeps no more than 4.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugins_connections_over_all_origins_are_bounded() {
     let wide = Receiver::start().await;
     let narrow = Receiver::start().await;
-    let routes = [("wide", wide.url("/ok"), ", concurrency = \"8\""), ("b", narrow.url("/ok"), "")];
+    let routes = [("wide", wide.url("/slow"), ", concurrency = \"8\""), ("b", narrow.url("/ok"), "")];
     let s = setup_with(&wide, &[&format!("http://{}", narrow.addr)], "http_open_connections = 4", &routes).await;
     let rows = s.deliver(&[NewEvent::new("b", "t", "{}")]).await;
     assert_eq!(rows[0].status, Status::Sent, "{:?}", rows[0].last_error);
     assert_eq!((narrow.connections(), narrow.open()), (1, 1), "b's connection is kept");
-    let events: Vec<NewEvent> = (0..40).map(|i| NewEvent::new("wide", "t", format!("{{\"n\":{i}}}"))).collect();
+    let events: Vec<NewEvent> = (0..16).map(|i| NewEvent::new("wide", "t", format!("{{\"n\":{i}}}"))).collect();
     let rows = s.deliver(&events).await;
     assert!(rows.iter().all(|r| r.status == Status::Sent), "{:?}", rows.iter().find(|r| r.status != Status::Sent));
     assert!(wide.connections() >= 4, "the batch should need 4 connections or more: it opened {}", wide.connections());
